@@ -1,0 +1,22 @@
+# The README's commands. `make train` and `make test` do all the set-up on a fresh machine.
+PYTHON ?= python3
+PIP_INSTALL = $(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints-cpu.txt
+
+.PHONY: setup train test lint bench clean
+
+setup:
+	$(PIP_INSTALL) -e '.[dev]'
+
+train: setup
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PYTHON) -m trainer.train $(ARGS)
+
+test: setup
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+lint:
+	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,94 @@
+"""The exact accumulation step.
+
+One optimizer step from a window of micro-batches, in textbook order:
+
+    zero grads -> count loss items of the window (one all-reduce) -> per micro-batch:
+    forward + backward of loss_sum * world / global_count (no_sync but the last) ->
+    unscale -> clip -> finite check -> optimizer step -> scheduler step
+
+Dividing each micro-batch by `grad_accum_steps` is wrong when micro-batches hold different
+numbers of valid tokens; dividing every micro-batch of every rank by the *global* count makes
+the accumulated gradient equal to the gradient of the whole global batch's mean loss. DDP then
+averages over ranks, hence the factor `world_size`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from engine.distributed import all_reduce_sum, gradient_sync
+from engine.step import Batch, StepContext, StepResult
+
+
+def count_window(ctx: StepContext, window: Sequence[Batch]) -> torch.Tensor:
+    """Loss items of the whole window over all ranks: one all-reduce, before any forward."""
+    local = torch.stack([ctx.task.count_items(b) for b in window]).sum()
+    return all_reduce_sum(local.to(ctx.dist.device, torch.int64), ctx.dist)
+
+
+def backward_window(
+    ctx: StepContext, window: Sequence[Batch], global_count: torch.Tensor
+) -> torch.Tensor:
+    """Forward + backward every micro-batch; gradients accumulate in `.grad`.
+
+    Returns this rank's loss sum over the window (detached, fp32). Each graph is freed by its
+    own backward; only the detached sum survives the loop.
+    """
+    # DDP divides the reduced gradient by world_size; multiplying here undoes that so the
+    # result is the global mean. Guard against an all-padding window (count 0).
+    scale = ctx.dist.world_size / global_count.clamp(min=1).to(torch.float32)
+    loss_sum = torch.zeros((), device=ctx.dist.device, dtype=torch.float32)
+    last = len(window) - 1
+    for i, batch in enumerate(window):
+        with gradient_sync(ctx.model, enabled=i == last):
+            with ctx.precision.autocast():
+                micro_sum = ctx.task.loss_sum(ctx.model, batch).float()
+            ctx.precision.backward(micro_sum * scale)
+        loss_sum += micro_sum.detach()
+    return loss_sum
+
+
+def clip_gradients(
+    params: list[nn.Parameter], max_norm: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Total grad norm before clipping, and a 0/1 flag for non-finite gradients.
+
+    A non-finite gradient anywhere makes the total norm inf or nan, so one reduction serves
+    both clipping and the skip decision, on the device.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        raise RuntimeError("no parameter received a gradient: is the loss connected to the model?")
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if hasattr(norm, "full_tensor"):  # sharded (DTensor) gradients
+        norm = norm.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    found_inf = (~torch.isfinite(norm)).to(torch.float32)
+    return norm.detach(), found_inf
+
+
+class AccumulateStep:
+    """The default step strategy: exact micro-batch gradient accumulation."""
+
+    def __call__(self, ctx: StepContext, window: Sequence[Batch]) -> StepResult:
+        ctx.optimizer.zero_grad(set_to_none=True)
+        global_count = count_window(ctx, window)
+        loss_sum = backward_window(ctx, window, global_count)
+        return finish_step(ctx, loss_sum, global_count)
+
+
+def finish_step(ctx: StepContext, loss_sum: torch.Tensor, global_count: torch.Tensor) -> StepResult:
+    """Unscale, clip, skip-or-update, advance the schedule: the tail every strategy shares."""
+    ctx.precision.unscale_(ctx.optimizer)
+    ctx.callbacks.after_backward(ctx)
+    grad_norm, found_inf = clip_gradients(ctx.trainable_parameters(), ctx.clip_grad_norm)
+    ctx.callbacks.before_optimizer_step(ctx)
+    lr = float(ctx.optimizer.param_groups[0]["lr"])
+    ctx.precision.optimizer_step(ctx.optimizer, found_inf)
+    if ctx.scheduler is not None:
+        ctx.scheduler.step()
+    return StepResult(loss_sum, global_count, grad_norm, found_inf, lr)

@@ -1,0 +1,73 @@
+"""Callbacks at the moments that matter to autograd.
+
+Each hook says what it may touch. A callback that changes anything else (the loss, the batch,
+gradients outside `on_after_backward`) breaks the exactness guarantees, so don't.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.step import StepContext
+
+
+class Callback:
+    """No-op base; override the hooks you need. Stateful callbacks also override the state pair."""
+
+    def on_after_backward(self, ctx: StepContext) -> None:
+        """Gradients of the whole window are accumulated, synchronized and unscaled; not yet
+        clipped. May read `p.grad`; may modify it in place (that changes the update)."""
+
+    def on_before_optimizer_step(self, ctx: StepContext) -> None:
+        """Gradients are clipped; the update has not happened. Read-only."""
+
+    def on_after_optimizer_step(self, ctx: StepContext, step: int) -> None:
+        """Parameters hold the new values of optimizer step `step` (1-based). May read them and
+        keep its own copies (EMA); must not modify them."""
+
+    def on_evaluate(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation finished with `metrics`. Read-only."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+class CallbackList:
+    """Calls every callback in order; keyed by name so checkpoints can restore each one."""
+
+    def __init__(self, callbacks: dict[str, Callback] | None = None) -> None:
+        self.named: dict[str, Callback] = dict(callbacks or {})
+
+    def __iter__(self) -> Iterable[Callback]:
+        return iter(self.named.values())
+
+    def after_backward(self, ctx: StepContext) -> None:
+        for cb in self.named.values():
+            cb.on_after_backward(ctx)
+
+    def before_optimizer_step(self, ctx: StepContext) -> None:
+        for cb in self.named.values():
+            cb.on_before_optimizer_step(ctx)
+
+    def after_optimizer_step(self, ctx: StepContext, step: int) -> None:
+        for cb in self.named.values():
+            cb.on_after_optimizer_step(ctx, step)
+
+    def evaluate(self, step: int, metrics: dict[str, float]) -> None:
+        for cb in self.named.values():
+            cb.on_evaluate(step, metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: cb.state_dict() for name, cb in self.named.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = sorted(set(self.named) - set(state))
+        if missing:
+            raise KeyError(f"checkpoint holds no state for callbacks {missing}")
+        for name, cb in self.named.items():
+            cb.load_state_dict(state[name])

@@ -1,0 +1,208 @@
+"""Atomic, verifiable, safe-to-load checkpoints.
+
+Layout of one checkpoint (a directory named after its optimizer step):
+
+    step_00000100/
+        state.pt        model, optimizer, scheduler, scaler, counters, run id, config (rank 0)
+        rank_00000.pt   this rank's RNG states (one file per rank)
+        manifest.json   sizes and SHA-256 of every file above; written last
+
+Everything is written under a temporary name, fsynced, and committed by one `rename` of the
+directory, so a checkpoint is complete or absent. Loading checks the manifest first and uses
+`torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary pickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.distributed import DistInfo
+
+FORMAT = "cumulus-checkpoint/1"
+MANIFEST = "manifest.json"
+SHARED = "state.pt"
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that is incomplete, corrupt, foreign or unsafe."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def _barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier()
+
+
+def _write_fsynced(path: Path, obj: Any) -> None:
+    with path.open("wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    shared: dict[str, Any],
+    per_rank: dict[str, Any],
+    info: DistInfo,
+    keep_last: int | None = None,
+) -> Path:
+    """Write checkpoint `step` under `root` from every rank; returns its committed path.
+
+    Collective: every rank must call it. Rank 0 writes `shared`; each rank its `per_rank`.
+    Older checkpoints beyond `keep_last` are deleted only after the new one is committed.
+    """
+    name = checkpoint_name(step)
+    final, tmp = root / name, root / f".tmp-{name}"
+    if info.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crash mid-save
+        tmp.mkdir()
+    _barrier(info)
+    _write_fsynced(tmp / rank_file(info.rank), per_rank)
+    if info.is_main:
+        _write_fsynced(tmp / SHARED, shared)
+    _barrier(info)
+    if info.is_main:
+        files = sorted(p.name for p in tmp.iterdir())
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": info.world_size,
+            "files": {
+                n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in files
+            },
+        }
+        with (tmp / MANIFEST).open("w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (e.g. an extended run): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        if keep_last is not None:
+            for old in list_checkpoints(root)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier(info)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Committed checkpoint directories under `root`, oldest first (not yet verified)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The manifest of `path` if every file it lists is present and intact; else raises."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path} is not a cumulus checkpoint (no {MANIFEST})")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{manifest_path} is unreadable: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path} is not a cumulus checkpoint (manifest format "
+            f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, "
+            f"expected {FORMAT!r})"
+        )
+    for name, meta in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{path} is incomplete: {name} is missing")
+        if f.stat().st_size != meta["size"]:
+            raise CheckpointError(
+                f"{path} is corrupt: {name} has {f.stat().st_size} bytes, manifest says "
+                f"{meta['size']} (truncated write?)"
+            )
+        if _sha256(f) != meta["sha256"]:
+            raise CheckpointError(f"{path} is corrupt: {name} does not match its checksum")
+    return manifest
+
+
+def latest_valid(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under `root` that verifies, and a warning for each one skipped."""
+    warnings = []
+    for path in reversed(list_checkpoints(root)):
+        try:
+            verify(path)
+            return path, warnings
+        except CheckpointError as exc:
+            warnings.append(f"skipping checkpoint: {exc}")
+    return None, warnings
+
+
+def safe_load(path: Path) -> Any:
+    """`torch.load` that only accepts tensors and plain containers; anything else is refused."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"refused to load {path}: it holds objects other than tensors and plain containers "
+            f"({first}). Nothing from it was executed."
+        ) from None
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    step: int
+    world_size: int
+    shared: dict[str, Any]
+    per_rank: dict[str, Any] | None  # None when saved with another world size
+
+
+def load_checkpoint(path: Path, info: DistInfo) -> LoadedCheckpoint:
+    """Verify and load `path` for this rank. Raises CheckpointError with the reason."""
+    manifest = verify(path)
+    shared = safe_load(path / SHARED)
+    per_rank = None
+    if manifest["world_size"] == info.world_size:
+        per_rank = safe_load(path / rank_file(info.rank))
+    return LoadedCheckpoint(
+        path, int(manifest["step"]), int(manifest["world_size"]), shared, per_rank
+    )

@@ -1,0 +1,73 @@
+"""What a step strategy receives and returns.
+
+The loss contract is what makes exact accumulation possible: a task reports the *sum* of its
+per-item losses and, separately and before any forward, how many loss items a batch holds.
+A step strategy then divides by the global count of the whole window, never by a micro-batch
+mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from engine.callbacks import CallbackList
+from engine.distributed import DistInfo
+from engine.precision import Precision
+
+Batch = Any
+
+
+@runtime_checkable
+class Task(Protocol):
+    """Turns a micro-batch into a loss. Implemented by the application (e.g. a language model)."""
+
+    def count_items(self, batch: Batch) -> torch.Tensor:
+        """Number of loss items (valid tokens, samples) in `batch`, without running the model."""
+        ...
+
+    def loss_sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Sum (not mean) of the per-item losses of `batch`: a differentiable scalar."""
+        ...
+
+
+@dataclass
+class StepContext:
+    """The runtime objects a step strategy works with. Built once per run."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    task: Task
+    precision: Precision
+    dist: DistInfo
+    clip_grad_norm: float | None = None
+    callbacks: CallbackList = field(default_factory=CallbackList)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+@dataclass
+class StepResult:
+    """Detached device tensors describing one optimizer step.
+
+    Nothing here has been copied to the host: the fit loop calls `.item()` only when it writes
+    a record, so steps in between never wait for the device.
+    """
+
+    loss_sum: torch.Tensor  # this rank's summed loss over the window (fp32, detached)
+    global_count: torch.Tensor  # loss items in the window over all ranks (int64)
+    grad_norm: torch.Tensor  # total gradient norm before clipping, unscaled
+    skipped: torch.Tensor  # 1.0 when the update was skipped for non-finite gradients, else 0.0
+    lr: float  # learning rate the update used (first param group)
+
+
+class StepStrategy(Protocol):
+    """How one optimizer step turns a window of micro-batches into a parameter update."""
+
+    def __call__(self, ctx: StepContext, window: Sequence[Batch]) -> StepResult: ...

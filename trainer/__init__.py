@@ -1,0 +1,1 @@
+"""cumulus trainer: the Hydra application that assembles a run and drives the engine."""

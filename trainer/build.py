@@ -1,0 +1,198 @@
+"""Assemble a run from the config: each builder receives its own sub-config."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import OmegaConf
+
+from engine.callbacks import Callback, CallbackList
+from engine.checkpoint import CheckpointError, latest_valid, load_checkpoint
+from engine.distributed import DistInfo, broadcast_object, wrap_model
+from engine.precision import Precision
+from engine.rng import seed_everything
+from engine.step import StepContext
+from trainer.config import Config, TrainCfg
+from trainer.data import GlobalBatchSampler, Splits, TrainBatches, eval_batches, load_splits
+from trainer.errors import ConfigError, UserError
+from trainer.fit import Run, restore
+from trainer.gpt import GPT, LanguageModelTask
+from trainer.identity import new_run_id
+from trainer.metrics import JsonlWriter, Progress, RecordSink, TrainMeter
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.preemption import StopRequest
+
+
+def resolve_grad_accum(train: TrainCfg, world_size: int) -> int:
+    """`train.global_batch_size`, when set, decides the accumulation count."""
+    if train.global_batch_size is None:
+        return train.grad_accum_steps
+    per_step = train.micro_batch_size * world_size
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{train.global_batch_size} is not a multiple of train.micro_batch_size "
+            f"({train.micro_batch_size}) x world size ({world_size}) = {per_step}; valid values "
+            f"are {per_step}, {2 * per_step}, {3 * per_step}, ...",
+        )
+    return train.global_batch_size // per_step
+
+
+def build_model(cfg: Config, splits: Splits, info: DistInfo) -> torch.nn.Module:
+    if splits.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            f"the data ({splits.description}) holds token ids up to {splits.vocab_size - 1}; "
+            f"model.vocab_size must be at least {splits.vocab_size}, got {cfg.model.vocab_size}",
+        )
+    return GPT(cfg.model).to(info.device)
+
+
+def build_callbacks(specs: dict[str, Any]) -> CallbackList:
+    callbacks = {}
+    for name, spec in specs.items():
+        cb = hydra.utils.instantiate(spec)
+        if not isinstance(cb, Callback):
+            raise ConfigError(f"callbacks.{name}", f"{spec.get('_target_')} is not a Callback")
+        callbacks[name] = cb
+    return CallbackList(callbacks)
+
+
+def build_step(spec: dict[str, Any]) -> Any:
+    try:
+        step_fn = hydra.utils.instantiate(spec)
+    except Exception as exc:
+        raise ConfigError(
+            "step._target_", f"cannot build {spec.get('_target_')!r}: {exc}"
+        ) from None
+    if not callable(step_fn):
+        raise ConfigError("step._target_", f"{spec.get('_target_')!r} is not a step strategy")
+    return step_fn
+
+
+def find_resume(cfg: Config, ckpt_dir: Path, info: DistInfo) -> Path | None:
+    """Rank 0 picks the checkpoint to resume from; every rank gets the same answer."""
+    choice: Path | None = None
+    error = None
+    if info.is_main:
+        resume = cfg.checkpoint.resume
+        if resume == "auto":
+            choice, warnings = latest_valid(ckpt_dir)
+            for w in warnings:
+                print(f"WARNING: {w}", file=sys.stderr)
+        elif resume != "never":
+            choice = Path(resume).expanduser()
+            if not choice.exists():
+                error = (
+                    f"checkpoint.resume: {choice} does not exist; valid: auto, never, or "
+                    "the path of a checkpoint directory (run_dir/checkpoints/step_NNNNNNNN)"
+                )
+    choice, error = broadcast_object((choice, error), info)
+    if error:
+        raise UserError(error)
+    return choice
+
+
+def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: DistInfo) -> Run:
+    accum = resolve_grad_accum(cfg.train, info.world_size)
+    global_batch = cfg.train.micro_batch_size * accum * info.world_size
+    splits = load_splits(cfg.data)
+
+    seed_everything(cfg.seed)  # same initial weights on every rank
+    model = build_model(cfg, splits, info)
+    optimizer = build_optimizer(cfg.optim, model, info.device)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.train.max_steps)
+    precision = Precision(cfg.train.precision, info.device.type)
+    if cfg.train.compile:
+        model = torch.compile(model)
+    ctx = StepContext(
+        model=wrap_model(model, info, cfg.dist.strategy),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        task=LanguageModelTask(),
+        precision=precision,
+        dist=info,
+        clip_grad_norm=cfg.train.clip_grad_norm,
+        callbacks=build_callbacks(cfg.callbacks),
+    )
+    sampler = GlobalBatchSampler(len(splits.train), global_batch, cfg.seed)
+    batches = TrainBatches(
+        splits.train,
+        sampler,
+        rank=info.rank,
+        world_size=info.world_size,
+        micro_batch_size=cfg.train.micro_batch_size,
+        grad_accum_steps=accum,
+        device=info.device,
+    )
+    val = eval_batches(
+        splits.val,
+        rank=info.rank,
+        world_size=info.world_size,
+        batch_size=cfg.eval.batch_size,
+        max_batches=cfg.eval.max_batches,
+        device=info.device,
+    )
+    run = Run(
+        cfg=cfg,
+        dist=info,
+        run_dir=run_dir,
+        run_id="",
+        ctx=ctx,
+        step_fn=build_step(cfg.step),
+        batches=batches,
+        val_batches=val,
+        sinks=[],
+        meter=TrainMeter(info),
+        config_dict=config_dict,
+    )
+    resume = find_resume(cfg, run.checkpoint_dir, info)
+    if resume is not None:
+        try:
+            ckpt = load_checkpoint(resume, info)
+        except CheckpointError as exc:
+            raise UserError(f"checkpoint.resume: {exc}") from None
+        restore(run, ckpt)
+    else:
+        run.run_id = broadcast_object(new_run_id(), info)
+        # Each rank its own dropout stream, independent of the initialization stream.
+        seed_everything(cfg.seed + 1 + info.rank)
+
+    if info.is_main:
+        run.sinks = build_sinks(cfg, run, model, splits, resume, accum)
+    if cfg.train.detect_anomaly:
+        torch.autograd.set_detect_anomaly(True)  # slow: for debugging NaNs only
+    run.stop = StopRequest(info)
+    return run
+
+
+def build_sinks(
+    cfg: Config, run: Run, model: torch.nn.Module, splits: Splits, resume: Path | None, accum: int
+) -> list[RecordSink]:
+    """Rank 0's outputs: the resolved config, metrics.jsonl, the console, W&B."""
+    (run.run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+    (run.run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(run.config_dict))
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"cumulus | run dir {run.run_dir} | run id {run.run_id}\n"
+        f"  model {n_params / 1e6:.2f}M params | data {splits.description}: "
+        f"{len(splits.train)} train / {len(splits.val)} val samples\n"
+        f"  world {run.dist.world_size} x micro {cfg.train.micro_batch_size} x accum {accum} = "
+        f"global batch {run.batches.sampler.global_batch_size} | precision "
+        f"{cfg.train.precision} | device {run.dist.device}"
+        + (f"\n  resumed from {resume} at step {run.step}" if resume else ""),
+        flush=True,
+    )
+    sinks: list[RecordSink] = [
+        JsonlWriter(run.run_dir / "metrics.jsonl"),
+        Progress(cfg.train.max_steps),
+    ]
+    if cfg.logger.name == "wandb":
+        from trainer.wandb_logger import WandbSink
+
+        sinks.append(WandbSink(cfg.logger, run.run_dir, run.run_id, run.config_dict))
+    return sinks

@@ -1,0 +1,190 @@
+"""The fit loop: drives the engine's step, logs, evaluates, checkpoints. Reads top to bottom."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.checkpoint import LoadedCheckpoint, save_checkpoint
+from engine.distributed import DistInfo, unwrap
+from engine.evaluate import evaluate_loss
+from engine.rng import rng_state, seed_everything, set_rng_state
+from engine.step import StepContext, StepStrategy
+from trainer.config import Config
+from trainer.data import Batch, TrainBatches
+from trainer.errors import UserError
+from trainer.metrics import RecordSink, TrainMeter
+from trainer.preemption import StopRequest
+
+
+class TrainingDiverged(UserError):
+    """Too many consecutive optimizer steps had non-finite gradients."""
+
+
+@dataclass
+class Run:
+    """Everything one training run is made of, assembled by `trainer.build`."""
+
+    cfg: Config
+    dist: DistInfo
+    run_dir: Path
+    run_id: str
+    ctx: StepContext
+    step_fn: StepStrategy
+    batches: TrainBatches
+    val_batches: list[Batch]
+    sinks: list[RecordSink]
+    meter: TrainMeter
+    config_dict: dict[str, Any]
+    step: int = 0  # optimizer steps completed
+    last_saved_step: int = -1
+    stop: StopRequest | None = field(default=None, repr=False)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+def fit(run: Run) -> None:
+    """Train until `train.max_steps`, a stop request, or divergence."""
+    train, eval_cfg, ckpt = run.cfg.train, run.cfg.eval, run.cfg.checkpoint
+    run.meter.restart_clock()
+    while run.step < train.max_steps:
+        window = run.batches.window(run.step)
+        result = run.step_fn(run.ctx, window)
+        run.step += 1
+        run.meter.update(result)
+        run.ctx.callbacks.after_optimizer_step(run.ctx, run.step)
+
+        if run.step % train.log_every == 0 or run.step == train.max_steps:
+            write(run, run.meter.record(run.step, result, extra_train_metrics(run)))
+            check_divergence(run)
+        if _due(run.step, eval_cfg.every_steps) and run.step < train.max_steps:
+            evaluate(run)
+        if _due(run.step, ckpt.every_steps):
+            save(run)
+        if run.stop is not None and run.stop.agreed():
+            print(f"stop requested: saved step {run.step}, exiting", file=sys.stderr)
+            save(run)
+            return
+    if eval_cfg.every_steps:
+        evaluate(run)
+    if ckpt.every_steps:
+        save(run)
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def extra_train_metrics(run: Run) -> dict[str, Any]:
+    extra: dict[str, Any] = {"train/epoch": run.batches.sampler.epoch(run.step)}
+    scale = run.ctx.precision.loss_scale()
+    if scale is not None:
+        extra["train/loss_scale"] = scale.item()
+    return extra
+
+
+def check_divergence(run: Run) -> None:
+    consecutive = int(run.meter.consecutive_skips.item())
+    if consecutive >= run.cfg.train.max_consecutive_skips:
+        raise TrainingDiverged(
+            f"{consecutive} consecutive optimizer steps up to step {run.step} had non-finite "
+            f"gradients and were skipped (train.max_consecutive_skips="
+            f"{run.cfg.train.max_consecutive_skips}); stopping. Parameters were never updated "
+            f"with them and the last checkpoint (step {max(run.last_saved_step, 0)}) is intact. "
+            "Lower optim.lr, enable train.clip_grad_norm, or try train.precision=fp32."
+        )
+
+
+def write(run: Run, record: dict[str, Any]) -> None:
+    for sink in run.sinks:
+        sink.write(record)
+
+
+def evaluate(run: Run) -> dict[str, float]:
+    """Validation loss over the fixed validation set; consumes no training RNG or data."""
+    loss, count = evaluate_loss(
+        unwrap(run.ctx.model), run.ctx.task, run.val_batches, run.ctx.precision, run.dist
+    )
+    if not math.isfinite(loss):
+        print(f"WARNING: validation loss is {loss} at step {run.step}", file=sys.stderr)
+    metrics = {"val/loss": loss, "val/ppl": math.exp(min(loss, 700.0)), "val/items": count}
+    write(run, {"step": run.step, **metrics})
+    run.ctx.callbacks.evaluate(run.step, metrics)
+    run.meter.restart_clock()
+    return metrics
+
+
+def save(run: Run) -> None:
+    if run.last_saved_step == run.step:
+        return
+    ctx = run.ctx
+    shared = {
+        "step": run.step,
+        "run_id": run.run_id,
+        "global_batch_size": run.batches.sampler.global_batch_size,
+        "model": unwrap(ctx.model).state_dict(),
+        "optimizer": ctx.optimizer.state_dict(),
+        "scheduler": ctx.scheduler.state_dict() if ctx.scheduler is not None else None,
+        "precision": ctx.precision.state_dict(),
+        "callbacks": ctx.callbacks.state_dict(),
+        "meter": {
+            "skipped": run.meter.skipped.cpu(),
+            "consecutive_skips": run.meter.consecutive_skips.cpu(),
+        },
+        "config": run.config_dict,
+    }
+    save_checkpoint(
+        run.checkpoint_dir,
+        run.step,
+        shared,
+        {"rng": rng_state()},
+        run.dist,
+        keep_last=run.cfg.checkpoint.keep_last,
+    )
+    run.last_saved_step = run.step
+    run.meter.restart_clock()
+
+
+def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
+    """Put the run exactly where checkpoint `ckpt` left it. Anything missing is an error."""
+    s, ctx = ckpt.shared, run.ctx
+    try:
+        unwrap(ctx.model).load_state_dict(s["model"])
+        ctx.optimizer.load_state_dict(s["optimizer"])
+        if ctx.scheduler is not None:
+            ctx.scheduler.load_state_dict(s["scheduler"])
+        ctx.precision.load_state_dict(s["precision"])
+        ctx.callbacks.load_state_dict(s["callbacks"])
+        run.meter.skipped.copy_(s["meter"]["skipped"])
+        run.meter.consecutive_skips.copy_(s["meter"]["consecutive_skips"])
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise UserError(
+            f"checkpoint {ckpt.path} does not fit this run: {exc}. Resume with the model, "
+            "optimizer and callbacks it was saved with, or pass checkpoint.resume=never."
+        ) from None
+    run.step = run.last_saved_step = ckpt.step
+    run.run_id = s["run_id"]
+    if s["global_batch_size"] != run.batches.sampler.global_batch_size and run.dist.is_main:
+        print(
+            f"WARNING: {ckpt.path} was trained with global batch {s['global_batch_size']}, this "
+            f"run uses {run.batches.sampler.global_batch_size}: the data order from here on "
+            "differs from the original run",
+            file=sys.stderr,
+        )
+    # RNG last: nothing after this may consume randomness before the first step.
+    if ckpt.per_rank is not None:
+        set_rng_state(ckpt.per_rank["rng"])
+    else:
+        if run.dist.is_main:
+            print(
+                f"WARNING: {ckpt.path} was saved by {ckpt.world_size} ranks, this run has "
+                f"{run.dist.world_size}: model and optimizer resume exactly, random streams "
+                "(dropout) are reseeded",
+                file=sys.stderr,
+            )
+        seed_everything(run.cfg.seed + 1_000_003 * ckpt.step + run.dist.rank)

@@ -1,0 +1,41 @@
+"""`python -m trainer.train [overrides]` or `torchrun --nproc_per_node=N -m trainer.train`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from engine.distributed import DistInfo
+from trainer.build import build_run
+from trainer.cli import run_command
+from trainer.config import Config, register_configs
+from trainer.fit import fit
+from trainer.identity import register_resolvers
+
+register_configs()
+register_resolvers()
+
+
+def train(cfg: Config, plain: dict[str, Any], info: DistInfo) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run = build_run(cfg, plain, run_dir, info)
+    try:
+        fit(run)
+    finally:
+        for sink in run.sinks:
+            sink.close()
+        if run.stop is not None:
+            run.stop.close()
+
+
+@hydra.main(config_path="../configs", config_name="train", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run_command(cfg, train)
+
+
+if __name__ == "__main__":
+    main()

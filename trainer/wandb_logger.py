@@ -1,0 +1,68 @@
+"""Weights & Biases on rank 0: online with credentials, otherwise offline by itself."""
+
+from __future__ import annotations
+
+import netrc
+import os
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from trainer.config import LoggerCfg
+
+
+def has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc().authenticators(host or "api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+class WandbSink:
+    """Logs the same records as metrics.jsonl, keyed by optimizer step.
+
+    The run id comes from the run identity and is kept in checkpoints, so a resumed run
+    continues the same W&B run (offline too).
+    """
+
+    def __init__(self, cfg: LoggerCfg, run_dir: Path, run_id: str, config: dict[str, Any]) -> None:
+        mode = cfg.mode
+        if mode is None:
+            mode = "online" if has_credentials() else "offline"
+            if mode == "offline":
+                print(
+                    "wandb: no credentials found, logging offline to "
+                    f"{run_dir / 'wandb'} (sync later with `wandb sync`)",
+                    file=sys.stderr,
+                )
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        kwargs = dict(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=cfg.run_name,
+            tags=list(cfg.tags),
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow",
+            config=config,
+        )
+        try:
+            self.run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=60), **kwargs)
+        except Exception as exc:  # network down, bad key: never lose the run over logging
+            if mode != "online":
+                raise
+            print(f"wandb: online init failed ({exc}); logging offline instead", file=sys.stderr)
+            self.run = wandb.init(mode="offline", **kwargs)
+
+    def write(self, record: dict[str, Any]) -> None:
+        # Always pass step=: an offline resume starts W&B's own counter at 0 again.
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
