@@ -20,8 +20,8 @@ register_configs()
 register_resolvers()
 
 
-def train(cfg: Config, plain: dict[str, Any], info: DistInfo) -> None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> None:
+    """Build the run in `run_dir` (resuming from its checkpoints) and fit it."""
     run = build_run(cfg, plain, run_dir, info)
     try:
         fit(run)
@@ -34,7 +34,8 @@ def train(cfg: Config, plain: dict[str, Any], info: DistInfo) -> None:
 
 @hydra.main(config_path="../configs", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_command(cfg, train)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_command(cfg, lambda config, plain, info: train(config, plain, info, run_dir))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,133 @@
+"""Shared helpers: compose the real config, run the real trainer (in-process or as a command)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from engine.distributed import DistInfo
+from trainer.cli import to_config
+from trainer.config import register_configs
+from trainer.identity import register_resolvers
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO / "configs"
+# Fast, quiet defaults for tests; each test adds its own overrides after these.
+TINY = [
+    "model=gpt_tiny",
+    "logger=none",
+    "train.micro_batch_size=8",
+    "train.grad_accum_steps=2",
+    "train.max_steps=10",
+    "train.log_every=1",
+    "eval.every_steps=0",
+    "checkpoint.every_steps=0",
+    "scheduler.warmup_steps=2",
+]
+
+register_configs()
+register_resolvers()
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose("train", overrides=overrides)
+
+
+def train_in_process(overrides: list[str], run_dir: Path) -> list[dict[str, Any]]:
+    """Run the real trainer in this process (one rank) and return its metrics records."""
+    from trainer.train import train
+
+    cfg, plain = to_config(compose_config(overrides))
+    train(cfg, plain, DistInfo(), run_dir)
+    return read_metrics(run_dir)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def train_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if "train/loss" in r]
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS="1", WANDB_SILENT="true", PYTHONUNBUFFERED="1")
+    e.pop("WANDB_API_KEY", None)
+    e.update(extra)
+    return e
+
+
+def run_cli(
+    args: list[str],
+    *,
+    module: str = "trainer.train",
+    timeout: float = 120,
+    cwd: Path | None = None,
+    **env_extra: str,
+) -> subprocess.CompletedProcess:
+    """`python -m <module> args` as a user would type it."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env(**env_extra),
+        cwd=cwd or REPO,
+    )
+
+
+def torchrun_cmd(nproc: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *extra,
+    ]
+
+
+def run_torchrun(
+    nproc: int,
+    args: list[str],
+    *,
+    module: str = "trainer.train",
+    timeout: float = 180,
+    launcher_args: tuple[str, ...] = (),
+    cwd: Path | None = None,
+    **env_extra: str,
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=N -m <module> args` (gloo on CPU)."""
+    return subprocess.run(
+        [*torchrun_cmd(nproc, *launcher_args), "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env(**env_extra),
+        cwd=cwd or REPO,
+    )
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    out, err = proc.stdout[-4000:], proc.stderr[-6000:]
+    return f"exit {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+
+
+@pytest.fixture
+def tiny() -> list[str]:
+    return list(TINY)
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)
