@@ -30,6 +30,11 @@ class Callback:
     def on_evaluate(self, step: int, metrics: dict[str, float]) -> None:
         """An evaluation finished with `metrics`. Read-only."""
 
+    def metrics(self) -> dict[str, Any]:
+        """Values to add to the next training record (device tensors are fine: the record
+        converts them). Called only when a record is written."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -62,12 +67,20 @@ class CallbackList:
         for cb in self.named.values():
             cb.on_evaluate(step, metrics)
 
+    def metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for cb in self.named.values():
+            out.update(cb.metrics())
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         return {name: cb.state_dict() for name, cb in self.named.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = sorted(set(self.named) - set(state))
+        # A stateless callback may be added on resume; a stateful one must find its state.
+        missing = sorted(n for n, cb in self.named.items() if n not in state and cb.state_dict())
         if missing:
             raise KeyError(f"checkpoint holds no state for callbacks {missing}")
         for name, cb in self.named.items():
-            cb.load_state_dict(state[name])
+            if name in state:
+                cb.load_state_dict(state[name])

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from engine.callbacks import Callback, CallbackList
 from engine.checkpoint import CheckpointError, latest_valid, load_checkpoint
 from engine.distributed import DistInfo, broadcast_object, wrap_model
+from engine.grad_stats import GradNormsPerLayer
 from engine.precision import Precision
 from engine.rng import seed_everything
 from engine.step import StepContext
@@ -119,6 +120,8 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         clip_grad_norm=cfg.train.clip_grad_norm,
         callbacks=build_callbacks(cfg.callbacks),
     )
+    if cfg.train.grad_norms == "per_layer":
+        ctx.callbacks.named.setdefault("grad_norms_per_layer", GradNormsPerLayer())
     sampler = GlobalBatchSampler(len(splits.train), global_batch, cfg.seed)
     batches = TrainBatches(
         splits.train,

@@ -32,7 +32,10 @@ class TrainCfg:
     log_every: int = 10
     max_consecutive_skips: int = 10
     compile: bool = False
+    # Slow: records where a NaN/Inf first appears in backward. For debugging only.
     detect_anomaly: bool = False
+    # total: one global norm per record. per_layer: also grad_norm/<layer> for every block.
+    grad_norms: str = "total"
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -49,6 +52,11 @@ class TrainCfg:
             self.precision in PRECISIONS,
             "train.precision",
             f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}",
+        )
+        require(
+            self.grad_norms in ("total", "per_layer"),
+            "train.grad_norms",
+            f"must be total or per_layer, got {self.grad_norms!r}",
         )
         require(
             self.device in ("auto", "cpu", "cuda"),

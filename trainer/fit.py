@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.checkpoint import LoadedCheckpoint, save_checkpoint
 from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate_loss
+from engine.grad_stats import missing_gradients
 from engine.rng import rng_state, seed_everything, set_rng_state
 from engine.step import StepContext, StepStrategy
 from trainer.config import Config
@@ -52,12 +55,15 @@ def fit(run: Run) -> None:
     """Train until `train.max_steps`, a stop request, or divergence."""
     train, eval_cfg, ckpt = run.cfg.train, run.cfg.eval, run.cfg.checkpoint
     run.meter.restart_clock()
+    first_step = run.step
     while run.step < train.max_steps:
         window = run.batches.window(run.step)
         result = run.step_fn(run.ctx, window)
         run.step += 1
         run.meter.update(result)
         run.ctx.callbacks.after_optimizer_step(run.ctx, run.step)
+        if run.step == first_step + 1:
+            report_missing_gradients(run)
 
         if run.step % train.log_every == 0 or run.step == train.max_steps:
             write(run, run.meter.record(run.step, result, extra_train_metrics(run)))
@@ -85,7 +91,21 @@ def extra_train_metrics(run: Run) -> dict[str, Any]:
     scale = run.ctx.precision.loss_scale()
     if scale is not None:
         extra["train/loss_scale"] = scale.item()
+    for key, value in run.ctx.callbacks.metrics().items():
+        extra[key] = value.item() if isinstance(value, torch.Tensor) else value
     return extra
+
+
+def report_missing_gradients(run: Run) -> None:
+    """After the first window: parameters that should have learned but got no gradient."""
+    missing = missing_gradients(run.ctx.model)
+    if missing and run.dist.is_main:
+        print(
+            f"WARNING: {len(missing)} parameter(s) require grad but received no gradient in the "
+            f"first step: {', '.join(missing[:20])}{' ...' if len(missing) > 20 else ''}. They "
+            "are frozen by mistake, disconnected from the loss, or computed under no_grad.",
+            file=sys.stderr,
+        )
 
 
 def check_divergence(run: Run) -> None:
