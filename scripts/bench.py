@@ -41,9 +41,8 @@ from trainer.config import register_configs  # noqa: E402
 from trainer.fit import Run, fit  # noqa: E402
 from trainer.gpt import IGNORE_INDEX  # noqa: E402
 from trainer.identity import register_resolvers  # noqa: E402
+from trainer.metrics import device_peak_flops, peak_memory_mb  # noqa: E402
 from trainer.optim import param_groups  # noqa: E402
-
-PEAK_TFLOPS = {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}  # H100 SXM dense
 
 
 def peak_memory_reset(device: torch.device) -> None:
@@ -52,15 +51,6 @@ def peak_memory_reset(device: torch.device) -> None:
     else:  # Linux: writing 5 resets the process's peak RSS (VmHWM)
         with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def make_run(overrides: list[str], run_dir: Path, info) -> Run:
@@ -142,12 +132,6 @@ def timed(fn, steps: int, device: torch.device) -> tuple[float, float, float]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - w0, time.process_time() - c0, peak_memory_mb(device)
-
-
-def flops_per_token(run: Run) -> float:
-    m = run.cfg.model
-    n = sum(p.numel() for p in unwrap(run.ctx.model).parameters()) - m.vocab_size * m.n_embd
-    return 6 * n + 12 * m.n_layer * m.n_embd * run.cfg.data.block_size
 
 
 def sync_check(run: Run, steps: int) -> str:
@@ -240,15 +224,12 @@ def bench_one(accum: int, args, overrides: list[str], info, check_syncs: bool) -
             }
         ratios = [p[0] / c[0] for c, p in zip(res["cumulus"], res["plain"])]
         row["ratio"] = (statistics.median(ratios), min(ratios), max(ratios))
-        if info.device.type == "cuda":
-            row["mfu"] = (
-                flops_per_token(run)
-                * row["cumulus"]["tok_s"]
-                / info.world_size
-                / (PEAK_TFLOPS[run.cfg.train.precision] * 1e12)
-            )
-            if check_syncs:
-                row["sync"] = sync_check(run, 10)
+        peak = device_peak_flops(info.device)
+        if peak:
+            fpt = unwrap(run.ctx.model).flops_per_token(run.cfg.data.block_size)
+            row["mfu"] = fpt * row["cumulus"]["tok_s"] / info.world_size / peak
+        if info.device.type == "cuda" and check_syncs:
+            row["sync"] = sync_check(run, 10)
     return row
 
 

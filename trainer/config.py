@@ -181,8 +181,11 @@ class EvalCfg:
     every_steps: int = 100
     max_batches: int | None = 20
     batch_size: int = 16
+    # Bytes of text the GPT writes at each evaluation (console and W&B); 0 disables.
+    sample_tokens: int = 200
 
     def __post_init__(self) -> None:
+        require(self.sample_tokens >= 0, "eval.sample_tokens", "must be >= 0 (0 disables)")
         require(self.every_steps >= 0, "eval.every_steps", "must be >= 0 (0 disables evaluation)")
         _positive(self.batch_size, "eval.batch_size")
         if self.max_batches is not None:

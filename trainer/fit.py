@@ -132,11 +132,37 @@ def evaluate(run: Run) -> dict[str, float]:
     )
     if not math.isfinite(loss):
         print(f"WARNING: validation loss is {loss} at step {run.step}", file=sys.stderr)
-    metrics = {"val/loss": loss, "val/ppl": math.exp(min(loss, 700.0)), "val/items": count}
+    metrics: dict[str, Any] = {
+        "val/loss": loss,
+        "val/ppl": math.exp(min(loss, 700.0)),
+        "val/items": count,
+    }
+    if run.dist.is_main and run.cfg.eval.sample_tokens and run.val_batches:
+        metrics["val/sample"] = sample_text(run, run.cfg.eval.sample_tokens)
     write(run, {"step": run.step, **metrics})
     run.ctx.callbacks.evaluate(run.step, metrics)
     run.meter.restart_clock()
     return metrics
+
+
+def sample_text(run: Run, max_new_tokens: int) -> str:
+    """A continuation of the first validation sample's opening, decoded as UTF-8 bytes.
+
+    Uses its own seeded generator and eval mode, so training randomness is untouched.
+    """
+    model = unwrap(run.ctx.model)
+    if not hasattr(model, "generate") or model.cfg.vocab_size != 256:
+        return ""
+    prompt = run.val_batches[0][0][:1, :32]  # (1, T) byte ids
+    gen = torch.Generator(run.dist.device).manual_seed(run.cfg.seed + run.step)
+    was_training = model.training
+    model.eval()
+    try:
+        with run.ctx.precision.autocast():
+            out = model.generate(prompt, max_new_tokens, generator=gen)
+    finally:
+        model.train(was_training)
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
 
 def save(run: Run) -> None:

@@ -103,6 +103,11 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward + backward FLOPs per token (PaLM appendix B): 6N + 12 L T C."""
+        n = self.num_params() - self.pos_emb.weight.numel()
+        return 6 * n + 12 * self.cfg.n_layer * seq_len * self.cfg.n_embd
+
     @torch.inference_mode()
     def generate(
         self,

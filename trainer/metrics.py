@@ -53,6 +53,10 @@ class Progress:
     def write(self, record: dict[str, Any]) -> None:
         step = record["step"]
         if "train/loss" not in record:
+            sample = record.get("val/sample")
+            record = {k: v for k, v in record.items() if k != "val/sample"}
+            if sample:
+                self._line(f"--- sample at step {step} ---\n{sample}\n---")
             self._line(
                 f"step {step:>6} | "
                 + " ".join(f"{k} {_fmt(v)}" for k, v in record.items() if k != "step")
@@ -100,39 +104,82 @@ def _duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-class TrainMeter:
-    """Accumulates step results on the device and makes a training record when asked."""
+# Dense bf16 peak FLOP/s by device name, for MFU (as nanoGPT and torchtitan report it).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
 
-    def __init__(self, dist: DistInfo) -> None:
+
+def device_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak CUDA allocator memory, or on CPU the process's peak resident set (VmHWM)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class TrainMeter:
+    """Accumulates step results on the device and makes a training record when asked.
+
+    Args:
+        dist: where this rank runs.
+        flops_per_token: model FLOPs per trained token (forward + backward), for MFU on GPUs.
+    """
+
+    def __init__(self, dist: DistInfo, flops_per_token: float | None = None) -> None:
         self.dist = dist
+        self.flops_per_token = flops_per_token
+        self.peak_flops = device_peak_flops(dist.device)
         self.skipped = torch.zeros((), device=dist.device)
         self.consecutive_skips = torch.zeros((), device=dist.device)
         self.window_items = torch.zeros((), dtype=torch.int64, device=dist.device)
+        self.window_steps = 0
         self.last_time = time.perf_counter()
 
     def update(self, result: StepResult) -> None:
         self.skipped += result.skipped
         self.consecutive_skips = (self.consecutive_skips + result.skipped) * result.skipped
         self.window_items += result.global_count
+        self.window_steps += 1
 
     def record(self, step: int, result: StepResult, extra: dict[str, Any]) -> dict[str, Any]:
         """The record for `step` (1-based), whose result is `result`. Syncs with the device."""
-        loss_sum = all_reduce_sum(result.loss_sum, self.dist)
-        now = time.perf_counter()
+        loss_sum = all_reduce_sum(result.loss_sum, self.dist).item()
+        count = result.global_count.item()
+        items = self.window_items.item()
+        now = time.perf_counter()  # after the syncs above: the device has finished the steps
+        elapsed = max(now - self.last_time, 1e-9)
         record = {
             "step": step,
-            "train/loss": loss_sum.item() / max(1, result.global_count.item()),
+            "train/loss": loss_sum / max(1, count),
             "train/grad_norm": result.grad_norm.item(),
             "train/lr": result.lr,
-            "train/tokens_per_s": self.window_items.item() / max(now - self.last_time, 1e-9),
+            "train/tokens_per_s": items / elapsed,
+            "train/step_time_ms": 1000 * elapsed / max(1, self.window_steps),
             "train/skipped_steps": int(self.skipped.item()),
-            **extra,
+            "train/peak_mem_mb": peak_memory_mb(self.dist.device),
         }
-        self.window_items.zero_()
-        self.last_time = now
+        if self.flops_per_token and self.peak_flops:
+            per_rank = items / elapsed / self.dist.world_size
+            record["train/mfu"] = self.flops_per_token * per_rank / self.peak_flops
+        record.update(extra)
+        self.restart_clock()
         return record
 
     def restart_clock(self) -> None:
         """Exclude time spent outside training steps (evaluation, checkpoints) from tokens/s."""
         self.window_items.zero_()
+        self.window_steps = 0
         self.last_time = time.perf_counter()

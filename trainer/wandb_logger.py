@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import netrc
 import os
 import sys
@@ -62,7 +63,14 @@ class WandbSink:
 
     def write(self, record: dict[str, Any]) -> None:
         # Always pass step=: an offline resume starts W&B's own counter at 0 again.
-        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        import wandb
+
+        data = {
+            k: wandb.Html(f"<pre>{html.escape(v)}</pre>") if isinstance(v, str) else v
+            for k, v in record.items()
+            if k != "step"
+        }
+        self.run.log(data, step=record["step"])
 
     def close(self) -> None:
         self.run.finish()
