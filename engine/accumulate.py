@@ -51,6 +51,14 @@ def backward_window(
     return loss_sum
 
 
+def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all `tensors` together, on the device (also for sharded DTensors)."""
+    norm = torch.nn.utils.get_total_norm(tensors, foreach=True)
+    if hasattr(norm, "full_tensor"):  # sharded (DTensor) gradients: reduce over shards
+        norm = norm.full_tensor()
+    return norm
+
+
 def clip_gradients(
     params: list[nn.Parameter], max_norm: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +70,7 @@ def clip_gradients(
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         raise RuntimeError("no parameter received a gradient: is the loss connected to the model?")
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if hasattr(norm, "full_tensor"):  # sharded (DTensor) gradients
-        norm = norm.full_tensor()
+    norm = total_norm(grads)
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     found_inf = (~torch.isfinite(norm)).to(torch.float32)

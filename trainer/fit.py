@@ -125,11 +125,10 @@ def write(run: Run, record: dict[str, Any]) -> None:
         sink.write(record)
 
 
-def evaluate(run: Run) -> dict[str, float]:
+def evaluate(run: Run) -> dict[str, Any]:
     """Validation loss over the fixed validation set; consumes no training RNG or data."""
-    loss, count = evaluate_loss(
-        unwrap(run.ctx.model), run.ctx.task, run.val_batches, run.ctx.precision, run.dist
-    )
+    model, ctx = unwrap(run.ctx.model), run.ctx
+    loss, count = evaluate_loss(model, ctx.task, run.val_batches, ctx.precision, run.dist)
     if not math.isfinite(loss):
         print(f"WARNING: validation loss is {loss} at step {run.step}", file=sys.stderr)
     metrics: dict[str, Any] = {
@@ -137,10 +136,16 @@ def evaluate(run: Run) -> dict[str, float]:
         "val/ppl": math.exp(min(loss, 700.0)),
         "val/items": count,
     }
+    # Callbacks that keep other weights (EMA) get their own validation loss.
+    for name, cb in ctx.callbacks.named.items():
+        if getattr(cb, "evaluate", False) and hasattr(cb, "weights_swapped"):
+            with cb.weights_swapped(model):
+                other, _ = evaluate_loss(model, ctx.task, run.val_batches, ctx.precision, run.dist)
+            metrics[f"val/loss_{name}"] = other
     if run.dist.is_main and run.cfg.eval.sample_tokens and run.val_batches:
         metrics["val/sample"] = sample_text(run, run.cfg.eval.sample_tokens)
     write(run, {"step": run.step, **metrics})
-    run.ctx.callbacks.evaluate(run.step, metrics)
+    ctx.callbacks.evaluate(run.step, metrics)
     run.meter.restart_clock()
     return metrics
 
