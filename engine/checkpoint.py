@@ -20,6 +20,8 @@ import os
 import pickle
 import re
 import shutil
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from engine.distributed import DistInfo
 FORMAT = "cumulus-checkpoint/1"
 MANIFEST = "manifest.json"
 SHARED = "state.pt"
+TMP_PREFIX = ".tmp-"
 _NAME = re.compile(r"^step_(\d{8})$")
 
 
@@ -75,54 +78,149 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save_checkpoint(
+def _commit(tmp: Path, final: Path, step: int, world_size: int, timeout_s: float) -> None:
+    """Rank 0: wait for every rank's files, write the manifest last, rename into place."""
+    deadline = time.monotonic() + timeout_s
+    markers = [tmp / f"{rank_file(r)}.done" for r in range(world_size)]
+    while not all(m.exists() for m in markers):
+        if time.monotonic() > deadline:
+            missing = [m.name for m in markers if not m.exists()]
+            raise CheckpointError(
+                f"checkpoint {final.name}: ranks never finished writing {missing}"
+            )
+        time.sleep(0.01)
+    for m in markers:
+        m.unlink()
+    files = sorted(p.name for p in tmp.iterdir())
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "files": {n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in files},
+    }
+    with (tmp / MANIFEST).open("w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # the same step saved again (e.g. an extended run): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def write_checkpoint(
     root: Path,
     step: int,
-    shared: dict[str, Any],
+    shared: dict[str, Any] | None,
     per_rank: dict[str, Any],
-    info: DistInfo,
+    rank: int,
+    world_size: int,
+    session: str,
     keep_last: int | None = None,
+    timeout_s: float = 600.0,
 ) -> Path:
-    """Write checkpoint `step` under `root` from every rank; returns its committed path.
+    """Write this rank's part of checkpoint `step`; rank 0 also commits it.
 
-    Collective: every rank must call it. Rank 0 writes `shared`; each rank its `per_rank`.
-    Older checkpoints beyond `keep_last` are deleted only after the new one is committed.
+    No collectives: each rank writes its file and a `.done` marker into a temporary directory
+    unique to this `session` (stale ones from a crashed run never mix in); rank 0 waits for
+    all markers, writes the manifest and renames the directory into place. That lets the same
+    code run inline or on a background writer thread. Old checkpoints beyond `keep_last` are
+    deleted only after the new one is committed.
     """
     name = checkpoint_name(step)
-    final, tmp = root / name, root / f".tmp-{name}"
-    if info.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crash mid-save
-        tmp.mkdir()
-    _barrier(info)
-    _write_fsynced(tmp / rank_file(info.rank), per_rank)
-    if info.is_main:
+    final, tmp = root / name, root / f"{TMP_PREFIX}{name}-{session}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    _write_fsynced(tmp / rank_file(rank), per_rank)
+    if rank == 0:
         _write_fsynced(tmp / SHARED, shared)
-    _barrier(info)
-    if info.is_main:
-        files = sorted(p.name for p in tmp.iterdir())
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "world_size": info.world_size,
-            "files": {
-                n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in files
-            },
-        }
-        with (tmp / MANIFEST).open("w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if final.exists():  # the same step saved again (e.g. an extended run): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
+    (tmp / f"{rank_file(rank)}.done").touch()
+    if rank == 0:
+        _commit(tmp, final, step, world_size, timeout_s)
         if keep_last is not None:
             for old in list_checkpoints(root)[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-    _barrier(info)
     return final
+
+
+def remove_stale_tmp(root: Path) -> None:
+    """Rank 0 at startup: temporary directories of saves that never committed."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def cpu_copy(obj: Any) -> Any:
+    """A snapshot of `obj` whose tensors live on the CPU and share nothing with training."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v) for v in obj)
+    return obj
+
+
+class CheckpointWriter:
+    """Saves checkpoints inline, or with `background=True` on a writer thread.
+
+    In the background mode `save` snapshots the state to CPU memory (the only stall) and
+    returns; the next `save` or `wait` joins the previous write and re-raises its error.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        info: DistInfo,
+        session: str,
+        keep_last: int | None = None,
+        background: bool = False,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.root = root
+        self.info = info
+        self.session = session
+        self.keep_last = keep_last
+        self.background = background
+        self.timeout_s = timeout_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, step: int, shared: dict[str, Any] | None, per_rank: dict[str, Any]) -> None:
+        self.wait()
+        args = (
+            self.root,
+            step,
+            shared,
+            per_rank,
+            self.info.rank,
+            self.info.world_size,
+            self.session,
+            self.keep_last,
+            self.timeout_s,
+        )
+        if not self.background:
+            write_checkpoint(*args)
+            _barrier(self.info)  # every rank returns once the checkpoint is committed
+            return
+        args = (self.root, step, cpu_copy(shared), cpu_copy(per_rank), *args[4:])
+        self._thread = threading.Thread(target=self._run, args=args, name="checkpoint-writer")
+        self._thread.start()
+
+    def _run(self, *args: Any) -> None:
+        try:
+            write_checkpoint(*args)
+        except BaseException as exc:  # re-raised on the training thread by wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def list_checkpoints(root: Path) -> list[Path]:

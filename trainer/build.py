@@ -11,7 +11,13 @@ import torch
 from omegaconf import OmegaConf
 
 from engine.callbacks import Callback, CallbackList
-from engine.checkpoint import CheckpointError, latest_valid, load_checkpoint
+from engine.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    latest_valid,
+    load_checkpoint,
+    remove_stale_tmp,
+)
 from engine.distributed import DistInfo, broadcast_object, wrap_model
 from engine.grad_stats import GradNormsPerLayer
 from engine.precision import Precision
@@ -152,6 +158,16 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         sinks=[],
         meter=TrainMeter(info),
         config_dict=config_dict,
+    )
+    if info.is_main:
+        remove_stale_tmp(run.checkpoint_dir)
+    run.checkpointer = CheckpointWriter(
+        run.checkpoint_dir,
+        info,
+        session=broadcast_object(new_run_id(), info),
+        keep_last=cfg.checkpoint.keep_last,
+        background=cfg.checkpoint.async_save,
+        timeout_s=cfg.dist.timeout_s,
     )
     resume = find_resume(cfg, run.checkpoint_dir, info)
     if resume is not None:

@@ -197,6 +197,8 @@ class CheckpointCfg:
     every_steps: int = 100
     keep_last: int = 2
     resume: str = "auto"  # auto | never | a path
+    # Write on a background thread from a CPU snapshot (training stalls only for the copy).
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 disables)")

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint import LoadedCheckpoint, save_checkpoint
+from engine.checkpoint import CheckpointWriter, LoadedCheckpoint
 from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate_loss
 from engine.grad_stats import missing_gradients
@@ -45,6 +45,7 @@ class Run:
     step: int = 0  # optimizer steps completed
     last_saved_step: int = -1
     stop: StopRequest | None = field(default=None, repr=False)
+    checkpointer: CheckpointWriter | None = field(default=None, repr=False)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -73,13 +74,15 @@ def fit(run: Run) -> None:
         if _due(run.step, ckpt.every_steps):
             save(run)
         if run.stop is not None and run.stop.agreed():
-            print(f"stop requested: saved step {run.step}, exiting", file=sys.stderr)
+            print(f"stop requested: saving step {run.step} and exiting", file=sys.stderr)
             save(run)
-            return
-    if eval_cfg.every_steps:
-        evaluate(run)
-    if ckpt.every_steps:
-        save(run)
+            break
+    else:
+        if eval_cfg.every_steps:
+            evaluate(run)
+        if ckpt.every_steps:
+            save(run)
+    run.checkpointer.wait()
 
 
 def _due(step: int, every: int) -> bool:
@@ -171,32 +174,28 @@ def sample_text(run: Run, max_new_tokens: int) -> str:
 
 
 def save(run: Run) -> None:
+    """Checkpoint the current step (collective: every rank calls it at the same step)."""
     if run.last_saved_step == run.step:
         return
     ctx = run.ctx
-    shared = {
-        "step": run.step,
-        "run_id": run.run_id,
-        "global_batch_size": run.batches.sampler.global_batch_size,
-        "model": unwrap(ctx.model).state_dict(),
-        "optimizer": ctx.optimizer.state_dict(),
-        "scheduler": ctx.scheduler.state_dict() if ctx.scheduler is not None else None,
-        "precision": ctx.precision.state_dict(),
-        "callbacks": ctx.callbacks.state_dict(),
-        "meter": {
-            "skipped": run.meter.skipped.cpu(),
-            "consecutive_skips": run.meter.consecutive_skips.cpu(),
-        },
-        "config": run.config_dict,
-    }
-    save_checkpoint(
-        run.checkpoint_dir,
-        run.step,
-        shared,
-        {"rng": rng_state()},
-        run.dist,
-        keep_last=run.cfg.checkpoint.keep_last,
-    )
+    shared = None
+    if run.dist.is_main:  # DDP: model and optimizer state are the same on every rank
+        shared = {
+            "step": run.step,
+            "run_id": run.run_id,
+            "global_batch_size": run.batches.sampler.global_batch_size,
+            "model": unwrap(ctx.model).state_dict(),
+            "optimizer": ctx.optimizer.state_dict(),
+            "scheduler": ctx.scheduler.state_dict() if ctx.scheduler is not None else None,
+            "precision": ctx.precision.state_dict(),
+            "callbacks": ctx.callbacks.state_dict(),
+            "meter": {
+                "skipped": run.meter.skipped.cpu(),
+                "consecutive_skips": run.meter.consecutive_skips.cpu(),
+            },
+            "config": run.config_dict,
+        }
+    run.checkpointer.save(run.step, shared, {"rng": rng_state()})
     run.last_saved_step = run.step
     run.meter.restart_clock()
 
