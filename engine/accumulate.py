@@ -22,6 +22,8 @@ from torch import nn
 from engine.distributed import all_reduce_sum, gradient_sync
 from engine.step import Batch, StepContext, StepResult
 
+_HALF = (torch.float16, torch.bfloat16)
+
 
 def count_window(ctx: StepContext, window: Sequence[Batch]) -> torch.Tensor:
     """Loss items of the whole window over all ranks: one all-reduce, before any forward."""
@@ -34,20 +36,23 @@ def backward_window(
 ) -> torch.Tensor:
     """Forward + backward every micro-batch; gradients accumulate in `.grad`.
 
-    Returns this rank's loss sum over the window (detached, fp32). Each graph is freed by its
+    Returns this rank's loss sum over the window (detached, fp32 or the loss's precision). Each graph is freed by its
     own backward; only the detached sum survives the loop.
     """
     # DDP divides the reduced gradient by world_size; multiplying here undoes that so the
     # result is the global mean. Guard against an all-padding window (count 0).
-    scale = ctx.dist.world_size / global_count.clamp(min=1).to(torch.float32)
-    loss_sum = torch.zeros((), device=ctx.dist.device, dtype=torch.float32)
+    count = global_count.clamp(min=1)
+    loss_sum: torch.Tensor | None = None
     last = len(window) - 1
     for i, batch in enumerate(window):
         with gradient_sync(ctx.model, enabled=i == last):
             with ctx.precision.autocast():
-                micro_sum = ctx.task.loss_sum(ctx.model, batch).float()
-            ctx.precision.backward(micro_sum * scale)
-        loss_sum += micro_sum.detach()
+                micro_sum = ctx.task.loss_sum(ctx.model, batch)
+            # Scale in the loss's own precision (at least fp32): float64 runs stay float64.
+            micro_sum = micro_sum.float() if micro_sum.dtype in _HALF else micro_sum
+            ctx.precision.backward(micro_sum * (ctx.dist.world_size / count.to(micro_sum.dtype)))
+        detached = micro_sum.detach()
+        loss_sum = detached if loss_sum is None else loss_sum + detached
     return loss_sum
 
 

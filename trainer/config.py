@@ -77,6 +77,8 @@ class ModelCfg:
     dropout: float = 0.0
     bias: bool = True
     activation_checkpointing: bool = False
+    # Train the blocks' linear layers with STE fake-quantized weights of this many bits.
+    fake_quant_bits: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):

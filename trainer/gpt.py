@@ -9,9 +9,28 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from engine.functional import fake_quantize
 from trainer.config import ModelCfg
 
 IGNORE_INDEX = -100
+
+
+class FakeQuantLinear(nn.Linear):
+    """A linear layer that trains with fake-quantized weights (straight-through estimator):
+    the forward sees `bits`-bit weights, the gradient reaches the full-precision ones."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, bits: int) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.bits = bits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, fake_quantize(self.weight, self.bits), self.bias)
+
+
+def linear(cfg: ModelCfg, n_in: int, n_out: int) -> nn.Linear:
+    if cfg.fake_quant_bits is None:
+        return nn.Linear(n_in, n_out, bias=cfg.bias)
+    return FakeQuantLinear(n_in, n_out, cfg.bias, cfg.fake_quant_bits)
 
 
 class CausalSelfAttention(nn.Module):
@@ -19,8 +38,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.qkv = linear(cfg, cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = linear(cfg, cfg.n_embd, cfg.n_embd)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,8 +57,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelCfg) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.fc = linear(cfg, cfg.n_embd, 4 * cfg.n_embd)
+        self.proj = linear(cfg, 4 * cfg.n_embd, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,8 +157,10 @@ class LanguageModelTask:
     def loss_sum(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
         logits = model(inputs)  # (B, T, V)
+        if logits.dtype != torch.float64:  # softmax in fp32 even under autocast
+            logits = logits.float()
         return F.cross_entropy(
-            logits.flatten(0, 1).float(),
+            logits.flatten(0, 1),
             targets.flatten(),
             ignore_index=IGNORE_INDEX,
             reduction="sum",
