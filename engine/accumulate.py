@@ -36,21 +36,21 @@ def backward_window(
 ) -> torch.Tensor:
     """Forward + backward every micro-batch; gradients accumulate in `.grad`.
 
-    Returns this rank's loss sum over the window (detached, fp32 or the loss's precision). Each graph is freed by its
-    own backward; only the detached sum survives the loop.
+    Returns this rank's loss sum over the window (detached; fp32, or the loss's own precision
+    when higher). Each graph is freed by its own backward; only the detached sum survives.
     """
-    # DDP divides the reduced gradient by world_size; multiplying here undoes that so the
-    # result is the global mean. Guard against an all-padding window (count 0).
+    # DDP divides the reduced gradient by world_size; multiplying by that divisor here undoes
+    # it, so the result is the global mean. Guard against an all-padding window (count 0).
     count = global_count.clamp(min=1)
     loss_sum: torch.Tensor | None = None
     last = len(window) - 1
     for i, batch in enumerate(window):
-        with gradient_sync(ctx.model, enabled=i == last):
+        with gradient_sync(ctx.model, enabled=i == last or ctx.sync_every_micro_batch):
             with ctx.precision.autocast():
                 micro_sum = ctx.task.loss_sum(ctx.model, batch)
             # Scale in the loss's own precision (at least fp32): float64 runs stay float64.
             micro_sum = micro_sum.float() if micro_sum.dtype in _HALF else micro_sum
-            ctx.precision.backward(micro_sum * (ctx.dist.world_size / count.to(micro_sum.dtype)))
+            ctx.precision.backward(micro_sum * (ctx.grad_sync_divisor / count.to(micro_sum.dtype)))
         detached = micro_sum.detach()
         loss_sum = detached if loss_sum is None else loss_sum + detached
     return loss_sum
@@ -58,10 +58,12 @@ def backward_window(
 
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of all `tensors` together, on the device (also for sharded DTensors)."""
-    norm = torch.nn.utils.get_total_norm(tensors, foreach=True)
-    if hasattr(norm, "full_tensor"):  # sharded (DTensor) gradients: reduce over shards
-        norm = norm.full_tensor()
-    return norm
+    return _local(torch.nn.utils.get_total_norm(tensors, foreach=True))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # A DTensor norm over FSDP shards: reduce it to the same plain tensor on every rank.
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def clip_gradients(
@@ -75,11 +77,11 @@ def clip_gradients(
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         raise RuntimeError("no parameter received a gradient: is the loss connected to the model?")
-    norm = total_norm(grads)
-    if max_norm is not None:
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if max_norm is not None:  # clip with the (possibly sharded) norm the gradients live with
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    found_inf = (~torch.isfinite(norm)).to(torch.float32)
-    return norm.detach(), found_inf
+    norm = _local(norm).detach()
+    return norm, (~torch.isfinite(norm)).to(torch.float32)
 
 
 class AccumulateStep:

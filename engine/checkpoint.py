@@ -285,6 +285,40 @@ def safe_load(path: Path) -> Any:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
 
 
+def model_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Full (unsharded) model and optimizer state keyed by parameter name, on the CPU.
+
+    Collective under a process group: every rank calls it; rank 0 receives the state, other
+    ranks empty dicts. The same format for one process, DDP and FSDP, so a checkpoint saved
+    with any of them on N ranks resumes with any other on M ranks.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+
+def load_model_optimizer_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
+) -> None:
+    """Load full state from `model_optimizer_state` into a (possibly sharded) model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optimizer_state,
+        options=StateDictOptions(full_state_dict=True),
+    )
+
+
 @dataclass
 class LoadedCheckpoint:
     path: Path

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,18 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return out
 
 
+def all_reduce_max(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    out = t.clone()
+    if info.distributed:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """FSDP2 modules gather parameters in every forward: all ranks must run forwards together."""
+    return hasattr(model, "set_requires_gradient_sync")
+
+
 def broadcast_object(obj: Any, info: DistInfo) -> Any:
     """Rank 0's `obj` on every rank (small Python values: run dir, run id)."""
     if not info.distributed:
@@ -108,14 +120,50 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
     return box[0]
 
 
-def wrap_model(model: nn.Module, info: DistInfo, strategy: str = "ddp") -> nn.Module:
-    """DDP around `model` when there is more than one rank; the bare model otherwise."""
+STRATEGIES = ("ddp", "fsdp")
+
+
+def wrap_model(
+    model: nn.Module,
+    info: DistInfo,
+    strategy: str = "ddp",
+    shard_modules: Sequence[nn.Module] = (),
+    param_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Make `model` data-parallel over the job's ranks (the bare model on one rank).
+
+    `ddp`: DistributedDataParallel. `fsdp`: FSDP2's `fully_shard` on each of `shard_modules`
+    (e.g. the transformer blocks) and the root; `param_dtype` (bf16) computes with low-precision
+    parameters and reduces gradients in fp32. FSDP's own division of gradients is turned off
+    (sum reduction): the step's global-count normalization is the only one (`sync_divisor`).
+    """
     if not info.distributed:
         return model
-    if strategy != "ddp":
-        raise ValueError(f"dist.strategy={strategy!r} is not supported; valid: ddp")
-    device_ids = [info.device.index] if info.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    if strategy == "ddp":
+        device_ids = [info.device.index] if info.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        for module in shard_modules:
+            fully_shard(module, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        for module in [*shard_modules, model]:  # a setting of each FSDP module, not inherited
+            module.set_gradient_divide_factor(1.0)
+            # gloo lacks PREMUL_SUM; plain sums are exact for every backend.
+            module.set_force_sum_reduction_for_comms(True)
+        return model
+    raise ValueError(f"dist.strategy={strategy!r} is not supported; valid: {', '.join(STRATEGIES)}")
+
+
+def sync_divisor(model: nn.Module, info: DistInfo) -> int:
+    """What the wrapper divides synchronized gradients by: world size for DDP (it averages),
+    1 for FSDP as wrapped here (it sums) and for a single rank."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return info.world_size
+    return 1
 
 
 @contextlib.contextmanager
@@ -123,8 +171,12 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Around forward *and* backward of a micro-batch: communicate gradients only if `enabled`.
 
     DDP's `no_sync` must cover the forward too (it records whether to reduce during forward).
+    FSDP2 keeps unsharded gradients until a micro-batch with sync enabled reduce-scatters them.
     """
-    if enabled or not hasattr(model, "no_sync"):
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+        yield
+    elif enabled or not hasattr(model, "no_sync"):
         yield
     else:
         with model.no_sync():

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engine.callbacks import CallbackList
-from engine.distributed import DistInfo
+from engine.distributed import DistInfo, sync_divisor
 from engine.precision import Precision
 
 Batch = Any
@@ -47,6 +47,14 @@ class StepContext:
     dist: DistInfo
     clip_grad_norm: float | None = None
     callbacks: CallbackList = field(default_factory=CallbackList)
+    # FSDP: reduce-scatter after every micro-batch instead of keeping unsharded gradients of
+    # the whole window (less memory, one collective per micro-batch).
+    sync_every_micro_batch: bool = False
+    # What the data-parallel wrapper divides synchronized gradients by (DDP averages).
+    grad_sync_divisor: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grad_sync_divisor = sync_divisor(self.model, self.dist)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

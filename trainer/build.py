@@ -111,13 +111,23 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
 
     seed_everything(cfg.seed)  # same initial weights on every rank
     model = build_model(cfg, splits, info)
+    fsdp = cfg.dist.strategy == "fsdp" and info.distributed
+    if cfg.train.compile:  # in place: parameter names (and checkpoints) stay the same
+        for module in model.blocks if fsdp else [model]:
+            module.compile()
+    wrapped = wrap_model(
+        model,
+        info,
+        cfg.dist.strategy,
+        shard_modules=list(model.blocks),
+        param_dtype=torch.bfloat16 if cfg.train.precision == "bf16" else None,
+    )
+    # After wrapping: FSDP replaces the parameters with sharded ones.
     optimizer = build_optimizer(cfg.optim, model, info.device)
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.train.max_steps)
     precision = Precision(cfg.train.precision, info.device.type)
-    if cfg.train.compile:
-        model = torch.compile(model)
     ctx = StepContext(
-        model=wrap_model(model, info, cfg.dist.strategy),
+        model=wrapped,
         optimizer=optimizer,
         scheduler=scheduler,
         task=LanguageModelTask(),
@@ -125,7 +135,12 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         dist=info,
         clip_grad_norm=cfg.train.clip_grad_norm,
         callbacks=build_callbacks(cfg.callbacks),
+        sync_every_micro_batch=cfg.dist.fsdp_sync_every_micro_batch,
     )
+    if fsdp and any(hasattr(cb, "weights_swapped") for cb in ctx.callbacks):
+        raise ConfigError(
+            "callbacks", "EMA of weights is not supported with dist.strategy=fsdp yet"
+        )
     if cfg.train.grad_norms == "per_layer":
         ctx.callbacks.named.setdefault("grad_norms_per_layer", GradNormsPerLayer())
     sampler = GlobalBatchSampler(len(splits.train), global_batch, cfg.seed)
@@ -169,6 +184,8 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         background=cfg.checkpoint.async_save,
         timeout_s=cfg.dist.timeout_s,
     )
+    if len(splits.val):
+        run.sample_prompt = splits.val[0][:32].unsqueeze(0).to(info.device)  # same on all ranks
     resume = find_resume(cfg, run.checkpoint_dir, info)
     if resume is not None:
         try:

@@ -12,6 +12,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from engine.distributed import STRATEGIES
 from engine.precision import PRECISIONS
 from trainer.errors import require
 
@@ -211,7 +212,10 @@ class CheckpointCfg:
 @dataclass
 class DistCfg:
     backend: str | None = None  # null: nccl with CUDA, gloo otherwise
-    strategy: str = "ddp"
+    strategy: str = "ddp"  # ddp | fsdp (FSDP2: shards params, grads, optimizer state)
+    # FSDP: reduce-scatter gradients after every micro-batch instead of keeping the window's
+    # unsharded gradients until the last one (less memory, more communication).
+    fsdp_sync_every_micro_batch: bool = False
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -220,7 +224,11 @@ class DistCfg:
             "dist.backend",
             f"must be null, nccl or gloo, got {self.backend!r}",
         )
-        require(self.strategy in ("ddp",), "dist.strategy", f"must be ddp, got {self.strategy!r}")
+        require(
+            self.strategy in STRATEGIES,
+            "dist.strategy",
+            f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}",
+        )
 
 
 @dataclass

@@ -10,7 +10,12 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint import CheckpointWriter, LoadedCheckpoint
+from engine.checkpoint import (
+    CheckpointWriter,
+    LoadedCheckpoint,
+    load_model_optimizer_state,
+    model_optimizer_state,
+)
 from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate_loss
 from engine.grad_stats import missing_gradients
@@ -44,6 +49,7 @@ class Run:
     config_dict: dict[str, Any]
     step: int = 0  # optimizer steps completed
     last_saved_step: int = -1
+    sample_prompt: torch.Tensor | None = None  # (1, T) opening of a validation sample
     stop: StopRequest | None = field(default=None, repr=False)
     checkpointer: CheckpointWriter | None = field(default=None, repr=False)
 
@@ -145,23 +151,23 @@ def evaluate(run: Run) -> dict[str, Any]:
             with cb.weights_swapped(model):
                 other, _ = evaluate_loss(model, ctx.task, run.val_batches, ctx.precision, run.dist)
             metrics[f"val/loss_{name}"] = other
-    if run.dist.is_main and run.cfg.eval.sample_tokens and run.val_batches:
-        metrics["val/sample"] = sample_text(run, run.cfg.eval.sample_tokens)
+    if run.cfg.eval.sample_tokens and run.sample_prompt is not None:
+        # Every rank generates (a sharded model's forward is collective); rank 0 records.
+        metrics["val/sample"] = sample_text(run, run.sample_prompt, run.cfg.eval.sample_tokens)
     write(run, {"step": run.step, **metrics})
     ctx.callbacks.evaluate(run.step, metrics)
     run.meter.restart_clock()
     return metrics
 
 
-def sample_text(run: Run, max_new_tokens: int) -> str:
-    """A continuation of the first validation sample's opening, decoded as UTF-8 bytes.
+def sample_text(run: Run, prompt: torch.Tensor, max_new_tokens: int) -> str:
+    """A continuation of `prompt` (1, T) byte ids, decoded as UTF-8.
 
     Uses its own seeded generator and eval mode, so training randomness is untouched.
     """
     model = unwrap(run.ctx.model)
     if not hasattr(model, "generate") or model.cfg.vocab_size != 256:
         return ""
-    prompt = run.val_batches[0][0][:1, :32]  # (1, T) byte ids
     gen = torch.Generator(run.dist.device).manual_seed(run.cfg.seed + run.step)
     was_training = model.training
     model.eval()
@@ -178,14 +184,15 @@ def save(run: Run) -> None:
     if run.last_saved_step == run.step:
         return
     ctx = run.ctx
+    model_state, optimizer_state = model_optimizer_state(ctx.model, ctx.optimizer)  # collective
     shared = None
-    if run.dist.is_main:  # DDP: model and optimizer state are the same on every rank
+    if run.dist.is_main:
         shared = {
             "step": run.step,
             "run_id": run.run_id,
             "global_batch_size": run.batches.sampler.global_batch_size,
-            "model": unwrap(ctx.model).state_dict(),
-            "optimizer": ctx.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": ctx.scheduler.state_dict() if ctx.scheduler is not None else None,
             "precision": ctx.precision.state_dict(),
             "callbacks": ctx.callbacks.state_dict(),
@@ -204,8 +211,7 @@ def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
     """Put the run exactly where checkpoint `ckpt` left it. Anything missing is an error."""
     s, ctx = ckpt.shared, run.ctx
     try:
-        unwrap(ctx.model).load_state_dict(s["model"])
-        ctx.optimizer.load_state_dict(s["optimizer"])
+        load_model_optimizer_state(ctx.model, ctx.optimizer, s["model"], s["optimizer"])
         if ctx.scheduler is not None:
             ctx.scheduler.load_state_dict(s["scheduler"])
         ctx.precision.load_state_dict(s["precision"])

@@ -1,0 +1,417 @@
+"""Every shipped config composes, validates and builds the component it configures.
+
+The config files are discovered from `configs/<group>/`, so a new file is covered without
+touching this module; a new *group* fails `test_every_group_has_a_builder_check` until a
+builder check is added below.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+from collections.abc import Callable
+
+import hydra
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from engine.callbacks import CallbackList
+from engine.distributed import DistInfo
+from engine.precision import Precision
+from engine.step import StepContext, StepResult
+from tests.conftest import CONFIG_DIR, compose_config
+from trainer.build import build_callbacks
+from trainer.cli import to_config
+from trainer.config import Config
+from trainer.data import collate, load_splits
+from trainer.errors import UserError
+from trainer.gpt import GPT, LanguageModelTask
+from trainer.optim import build_optimizer, build_scheduler
+
+CPU = torch.device("cpu")
+SMALL_MODEL = "model=gpt_tiny"
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def _groups() -> list[str]:
+    return sorted(
+        p.name for p in CONFIG_DIR.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))
+    )
+
+
+def _options(group: str) -> list[str]:
+    """Option names of a group, nested folders included (`a/b.yaml` -> `a/b`)."""
+    root = CONFIG_DIR / group
+    return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml"))
+
+
+def _default_groups() -> set[str]:
+    """Groups named in train.yaml's defaults list (those take `group=x`, others `+group=x`)."""
+    defaults = yaml.safe_load((CONFIG_DIR / "train.yaml").read_text()).get("defaults", [])
+    names = set()
+    for entry in defaults:
+        if isinstance(entry, dict):
+            for key in entry:
+                names.add(key.removeprefix("override ").removeprefix("optional ").strip("/ "))
+    return names
+
+
+def _select(group: str, name: str) -> str:
+    prefix = "" if group in _default_groups() else "+"
+    return f"{prefix}{group}={name}"
+
+
+ALL_CONFIGS = [(g, n) for g in _groups() for n in _options(g)]
+
+
+def _compose(overrides: list[str]) -> Config:
+    cfg, _ = to_config(compose_config(overrides))
+    return cfg
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def _tokens(cfg: Config, batch: int = 2, length: int = 8) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    t = min(length, cfg.model.block_size)
+    return torch.randint(0, cfg.model.vocab_size, (batch, t), generator=gen)
+
+
+def _lm_batch(cfg: Config, batch: int = 2, length: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    seq = _tokens(cfg, batch, min(length, cfg.model.block_size + 1))
+    return seq[:, :-1], seq[:, 1:]
+
+
+def check_model(cfg: Config) -> None:
+    model = GPT(cfg.model)
+    idx = _tokens(cfg)
+    logits = model(idx)
+    assert logits.shape == (*idx.shape, cfg.model.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+def check_data(cfg: Config) -> None:
+    splits = load_splits(cfg.data)
+    assert len(splits.train) > 0, f"{splits.description}: empty training split"
+    assert len(splits.val) > 0, f"{splits.description}: empty validation split"
+    assert splits.vocab_size <= cfg.model.vocab_size, "data does not fit the composed model"
+    for samples in (splits.train, splits.val):
+        first = samples[0]
+        assert 2 <= len(first) <= cfg.data.block_size + 1
+        inputs, targets = collate([samples[i] for i in range(min(4, len(samples)))])
+        assert inputs.shape == targets.shape and inputs.shape[1] <= cfg.model.block_size
+
+
+def check_optim(cfg: Config) -> None:
+    model = GPT(cfg.model)
+    opt = build_optimizer(cfg.optim, model, CPU)
+    expected_type = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}.get(cfg.optim.name)
+    if expected_type is not None:
+        assert type(opt) is expected_type
+    assert all(g["lr"] == pytest.approx(cfg.optim.lr) for g in opt.param_groups)
+    before = [p.detach().clone() for p in model.parameters()]
+    LanguageModelTask().loss_sum(model, _lm_batch(cfg)).backward()
+    opt.step()
+    after = list(model.parameters())
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(after, before)), "optimizer step was a no-op"
+
+
+def check_scheduler(cfg: Config) -> None:
+    opt = build_optimizer(cfg.optim, GPT(cfg.model), CPU)
+    sched = build_scheduler(cfg.scheduler, opt, cfg.train.max_steps)
+    peak = cfg.optim.lr
+    lrs = []
+    for _ in range(cfg.train.max_steps + 5):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()  # no gradients: a no-op that keeps LambdaLR's call-order check quiet
+        sched.step()
+    assert all(0 < lr <= peak * (1 + 1e-9) for lr in lrs), lrs
+    warmup = cfg.scheduler.warmup_steps
+    if warmup < cfg.train.max_steps:
+        assert lrs[warmup] == pytest.approx(peak), "peak lr not reached after warmup"
+    if warmup > 0:
+        assert lrs[0] < peak, "warmup does not start below the peak"
+
+
+def check_logger(cfg: Config) -> None:
+    # Validation already ran in to_config; W&B itself is not started here.
+    assert cfg.logger.name in ("wandb", "none")
+    if cfg.logger.name == "wandb":
+        assert cfg.logger.project, "logger.project must name a W&B project"
+        assert importlib.util.find_spec("wandb") is not None, "logger=wandb needs wandb installed"
+
+
+def check_step(cfg: Config) -> None:
+    step_fn = hydra.utils.instantiate(cfg.step)
+    assert callable(step_fn)
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    opt = build_optimizer(cfg.optim, model, CPU)
+    ctx = StepContext(
+        model=model,
+        optimizer=opt,
+        scheduler=build_scheduler(cfg.scheduler, opt, cfg.train.max_steps),
+        task=LanguageModelTask(),
+        precision=Precision("fp32", "cpu"),
+        dist=DistInfo(),
+        clip_grad_norm=cfg.train.clip_grad_norm,
+        callbacks=build_callbacks(cfg.callbacks),
+    )
+    window = [_lm_batch(cfg), _lm_batch(cfg, batch=3)]
+    before = [p.detach().clone() for p in model.parameters()]
+    result = step_fn(ctx, window)
+    assert isinstance(result, StepResult)
+    assert int(result.global_count) == sum(t.numel() for _, t in window)
+    assert torch.isfinite(result.loss_sum) and torch.isfinite(result.grad_norm)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def check_callbacks(cfg: Config) -> None:
+    callbacks = build_callbacks(cfg.callbacks)
+    assert isinstance(callbacks, CallbackList)
+    assert set(callbacks.named) == set(cfg.callbacks)
+
+
+def check_experiment(cfg: Config) -> None:
+    """An experiment configures a whole run: build every component of it."""
+    for check in (check_model, check_optim, check_scheduler, check_logger, check_step):
+        check(cfg)
+    check_callbacks(cfg)
+    check_data(cfg)
+
+
+BUILDERS: dict[str, Callable[[Config], None]] = {
+    "model": check_model,
+    "data": check_data,
+    "optim": check_optim,
+    "scheduler": check_scheduler,
+    "logger": check_logger,
+    "step": check_step,
+    "callbacks": check_callbacks,
+    "experiment": check_experiment,
+}
+# Groups whose checks build a model: use the small one unless the group picks the model itself.
+NEEDS_SMALL_MODEL = {"optim", "scheduler", "step", "callbacks", "logger"}
+
+
+def test_configs_are_discovered() -> None:
+    """Guards the discovery itself: an empty list would make the main test vacuous."""
+    found = set(ALL_CONFIGS)
+    for expected in [("model", "gpt_tiny"), ("optim", "adamw"), ("scheduler", "cosine")]:
+        assert expected in found, f"{expected} not discovered under {CONFIG_DIR}"
+
+
+def test_every_group_has_a_builder_check() -> None:
+    """A new config group needs a check here, or its configs would only be composed."""
+    missing = [g for g in _groups() if g not in BUILDERS]
+    assert not missing, f"config groups without an instantiation check: {missing}"
+
+
+@pytest.mark.parametrize(("group", "name"), ALL_CONFIGS, ids=[f"{g}={n}" for g, n in ALL_CONFIGS])
+def test_config_composes_and_instantiates(group: str, name: str) -> None:
+    """`<group>=<name>` composes, passes validation, and builds with the real builders."""
+    overrides = [_select(group, name)]
+    if group in NEEDS_SMALL_MODEL:
+        overrides.insert(0, SMALL_MODEL)
+    if group == "scheduler":
+        overrides.append("train.max_steps=120")  # enough for any warmup shipped, still fast
+    cfg = _compose(overrides)
+    if group not in BUILDERS:
+        pytest.fail(f"no instantiation check for config group {group!r}")
+    BUILDERS[group](cfg)
+
+
+# --------------------------------------------------------------------------- the contract
+
+CONTRACT_KEYS = [
+    "seed",
+    "train.max_steps",
+    "train.micro_batch_size",
+    "train.grad_accum_steps",
+    "train.global_batch_size",
+    "train.clip_grad_norm",
+    "train.precision",
+    "train.log_every",
+    "train.compile",
+    "optim.lr",
+    "scheduler.warmup_steps",
+    "model.dropout",
+    "model.activation_checkpointing",
+    "data.packed",
+    "eval.every_steps",
+    "checkpoint.every_steps",
+    "checkpoint.keep_last",
+    "checkpoint.resume",
+    "dist.backend",
+    "dist.strategy",
+    "step",
+    "callbacks",
+]
+
+
+def test_contract_keys_exist_in_default_config() -> None:
+    """Every key CONTRACT.md promises is in the composed default config and the schema."""
+    raw = compose_config([])
+    validated = _compose([])
+    for key in CONTRACT_KEYS:
+        node, obj = raw, validated
+        for part in key.split("."):
+            assert part in node, f"contract key {key!r} missing from the composed config"
+            node = node[part]
+            obj = getattr(obj, part)
+
+
+def test_contract_defaults() -> None:
+    """Defaults the contract names: W&B logger, accumulate step, ddp, resume=auto."""
+    cfg = _compose([])
+    assert cfg.logger.name == "wandb"
+    assert cfg.step["_target_"] == "engine.accumulate.AccumulateStep"
+    assert cfg.dist.strategy == "ddp"
+    assert cfg.dist.backend is None  # chosen by device: nccl with CUDA, gloo otherwise
+    assert cfg.checkpoint.resume == "auto"
+    assert cfg.train.precision == "fp32"
+    assert cfg.callbacks == {}
+
+
+CONTRACT_VALUES = [
+    "train.precision=fp32",
+    "train.precision=bf16",
+    "train.precision=fp16",
+    "train.clip_grad_norm=null",
+    "train.global_batch_size=64",
+    "train.compile=true",
+    "model.activation_checkpointing=true",
+    "model.dropout=0.1",
+    "data.packed=false",
+    "eval.every_steps=0",
+    "checkpoint.every_steps=0",
+    "checkpoint.resume=never",
+    "checkpoint.resume=/some/run/checkpoints/step_00000010",
+    "dist.backend=gloo",
+    "dist.backend=nccl",
+    "dist.strategy=ddp",
+    "dist.strategy=fsdp",
+    "logger=none",
+    "logger=wandb",
+    "model=gpt_tiny",
+    "step=accumulate",
+    "step=sam",
+]
+
+
+@pytest.mark.parametrize("override", CONTRACT_VALUES)
+def test_contract_values_validate(override: str) -> None:
+    """Each value CONTRACT.md documents as valid composes and passes validation."""
+    try:
+        _compose([SMALL_MODEL, override])
+    except UserError as exc:
+        pytest.fail(f"{override} is documented as valid but rejected: {exc}")
+    except Exception as exc:  # Hydra: unknown group option
+        pytest.fail(f"{override} is documented as valid but does not compose: {exc}")
+
+
+# --------------------------------------------------------------------------- optimizer groups
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_no_weight_decay_on_biases_norms_embeddings(bias: bool) -> None:
+    """Decay only the Linear weight matrices; identified by identity, not by name."""
+    cfg = _compose([SMALL_MODEL, "optim=adamw", f"model.bias={str(bias).lower()}"])
+    assert cfg.optim.weight_decay > 0, "the check needs a decaying optimizer config"
+    model = GPT(cfg.model)
+    opt = build_optimizer(cfg.optim, model, CPU)
+
+    no_decay: set[int] = set()
+    matrices: set[int] = set()
+    for module in model.modules():
+        bias_param = getattr(module, "bias", None)
+        if isinstance(bias_param, nn.Parameter):
+            no_decay.add(id(bias_param))
+        if isinstance(module, (nn.LayerNorm, nn.Embedding)):
+            no_decay.update(id(p) for p in module.parameters(recurse=False))
+        if isinstance(module, nn.Linear):
+            matrices.add(id(module.weight))
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay_expected = matrices - embeddings  # the tied lm_head weight is the token embedding
+    assert no_decay and decay_expected
+
+    decay_of: dict[int, float] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            assert id(p) not in decay_of, "a parameter appears in two groups"
+            decay_of[id(p)] = group["weight_decay"]
+    all_params = {id(p) for p in model.parameters()}
+    assert set(decay_of) == all_params, "param groups must cover every parameter exactly once"
+    wrongly_decayed = [i for i in no_decay if decay_of[i] != 0.0]
+    assert not wrongly_decayed, "biases / LayerNorm / embeddings must have weight_decay=0"
+    for i in decay_expected:
+        assert decay_of[i] == pytest.approx(cfg.optim.weight_decay)
+    # the tied output head shares the embedding and so is not decayed
+    assert decay_of[id(model.lm_head.weight)] == 0.0
+    assert model.lm_head.weight is model.tok_emb.weight
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+def _lrs(overrides: list[str], n: int) -> list[float]:
+    """The lr each of the first n optimizer updates uses, from the real builders."""
+    cfg = _compose([SMALL_MODEL, *overrides])
+    opt = build_optimizer(cfg.optim, GPT(cfg.model), CPU)
+    sched = build_scheduler(cfg.scheduler, opt, cfg.train.max_steps)
+    out = []
+    for _ in range(n):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_warmup_cosine_values() -> None:
+    """Warmup 4, decay to 0.1 x peak at step 12, peak 0.01: values worked out by hand.
+
+    Update s (0-based) uses (s+1)/(W+1) during warmup, then
+    min + (1-min) * (1 + cos(pi * (s-W)/(T-W))) / 2, and min from T on.
+    """
+    lrs = _lrs(
+        [
+            "scheduler=cosine",
+            "scheduler.warmup_steps=4",
+            "scheduler.min_lr_ratio=0.1",
+            "train.max_steps=12",
+            "optim.lr=0.01",
+        ],
+        16,
+    )
+    peak, lo = 0.01, 0.001
+    expected = {
+        0: peak * 1 / 5,
+        1: peak * 2 / 5,
+        3: peak * 4 / 5,
+        4: peak,  # end of warmup: the peak
+        6: lo + (peak - lo) * (1 + math.sqrt(0.5)) / 2,  # progress 1/4: cos = sqrt(2)/2
+        8: lo + (peak - lo) / 2,  # halfway: cos(pi/2) = 0
+        10: lo + (peak - lo) * (1 - math.sqrt(0.5)) / 2,  # progress 3/4
+        12: lo,  # train.max_steps: the floor
+        15: lo,  # past the end it stays there
+    }
+    for step, value in expected.items():
+        assert lrs[step] == pytest.approx(value, rel=1e-9), f"lr at update {step}"
+    decay = lrs[4:13]
+    assert all(a >= b for a, b in itertools.pairwise(decay)), "cosine decay must not increase"
+
+
+def test_warmup_constant_values() -> None:
+    """Constant schedule: linear warmup over 3 updates, then exactly the peak forever."""
+    lrs = _lrs(
+        ["scheduler=constant", "scheduler.warmup_steps=3", "train.max_steps=8", "optim.lr=0.02"],
+        10,
+    )
+    assert lrs == pytest.approx([0.005, 0.01, 0.015] + [0.02] * 7, rel=1e-9)
