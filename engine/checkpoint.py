@@ -245,16 +245,23 @@ def verify(path: Path) -> dict[str, Any]:
             f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, "
             f"expected {FORMAT!r})"
         )
-    for name, meta in manifest["files"].items():
+    try:
+        files = {str(n): (int(m["size"]), str(m["sha256"])) for n, m in manifest["files"].items()}
+        int(manifest["step"]), int(manifest["world_size"])  # both must be integers
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path} has a malformed manifest ({exc!r} missing or wrong)"
+        ) from None
+    for name, (size, sha256) in files.items():
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{path} is incomplete: {name} is missing")
-        if f.stat().st_size != meta["size"]:
+        if f.stat().st_size != size:
             raise CheckpointError(
                 f"{path} is corrupt: {name} has {f.stat().st_size} bytes, manifest says "
-                f"{meta['size']} (truncated write?)"
+                f"{size} (truncated write?)"
             )
-        if _sha256(f) != meta["sha256"]:
+        if _sha256(f) != sha256:
             raise CheckpointError(f"{path} is corrupt: {name} does not match its checksum")
     return manifest
 

@@ -3,10 +3,14 @@ errors into one paragraph and an exit code."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 import sys
 import traceback
+import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
@@ -14,14 +18,62 @@ from omegaconf.errors import OmegaConfBaseException
 
 from engine.distributed import DistInfo, init_distributed, shutdown_distributed
 from trainer.config import Config
-from trainer.errors import UserError
+from trainer.errors import ConfigError, UserError
 
 T = TypeVar("T")
 EXIT_USER_ERROR = 2
 
 
+def unknown_key(parts: list[str], schema: type = Config) -> ConfigError | None:
+    """The error for dotted key `parts` if the schema has no such key; None if it has (or the
+    key lies under a free-form node such as `step` or `callbacks`)."""
+    for i, part in enumerate(parts):
+        hints = typing.get_type_hints(schema)
+        names = [f.name for f in dataclasses.fields(schema)]
+        if part not in names:
+            key = ".".join(parts[: i + 1])
+            where = ".".join(parts[:i]) or "the root config"
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f"Did you mean `{'.'.join([*parts[:i], close[0]])}`? " if close else ""
+            return ConfigError(
+                key, f"unknown key. {hint}Valid keys of {where}: {', '.join(sorted(names))}."
+            )
+        if not dataclasses.is_dataclass(hints[part]):
+            return None
+        schema = hints[part]
+    return None
+
+
+def check_overrides(args: list[str], config_dir: Path) -> None:
+    """Reject command-line overrides of unknown keys before Hydra composes, in one paragraph
+    that lists the valid keys (Hydra's own message does not, and `+key=` would pass)."""
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key = arg.split("=", 1)[0].lstrip("+~")
+        parts = key.split(".")
+        if parts[0] == "hydra" or (len(parts) == 1 and (config_dir / key).is_dir()):
+            continue  # Hydra's own settings; a config group choice such as model=gpt_tiny
+        error = unknown_key(parts)
+        if error is not None:
+            raise error
+
+
+def _check_composed(cfg: DictConfig, schema: type = Config, parts: tuple[str, ...] = ()) -> None:
+    """Keys that reached the composed config without a place in the schema (a `+key=` in a
+    config file): `OmegaConf.to_object` would drop them silently."""
+    hints = typing.get_type_hints(schema)
+    for key in map(str, cfg):
+        error = unknown_key([*parts, key])
+        if error is not None:
+            raise error
+        if dataclasses.is_dataclass(hints.get(key)):
+            _check_composed(cfg[key], hints[key], (*parts, key))
+
+
 def to_config(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
     """Validated dataclasses (runs every `__post_init__`) and the resolved plain dict."""
+    _check_composed(cfg)
     try:
         obj = OmegaConf.to_object(cfg)
         plain = OmegaConf.to_container(cfg, resolve=True)
@@ -35,6 +87,13 @@ def to_config(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def exit_with(error: UserError) -> None:
+    """Print a user error once (rank 0 under torchrun: every rank sees the same input)."""
+    if _rank() == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
 
 
 def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInfo], T]) -> T:

@@ -110,7 +110,7 @@ def load_splits(cfg: DataCfg) -> Splits:
     """Read `cfg.path` into train and validation samples; bad paths are a UserError."""
     if cfg.path == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
-        return _split_files(sorted(root.glob("*.py")), cfg, f"Python {root.name} stdlib sources")
+        return _split_files(sorted(root.glob(cfg.glob)), cfg, f"Python {root.name} stdlib sources")
     path = Path(cfg.path).expanduser()
     if not path.exists():
         raise UserError(

@@ -207,6 +207,16 @@ def save(run: Run) -> None:
     run.meter.restart_clock()
 
 
+def summarize(exc: BaseException) -> str:
+    """The first line of a long load_state_dict error, with how many more it had."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    detail = [ln for ln in lines[1:] if not ln.endswith(":")]
+    more = f" (and {len(detail) - 1} more)" if len(detail) > 1 else ""
+    return f"{lines[0].rstrip(':.')}{': ' + detail[0] if detail else ''}{more}"
+
+
 def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
     """Put the run exactly where checkpoint `ckpt` left it. Anything missing is an error."""
     s, ctx = ckpt.shared, run.ctx
@@ -218,10 +228,10 @@ def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
         ctx.callbacks.load_state_dict(s["callbacks"])
         run.meter.skipped.copy_(s["meter"]["skipped"])
         run.meter.consecutive_skips.copy_(s["meter"]["consecutive_skips"])
-    except (KeyError, RuntimeError, ValueError) as exc:
+    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
         raise UserError(
-            f"checkpoint {ckpt.path} does not fit this run: {exc}. Resume with the model, "
-            "optimizer and callbacks it was saved with, or pass checkpoint.resume=never."
+            f"checkpoint {ckpt.path} does not fit this run: {summarize(exc)}. Resume with the "
+            "model, optimizer and callbacks it was saved with, or pass checkpoint.resume=never."
         ) from None
     run.step = run.last_saved_step = ckpt.step
     run.run_id = s["run_id"]

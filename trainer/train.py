@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,9 @@ from omegaconf import DictConfig
 
 from engine.distributed import DistInfo
 from trainer.build import build_run
-from trainer.cli import run_command
+from trainer.cli import check_overrides, exit_with, run_command
 from trainer.config import Config, register_configs
+from trainer.errors import UserError
 from trainer.fit import fit
 from trainer.identity import register_resolvers
 
@@ -39,4 +41,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    try:
+        check_overrides(sys.argv[1:], Path(__file__).resolve().parent.parent / "configs")
+    except UserError as exc:
+        exit_with(exc)
     main()
