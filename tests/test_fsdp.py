@@ -1,0 +1,105 @@
+"""FSDP2 (`dist.strategy=fsdp`) follows DDP, and checkpoints reshard across strategies and
+world sizes. gloo on CPU, 2 ranks."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY, explain, read_metrics, run_cli, run_torchrun
+
+pytestmark = pytest.mark.multiproc
+
+COMMON = [
+    *TINY,
+    "data.packed=false",
+    "train.max_steps=8",
+    "eval.every_steps=4",
+    "eval.max_batches=3",
+    "eval.batch_size=5",  # 15 validation samples: shards of 8 and 7
+    "eval.sample_tokens=8",
+    "checkpoint.every_steps=4",
+]
+TWO_RANKS = ["train.micro_batch_size=4", "train.grad_accum_steps=2"]
+ONE_RANK = ["train.micro_batch_size=8", "train.grad_accum_steps=2"]
+
+
+def by_step(run_dir: Path) -> dict[tuple[int, str], dict]:
+    """Last record of each (step, kind): a resumed run repeats steps it redid."""
+    out = {}
+    for r in read_metrics(run_dir):
+        out[(r["step"], "train" if "train/loss" in r else "val")] = r
+    return out
+
+
+def assert_same_trajectory(got: dict, want: dict, tol: float = 1e-5) -> None:
+    assert got, "no records"
+    for key, record in got.items():
+        ref = want[key]
+        for name in ("train/loss", "train/grad_norm", "val/loss"):
+            if name in ref:
+                assert record[name] == pytest.approx(ref[name], rel=tol, abs=tol), (key, name)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("ddp") / "run"
+    proc = run_torchrun(2, [*COMMON, *TWO_RANKS, f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, explain(proc)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
+    proc = run_torchrun(2, [*COMMON, *TWO_RANKS, "dist.strategy=fsdp", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, explain(proc)
+    return run_dir
+
+
+def test_fsdp_follows_ddp(ddp_run: Path, fsdp_run: Path) -> None:
+    """Same losses, unscaled grad norms (clipping active at 1.0) and validation losses."""
+    fsdp, ddp = by_step(fsdp_run), by_step(ddp_run)
+    assert set(fsdp) == set(ddp)
+    assert ddp[(1, "train")]["train/grad_norm"] > 1.0  # so clipping did something
+    assert_same_trajectory(fsdp, ddp)
+    # Generation runs in lockstep on every rank; rank 0's sample matches DDP's.
+    assert fsdp[(8, "val")]["val/sample"] == ddp[(8, "val")]["val/sample"]
+
+
+def test_fsdp_sync_every_micro_batch(ddp_run: Path, tmp_path: Path) -> None:
+    """Reduce-scattering every micro-batch changes memory and traffic, not the result."""
+    run_dir = tmp_path / "run"
+    args = [*COMMON, *TWO_RANKS, "dist.strategy=fsdp", "dist.fsdp_sync_every_micro_batch=true"]
+    proc = run_torchrun(2, [*args, "checkpoint.every_steps=0", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, explain(proc)
+    assert_same_trajectory(by_step(run_dir), by_step(ddp_run))
+
+
+def resume_from(source: Path, step: int, dest: Path) -> Path:
+    """A fresh run dir holding only checkpoint `step` of `source`."""
+    name = f"step_{step:08d}"
+    shutil.copytree(source / "checkpoints" / name, dest / "checkpoints" / name)
+    return dest
+
+
+def test_fsdp_checkpoint_resumes_on_one_process(fsdp_run: Path, ddp_run: Path, tmp_path: Path):
+    """Saved sharded on 2 ranks, resumed unsharded on 1: continues the same trajectory."""
+    run_dir = resume_from(fsdp_run, 4, tmp_path / "run")
+    proc = run_cli([*COMMON, *ONE_RANK, f"hydra.run.dir={run_dir}"], timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
+    got = by_step(run_dir)
+    assert min(step for step, _ in got) == 5  # continued after step 4, did not start over
+    assert_same_trajectory(got, by_step(ddp_run))
+
+
+def test_ddp_checkpoint_resumes_under_fsdp(ddp_run: Path, tmp_path: Path) -> None:
+    """A DDP checkpoint resumes sharded under FSDP, and an FSDP one under DDP."""
+    run_dir = resume_from(ddp_run, 4, tmp_path / "to_fsdp")
+    args = [*COMMON, *TWO_RANKS, f"hydra.run.dir={run_dir}"]
+    proc = run_torchrun(2, [*args, "dist.strategy=fsdp"])
+    assert proc.returncode == 0, explain(proc)
+    assert_same_trajectory(by_step(run_dir), by_step(ddp_run))
