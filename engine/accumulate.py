@@ -58,7 +58,14 @@ def backward_window(
 
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of all `tensors` together, on the device (also for sharded DTensors)."""
-    return _local(torch.nn.utils.get_total_norm(tensors, foreach=True))
+    return _local(_norm(tensors))
+
+
+def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    # Squares summed in float64: finite gradients up to ~1e150 never overflow to an inf norm
+    # (fp32 overflows from ~1e19), so "inf norm" means a gradient really is non-finite.
+    per_tensor = torch._foreach_norm(tensors, 2.0, dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.stack(per_tensor)).float()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -77,7 +84,7 @@ def clip_gradients(
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         raise RuntimeError("no parameter received a gradient: is the loss connected to the model?")
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    norm = _norm(grads)
     if max_norm is not None:  # clip with the (possibly sharded) norm the gradients live with
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     norm = _local(norm).detach()

@@ -125,8 +125,18 @@ def check_divergence(run: Run) -> None:
             f"gradients and were skipped (train.max_consecutive_skips="
             f"{run.cfg.train.max_consecutive_skips}); stopping. Parameters were never updated "
             f"with them and the last checkpoint (step {max(run.last_saved_step, 0)}) is intact. "
-            "Lower optim.lr, enable train.clip_grad_norm, or try train.precision=fp32."
+            + divergence_hints(run.cfg)
         )
+
+
+def divergence_hints(cfg: Config) -> str:
+    hints = [f"lower optim.lr (now {cfg.optim.lr:g})"]
+    if cfg.train.clip_grad_norm is None:
+        hints.append("set train.clip_grad_norm (e.g. 1.0)")
+    if cfg.train.precision != "fp32":
+        hints.append("try train.precision=fp32")
+    hints.append("find the first non-finite value with train.detect_anomaly=true")
+    return "Try: " + "; ".join(hints) + "."
 
 
 def write(run: Run, record: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -28,6 +29,7 @@ def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> 
     try:
         fit(run)
     finally:
+        torch.autograd.set_detect_anomaly(False)  # process-wide; don't leak into later runs
         for sink in run.sinks:
             sink.close()
         if run.stop is not None:
