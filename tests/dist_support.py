@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from engine.callbacks import Callback
@@ -35,7 +36,11 @@ class RaiseOnRank(Callback):
 
     def on_after_optimizer_step(self, ctx: StepContext, step: int) -> None:
         if int(os.environ.get("RANK", "0")) == self.rank and step == self.step:
-            raise RuntimeError(f"RaiseOnRank: deliberate failure on rank {self.rank} step {step}")
+            # The time lets a test measure failure -> job exit independently of startup time.
+            raise RuntimeError(
+                f"RaiseOnRank: deliberate failure on rank {self.rank} step {step} "
+                f"at unix time {time.time():.3f}"
+            )
 
 
 class MicroCounter:

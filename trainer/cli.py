@@ -89,6 +89,18 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def is_peer_failure(exc: BaseException) -> bool:
+    """A collective that failed because another rank died or hung up."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistNetworkError", ())):
+        return True
+    text = str(exc)
+    return any(
+        s in text for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+    )
+
+
 def exit_with(error: UserError) -> None:
     """Print a user error once (rank 0 under torchrun: every rank sees the same input)."""
     if _rank() == 0:
@@ -104,17 +116,26 @@ def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInf
         info = init_distributed(config.dist.backend, config.train.device, config.dist.timeout_s)
         result = body(config, plain, info)
     except UserError as exc:
-        # Config errors hit every rank alike: one copy is enough. Others name their rank.
-        if info is None or not info.distributed:
+        # Config, batch arithmetic and divergence errors hit every rank alike: rank 0 speaks.
+        # Others (a data file missing on one node) name their rank.
+        if info is None or not info.distributed or getattr(exc, "all_ranks", False):
             if _rank() == 0:
                 print(f"error: {exc}", file=sys.stderr, flush=True)
         else:
             print(f"error (rank {info.rank}): {exc}", file=sys.stderr, flush=True)
         shutdown_distributed(clean=False)
         sys.exit(EXIT_USER_ERROR)
-    except Exception:
-        prefix = f"[rank {info.rank}] " if info is not None and info.distributed else ""
-        print(f"{prefix}training failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    except Exception as exc:
+        rank = info.rank if info is not None and info.distributed else None
+        if rank is not None and is_peer_failure(exc):
+            # The rank that failed prints its own error; a wall of gloo/NCCL frames here
+            # would only bury it.
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(f"[rank {rank}] stopped: another rank failed ({first[:200]})", file=sys.stderr)
+        else:
+            prefix = f"[rank {rank}] " if rank is not None else ""
+            print(f"{prefix}training failed:\n{traceback.format_exc()}", file=sys.stderr)
+        sys.stderr.flush()
         shutdown_distributed(clean=False)
         sys.exit(1)
     shutdown_distributed(clean=True)

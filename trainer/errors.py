@@ -6,8 +6,13 @@ from __future__ import annotations
 class UserError(Exception):
     """Bad input from the user (config, data, checkpoint). Printed without a traceback."""
 
+    # True when every rank raises the same error (rank 0 alone prints it).
+    all_ranks = False
+
 
 class ConfigError(UserError):
+    all_ranks = True
+
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"invalid config `{key}`: {message}")
         self.key = key

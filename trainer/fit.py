@@ -29,7 +29,9 @@ from trainer.preemption import StopRequest
 
 
 class TrainingDiverged(UserError):
-    """Too many consecutive optimizer steps had non-finite gradients."""
+    """Too many consecutive optimizer steps had non-finite gradients (on every rank alike)."""
+
+    all_ranks = True
 
 
 @dataclass
