@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
@@ -35,6 +36,8 @@ TINY = [
 
 register_configs()
 register_resolvers()
+# In-process runs share 2 cores with the subprocesses tests launch; threads only contend.
+torch.set_num_threads(1)
 
 
 def compose_config(overrides: list[str]) -> DictConfig:

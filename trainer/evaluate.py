@@ -72,7 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         path, overrides = parse_args(argv)
         if not path.exists():
-            raise UserError(f"checkpoint: {path} does not exist")
+            raise UserError(
+                f"checkpoint: {path} does not exist; expected a checkpoint directory such as "
+                "RUN_DIR/checkpoints/step_NNNNNNNN"
+            )
         verify(path)
         saved = safe_load(path / SHARED)["config"]
         cfg = OmegaConf.merge(
