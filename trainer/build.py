@@ -59,6 +59,18 @@ def build_model(cfg: Config, splits: Splits, info: DistInfo) -> torch.nn.Module:
     return GPT(cfg.model).to(info.device)
 
 
+def build_val_batches(cfg: Config, splits: Splits, info: DistInfo) -> list[Any]:
+    """This rank's share of the validation set (the same set for any world size)."""
+    return eval_batches(
+        splits.val,
+        rank=info.rank,
+        world_size=info.world_size,
+        batch_size=cfg.eval.batch_size,
+        max_batches=cfg.eval.max_batches,
+        device=info.device,
+    )
+
+
 def build_callbacks(specs: dict[str, Any]) -> CallbackList:
     callbacks = {}
     for name, spec in specs.items():
@@ -153,14 +165,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         grad_accum_steps=accum,
         device=info.device,
     )
-    val = eval_batches(
-        splits.val,
-        rank=info.rank,
-        world_size=info.world_size,
-        batch_size=cfg.eval.batch_size,
-        max_batches=cfg.eval.max_batches,
-        device=info.device,
-    )
+    val = build_val_batches(cfg, splits, info)
     run = Run(
         cfg=cfg,
         dist=info,

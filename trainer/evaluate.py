@@ -3,74 +3,86 @@
 Rebuilds model and data from the checkpoint's own config, applies the overrides (e.g.
 `eval.max_batches=null` for the whole validation split, `data.path=...`), evaluates, and
 prints the metrics as one JSON object on the last line of stdout. Writes nothing.
+`weights=ema` evaluates the EMA callback's averaged weights instead of the trained ones.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 
 from engine.checkpoint import SHARED, CheckpointError, load_checkpoint, safe_load, verify
 from engine.distributed import DistInfo
 from engine.evaluate import evaluate_loss
 from engine.precision import Precision
-from trainer.build import build_model
+from trainer.build import build_model, build_val_batches
 from trainer.cli import run_command
 from trainer.config import Config
-from trainer.data import eval_batches, load_splits
+from trainer.data import load_splits
 from trainer.errors import UserError
+from trainer.fit import val_metrics
 from trainer.gpt import LanguageModelTask
 
-USAGE = "usage: python -m trainer.evaluate checkpoint=PATH [key=value ...]"
+USAGE = "usage: python -m trainer.evaluate checkpoint=PATH [weights=model|ema] [key=value ...]"
 
 
-def parse_args(argv: list[str]) -> tuple[Path, list[str]]:
+def parse_args(argv: list[str]) -> tuple[Path, str, list[str]]:
+    """`checkpoint=PATH`, `weights=model|NAME` (a weight-averaging callback such as `ema`),
+    and the config overrides."""
     ckpt = [a.split("=", 1)[1] for a in argv if a.startswith("checkpoint=")]
-    rest = [a for a in argv if not a.startswith("checkpoint=")]
+    weights = [a.split("=", 1)[1] for a in argv if a.startswith("weights=")]
+    rest = [a for a in argv if not a.startswith(("checkpoint=", "weights="))]
     if len(ckpt) != 1 or not ckpt[0]:
         raise UserError(f"checkpoint=PATH is required exactly once. {USAGE}")
     bad = [a for a in rest if "=" not in a]
     if bad:
         raise UserError(f"overrides must look like key=value, got {bad}. {USAGE}")
-    return Path(ckpt[0]).expanduser(), rest
+    return Path(ckpt[0]).expanduser(), (weights or ["model"])[-1], rest
 
 
-def evaluate_checkpoint(path: Path, cfg: Config, info: DistInfo) -> dict[str, Any]:
+def load_weights(model: torch.nn.Module, shared: dict[str, Any], weights: str) -> None:
+    """The trained weights, or those a callback averaged (its `shadow`, in parameter order)."""
+    model.load_state_dict(shared["model"])
+    if weights == "model":
+        return
+    state = shared.get("callbacks", {}).get(weights)
+    if not state or state.get("shadow") is None:
+        have = [n for n, s in shared.get("callbacks", {}).items() if s.get("shadow") is not None]
+        raise UserError(
+            f"weights={weights}: the checkpoint holds no averaged weights of that name; valid: "
+            f"model{''.join(', ' + n for n in have)}"
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for p, avg in zip(params, state["shadow"], strict=True):
+            p.copy_(avg)
+
+
+def evaluate_checkpoint(
+    path: Path, cfg: Config, info: DistInfo, weights: str = "model"
+) -> dict[str, Any]:
     try:
         ckpt = load_checkpoint(path, info)
     except CheckpointError as exc:
         raise UserError(f"checkpoint: {exc}") from None
     splits = load_splits(cfg.data)
     model = build_model(cfg, splits, info)
-    model.load_state_dict(ckpt.shared["model"])
-    batches = eval_batches(
-        splits.val,
-        rank=info.rank,
-        world_size=info.world_size,
-        batch_size=cfg.eval.batch_size,
-        max_batches=cfg.eval.max_batches,
-        device=info.device,
-    )
-    loss, count = evaluate_loss(
-        model, LanguageModelTask(), batches, Precision(cfg.train.precision, info.device.type), info
-    )
-    return {
-        "step": ckpt.step,
-        "val/loss": loss,
-        "val/ppl": math.exp(min(loss, 700.0)),
-        "val/items": count,
-    }
+    load_weights(model, ckpt.shared, weights)
+    batches = build_val_batches(cfg, splits, info)
+    precision = Precision(cfg.train.precision, info.device.type)
+    loss, count = evaluate_loss(model, LanguageModelTask(), batches, precision, info)
+    return {"step": ckpt.step, **val_metrics(loss, count)}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        path, overrides = parse_args(argv)
+        path, weights, overrides = parse_args(argv)
         if not path.exists():
             raise UserError(
                 f"checkpoint: {path} does not exist; expected a checkpoint directory such as "
@@ -89,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
     def body(config: Config, plain: dict[str, Any], info: DistInfo) -> None:
-        metrics = evaluate_checkpoint(path, config, info)
+        metrics = evaluate_checkpoint(path, config, info, weights)
         if info.is_main:
             print(json.dumps(metrics), flush=True)
 

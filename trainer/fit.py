@@ -152,11 +152,7 @@ def evaluate(run: Run) -> dict[str, Any]:
     loss, count = evaluate_loss(model, ctx.task, run.val_batches, ctx.precision, run.dist)
     if not math.isfinite(loss):
         print(f"WARNING: validation loss is {loss} at step {run.step}", file=sys.stderr)
-    metrics: dict[str, Any] = {
-        "val/loss": loss,
-        "val/ppl": math.exp(min(loss, 700.0)),
-        "val/items": count,
-    }
+    metrics = val_metrics(loss, count)
     # Callbacks that keep other weights (EMA) get their own validation loss.
     for name, cb in ctx.callbacks.named.items():
         if getattr(cb, "evaluate", False) and hasattr(cb, "weights_swapped"):
@@ -170,6 +166,10 @@ def evaluate(run: Run) -> dict[str, Any]:
     ctx.callbacks.evaluate(run.step, metrics)
     run.meter.restart_clock()
     return metrics
+
+
+def val_metrics(loss: float, count: int) -> dict[str, Any]:
+    return {"val/loss": loss, "val/ppl": math.exp(min(loss, 700.0)), "val/items": count}
 
 
 def sample_text(run: Run, prompt: torch.Tensor, max_new_tokens: int) -> str:
