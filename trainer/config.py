@@ -112,6 +112,12 @@ class DataCfg:
 
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path", "must name a file or directory, or be `stdlib`")
+        require(
+            self.path != "required",
+            "data.path",
+            "this experiment needs a token dataset: pass data.path=DIR holding train.bin and "
+            "val.bin (uint16 token ids; `python scripts/prepare_bin.py DIR` writes them)",
+        )
         _positive(self.block_size, "data.block_size")
         require(self.val_every_nth >= 2, "data.val_every_nth", "must be at least 2")
         require(
