@@ -11,8 +11,10 @@ import importlib.util
 import itertools
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import hydra
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -27,7 +29,7 @@ from trainer.build import build_callbacks
 from trainer.cli import to_config
 from trainer.config import Config
 from trainer.data import collate, load_splits
-from trainer.errors import UserError
+from trainer.errors import ConfigError, UserError
 from trainer.gpt import GPT, LanguageModelTask
 from trainer.optim import build_optimizer, build_scheduler
 
@@ -215,9 +217,13 @@ def test_every_group_has_a_builder_check() -> None:
 
 
 @pytest.mark.parametrize(("group", "name"), ALL_CONFIGS, ids=[f"{g}={n}" for g, n in ALL_CONFIGS])
-def test_config_composes_and_instantiates(group: str, name: str) -> None:
+def test_config_composes_and_instantiates(group: str, name: str, tmp_path: Path) -> None:
     """`<group>=<name>` composes, passes validation, and builds with the real builders."""
     overrides = [_select(group, name)]
+    if group == "experiment":  # presets train on a token .bin dataset the user provides
+        for split, n in (("train", 20000), ("val", 3000)):  # > block_size + 1 tokens each
+            np.arange(n, dtype="<u2").tofile(tmp_path / f"{split}.bin")
+        overrides.append(f"data.path={tmp_path}")
     if group in NEEDS_SMALL_MODEL:
         overrides.insert(0, SMALL_MODEL)
     if group == "scheduler":
@@ -226,6 +232,12 @@ def test_config_composes_and_instantiates(group: str, name: str) -> None:
     if group not in BUILDERS:
         pytest.fail(f"no instantiation check for config group {group!r}")
     BUILDERS[group](cfg)
+
+
+def test_experiment_without_token_data_names_data_path() -> None:
+    """The GPT-2 preset cannot fall back to byte data silently: data.path is required."""
+    with pytest.raises(ConfigError, match=r"data\.path.*train\.bin"):
+        _compose(["experiment=gpt2_small"])
 
 
 # --------------------------------------------------------------------------- the contract

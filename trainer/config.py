@@ -92,6 +92,12 @@ class ModelCfg:
         require(
             0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}"
         )
+        if self.fake_quant_bits is not None:
+            require(
+                2 <= self.fake_quant_bits <= 16,
+                "model.fake_quant_bits",
+                f"must be null or in [2, 16], got {self.fake_quant_bits}",
+            )
 
 
 @dataclass
