@@ -71,25 +71,39 @@ def build_val_batches(cfg: Config, splits: Splits, info: DistInfo) -> list[Any]:
     )
 
 
+def instantiate(spec: dict[str, Any], key: str) -> Any:
+    """`hydra.utils.instantiate` with a one-paragraph error naming the config key."""
+    if not isinstance(spec, dict) or "_target_" not in spec:
+        raise ConfigError(key, f"needs a `_target_` (a class path), got {spec!r}")
+    try:
+        return hydra.utils.instantiate(spec)
+    except Exception as exc:
+        root = exc
+        while root.__cause__ is not None:  # Hydra wraps the constructor's own error
+            root = root.__cause__
+        text = (
+            str(root).split("\n")[0]
+            if isinstance(root, ImportError | ValueError | TypeError)
+            else (f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}")
+        )
+        args = ", ".join(f"{k}={v!r}" for k, v in spec.items() if k != "_target_")
+        raise ConfigError(key, f"cannot build {spec['_target_']}({args}): {text}") from None
+
+
 def build_callbacks(specs: dict[str, Any]) -> CallbackList:
     callbacks = {}
     for name, spec in specs.items():
-        cb = hydra.utils.instantiate(spec)
+        cb = instantiate(spec, f"callbacks.{name}")
         if not isinstance(cb, Callback):
-            raise ConfigError(f"callbacks.{name}", f"{spec.get('_target_')} is not a Callback")
+            raise ConfigError(f"callbacks.{name}", f"{spec['_target_']} is not a Callback")
         callbacks[name] = cb
     return CallbackList(callbacks)
 
 
 def build_step(spec: dict[str, Any]) -> Any:
-    try:
-        step_fn = hydra.utils.instantiate(spec)
-    except Exception as exc:
-        raise ConfigError(
-            "step._target_", f"cannot build {spec.get('_target_')!r}: {exc}"
-        ) from None
+    step_fn = instantiate(spec, "step")
     if not callable(step_fn):
-        raise ConfigError("step._target_", f"{spec.get('_target_')!r} is not a step strategy")
+        raise ConfigError("step._target_", f"{spec['_target_']!r} is not a step strategy")
     return step_fn
 
 
