@@ -81,11 +81,10 @@ def instantiate(spec: dict[str, Any], key: str) -> Any:
         root = exc
         while root.__cause__ is not None:  # Hydra wraps the constructor's own error
             root = root.__cause__
-        text = (
-            str(root).split("\n")[0]
-            if isinstance(root, ImportError | ValueError | TypeError)
-            else (f"{type(root).__name__}: {str(root).splitlines()[0] if str(root) else ''}")
-        )
+        text = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
+        if isinstance(root, ImportError | AttributeError):  # the class itself is not found
+            target = spec["_target_"]
+            raise ConfigError(f"{key}._target_", f"cannot import {target}: {text}") from None
         args = ", ".join(f"{k}={v!r}" for k, v in spec.items() if k != "_target_")
         raise ConfigError(key, f"cannot build {spec['_target_']}({args}): {text}") from None
 
