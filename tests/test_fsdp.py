@@ -103,3 +103,14 @@ def test_ddp_checkpoint_resumes_under_fsdp(ddp_run: Path, tmp_path: Path) -> Non
     proc = run_torchrun(2, [*args, "dist.strategy=fsdp"])
     assert proc.returncode == 0, explain(proc)
     assert_same_trajectory(by_step(run_dir), by_step(ddp_run))
+
+
+def test_one_process_checkpoint_resumes_sharded_on_two(ddp_run: Path, tmp_path: Path) -> None:
+    """1 -> 2: a single-process checkpoint resumes under FSDP on 2 ranks, on the trajectory."""
+    single = tmp_path / "single"
+    proc = run_cli([*COMMON, *ONE_RANK, f"hydra.run.dir={single}"])  # same LR schedule
+    assert proc.returncode == 0, explain(proc)
+    run_dir = resume_from(single, 4, tmp_path / "to_fsdp")
+    proc = run_torchrun(2, [*COMMON, *TWO_RANKS, "dist.strategy=fsdp", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, explain(proc)
+    assert_same_trajectory(by_step(run_dir), by_step(ddp_run))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ def fit(run: Run) -> None:
     """Train until `train.max_steps`, a stop request, or divergence."""
     train, eval_cfg, ckpt = run.cfg.train, run.cfg.eval, run.cfg.checkpoint
     run.meter.restart_clock()
-    first_step = run.step
+    first_step, started = run.step, time.perf_counter()
     while run.step < train.max_steps:
         window = run.batches.window(run.step)
         result = run.step_fn(run.ctx, window)
@@ -72,7 +73,7 @@ def fit(run: Run) -> None:
         run.meter.update(result)
         run.ctx.callbacks.after_optimizer_step(run.ctx, run.step)
         if run.step == first_step + 1:
-            report_missing_gradients(run)
+            report_first_step(run, started)
 
         if run.step % train.log_every == 0 or run.step == train.max_steps:
             write(run, run.meter.record(run.step, result, extra_train_metrics(run)))
@@ -107,8 +108,17 @@ def extra_train_metrics(run: Run) -> dict[str, Any]:
     return extra
 
 
-def report_missing_gradients(run: Run) -> None:
-    """After the first window: parameters that should have learned but got no gradient."""
+def report_first_step(run: Run, started: float) -> None:
+    """Once, after the first window: compile time, and parameters that should have learned
+    but got no gradient."""
+    if run.cfg.train.compile and run.dist.is_main:
+        if run.dist.device.type == "cuda":
+            torch.cuda.synchronize(run.dist.device)
+        print(
+            f"torch.compile: first step took {time.perf_counter() - started:.1f} s "
+            "(compilation included)",
+            flush=True,
+        )
     missing = missing_gradients(run.ctx.model)
     if missing and run.dist.is_main:
         print(
