@@ -189,7 +189,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         batches=batches,
         val_batches=val,
         sinks=[],
-        meter=TrainMeter(info),
+        meter=TrainMeter(info, model.flops_per_token(cfg.data.block_size)),
         config_dict=config_dict,
     )
     if info.is_main:
