@@ -293,6 +293,44 @@ def test_nonfinite_step_leaves_params_and_optimizer_state_bitwise(mode: str) -> 
 
 
 @pytest.mark.parametrize("mode", ["fp32", "fp16"])
+def test_skipped_first_step_with_sgd_momentum_has_no_effect(mode: str) -> None:
+    """`optim=sgd` (momentum): a non-finite FIRST step must leave no trace, not even momentum
+    buffers (fused SGD would fill them with uninitialized memory), so the next step equals a
+    run in which the poisoned step never happened."""
+    torch.manual_seed(0)
+    model = GPT(ModelCfg(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    twin = copy.deepcopy(model)
+
+    def ctx_for(m: torch.nn.Module) -> StepContext:
+        opt = build_optimizer(
+            OptimCfg(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.0), m, torch.device("cpu")
+        )
+        return StepContext(
+            model=m,
+            optimizer=opt,
+            scheduler=None,
+            task=LanguageModelTask(),
+            precision=Precision(mode, "cpu"),
+            dist=DistInfo(),
+            clip_grad_norm=1.0,
+        )
+
+    ctx, clean = ctx_for(model), ctx_for(twin)
+    before = [p.detach().clone() for p in model.parameters()]
+    handle = model.blocks[0].mlp.fc.weight.register_hook(lambda g: g * float("inf"))
+    try:
+        assert float(AccumulateStep()(ctx, lm_window(1)).skipped) == 1.0
+    finally:
+        handle.remove()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    AccumulateStep()(ctx, lm_window(2))
+    AccumulateStep()(clean, lm_window(2))
+    for got, want in zip(model.parameters(), twin.parameters()):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp16"])
 def test_huge_finite_gradients_are_clipped_not_skipped(mode: str) -> None:
     """|g| ~ 1e21 overflows an fp32 sum of squares; the norm must still be finite, so the step
     is clipped and applied, and the skip decision agrees with GradScaler's own."""

@@ -141,7 +141,8 @@ class OptimCfg:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     momentum: float = 0.9  # sgd only
-    # Fused kernels skip a non-finite update on the device, with no host sync.
+    # AdamW: the fused kernel skips a non-finite update on the device, with no host sync.
+    # (SGD is never fused; its skip decision reads one flag on the host.)
     fused: bool = True
 
     def __post_init__(self) -> None:

@@ -37,7 +37,9 @@ def build_optimizer(cfg: OptimCfg, model: nn.Module, device: torch.device) -> to
         return torch.optim.AdamW(
             groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None
         )
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused or None)
+    # Not fused: fused SGD allocates its momentum buffers with empty_like before it honours
+    # `found_inf`, so a skipped first step would leave uninitialized memory as momentum.
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
 
 
 def build_scheduler(
