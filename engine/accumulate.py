@@ -3,13 +3,14 @@
 One optimizer step from a window of micro-batches, in textbook order:
 
     zero grads -> count loss items of the window (one all-reduce) -> per micro-batch:
-    forward + backward of loss_sum * world / global_count (no_sync but the last) ->
+    forward + backward of loss_sum * divisor / global_count (no_sync but the last) ->
     unscale -> clip -> finite check -> optimizer step -> scheduler step
 
 Dividing each micro-batch by `grad_accum_steps` is wrong when micro-batches hold different
 numbers of valid tokens; dividing every micro-batch of every rank by the *global* count makes
 the accumulated gradient equal to the gradient of the whole global batch's mean loss. DDP then
-averages over ranks, hence the factor `world_size`.
+averages over ranks, hence the factor `ctx.grad_sync_divisor` (the world size under DDP; 1
+under FSDP as wrapped here, which sums).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ class Callback:
 
     def on_after_backward(self, ctx: StepContext) -> None:
         """Gradients of the whole window are accumulated, synchronized and unscaled; not yet
-        clipped. May read `p.grad`; may modify it in place (that changes the update)."""
+        clipped. May read `p.grad`; may modify it in place (that changes the update), but must
+        not change whether it is finite: under fp16 GradScaler has already decided to skip."""
 
     def on_before_optimizer_step(self, ctx: StepContext) -> None:
         """Gradients are clipped; the update has not happened. Read-only."""

@@ -103,10 +103,13 @@ def _commit(tmp: Path, final: Path, step: int, world_size: int, timeout_s: float
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-    if final.exists():  # the same step saved again (e.g. an extended run): replace it
-        shutil.rmtree(final)
+    old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
+    if final.exists():  # the same step saved again: move the old one aside, never delete first
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_checkpoint(

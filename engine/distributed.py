@@ -144,7 +144,13 @@ def wrap_model(
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     if strategy == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+            raise RuntimeError(
+                f"dist.strategy=fsdp needs a torch with FSDPModule.set_force_sum_reduction_for_"
+                f"comms (this is {torch.__version__}); use dist.strategy=ddp or upgrade torch"
+            )
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for module in shard_modules:
@@ -161,6 +167,7 @@ def wrap_model(
 def sync_divisor(model: nn.Module, info: DistInfo) -> int:
     """What the wrapper divides synchronized gradients by: world size for DDP (it averages),
     1 for FSDP as wrapped here (it sums) and for a single rank."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile(DDP(model))
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return info.world_size
     return 1

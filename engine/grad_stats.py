@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.accumulate import total_norm
 from engine.callbacks import Callback
 from engine.distributed import unwrap
 
@@ -51,7 +52,7 @@ class GradNormsPerLayer(Callback):
         for layer, params in self._layers.items():
             grads = [p.grad for p in params if p.grad is not None]
             if grads:
-                self._norms[layer] = torch.nn.utils.get_total_norm(grads, foreach=True)
+                self._norms[layer] = total_norm(grads)
 
     def metrics(self) -> dict[str, Any]:
         return {self.prefix + k: v for k, v in self._norms.items()}

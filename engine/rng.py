@@ -39,9 +39,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
     )
     torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        if not torch.cuda.is_available():
-            raise RuntimeError("checkpoint holds CUDA RNG state but CUDA is not available")
+    # A GPU checkpoint resumed without CUDA: there is no CUDA generator to restore.
+    if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 

@@ -125,7 +125,7 @@ def find_resume(cfg: Config, ckpt_dir: Path, info: DistInfo) -> Path | None:
                 )
     choice, error = broadcast_object((choice, error), info)
     if error:
-        raise UserError(error)
+        raise UserError(error, all_ranks=True)
     return choice
 
 
@@ -162,6 +162,18 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         callbacks=build_callbacks(cfg.callbacks),
         sync_every_micro_batch=cfg.dist.fsdp_sync_every_micro_batch,
     )
+    n_val = (
+        len(splits.val)
+        if cfg.eval.max_batches is None
+        else min(len(splits.val), cfg.eval.max_batches * cfg.eval.batch_size)
+    )
+    if fsdp and cfg.eval.every_steps and n_val < info.world_size:
+        raise ConfigError(
+            "eval.max_batches",
+            f"FSDP evaluates in lockstep and needs a validation sample on each of the "
+            f"{info.world_size} ranks; the set has {n_val}: raise eval.max_batches or "
+            "eval.batch_size",
+        )
     if fsdp and any(hasattr(cb, "weights_swapped") for cb in ctx.callbacks):
         raise ConfigError(
             "callbacks", "EMA of weights is not supported with dist.strategy=fsdp yet"
@@ -209,7 +221,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         try:
             ckpt = load_checkpoint(resume, info)
         except CheckpointError as exc:
-            raise UserError(f"checkpoint.resume: {exc}") from None
+            raise UserError(f"checkpoint.resume: {exc}", all_ranks=True) from None
         restore(run, ckpt)
     else:
         run.run_id = broadcast_object(new_run_id(), info)

@@ -227,7 +227,8 @@ class DistCfg:
     backend: str | None = None  # null: nccl with CUDA, gloo otherwise
     strategy: str = "ddp"  # ddp | fsdp (FSDP2: shards params, grads, optimizer state)
     # FSDP: reduce-scatter gradients after every micro-batch instead of keeping the window's
-    # unsharded gradients until the last one (less memory, more communication).
+    # unsharded gradients until the last one (less memory, more communication). Under DDP it
+    # likewise all-reduces every micro-batch.
     fsdp_sync_every_micro_batch: bool = False
     timeout_s: float = 600.0
 

@@ -9,6 +9,11 @@ class UserError(Exception):
     # True when every rank raises the same error (rank 0 alone prints it).
     all_ranks = False
 
+    def __init__(self, message: str, *, all_ranks: bool | None = None) -> None:
+        super().__init__(message)
+        if all_ranks is not None:
+            self.all_ranks = all_ranks
+
 
 class ConfigError(UserError):
     all_ranks = True

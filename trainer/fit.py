@@ -213,6 +213,7 @@ def save(run: Run) -> None:
             "step": run.step,
             "run_id": run.run_id,
             "global_batch_size": run.batches.sampler.global_batch_size,
+            "max_steps": run.cfg.train.max_steps,  # the LR schedule's horizon
             "model": model_state,
             "optimizer": optimizer_state,
             "scheduler": ctx.scheduler.state_dict() if ctx.scheduler is not None else None,
@@ -250,25 +251,42 @@ def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
         ctx.callbacks.load_state_dict(s["callbacks"])
         run.meter.skipped.copy_(s["meter"]["skipped"])
         run.meter.consecutive_skips.copy_(s["meter"]["consecutive_skips"])
-    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
+        saved_batch, saved_id = int(s["global_batch_size"]), str(s["run_id"])
+        saved_horizon = s.get("max_steps")
+        rng = None if ckpt.per_rank is None else ckpt.per_rank["rng"]
+    except (KeyError, RuntimeError, ValueError, TypeError, AttributeError) as exc:
         raise UserError(
             f"checkpoint {ckpt.path} does not fit this run: {summarize(exc)}. Resume with the "
-            "model, optimizer and callbacks it was saved with, or pass checkpoint.resume=never."
+            "model, optimizer and callbacks it was saved with, or pass checkpoint.resume=never.",
+            all_ranks=True,
         ) from None
     run.step = run.last_saved_step = ckpt.step
-    run.run_id = s["run_id"]
-    if s["global_batch_size"] != run.batches.sampler.global_batch_size and run.dist.is_main:
+    # The same W&B run only when continuing this run directory; a branch gets its own id.
+    if ckpt.path.resolve().parent == run.checkpoint_dir.resolve():
+        run.run_id = saved_id
+    warn = run.dist.is_main
+    if saved_batch != run.batches.sampler.global_batch_size and warn:
         print(
-            f"WARNING: {ckpt.path} was trained with global batch {s['global_batch_size']}, this "
-            f"run uses {run.batches.sampler.global_batch_size}: the data order from here on "
-            "differs from the original run",
+            f"WARNING: {ckpt.path} was trained with global batch {saved_batch}, this run uses "
+            f"{run.batches.sampler.global_batch_size}: the data order from here on differs",
+            file=sys.stderr,
+        )
+    if saved_horizon is not None and saved_horizon != run.cfg.train.max_steps and warn:
+        print(
+            f"WARNING: the LR schedule decays over train.max_steps; it was {saved_horizon} when "
+            f"{ckpt.path} was saved and is {run.cfg.train.max_steps} now, so the learning rate "
+            "from here on follows the new schedule",
             file=sys.stderr,
         )
     # RNG last: nothing after this may consume randomness before the first step.
-    if ckpt.per_rank is not None:
-        set_rng_state(ckpt.per_rank["rng"])
+    if rng is not None:
+        if "cuda" in rng and not torch.cuda.is_available() and warn:
+            print(
+                f"WARNING: {ckpt.path} holds CUDA RNG state; this run has no CUDA", file=sys.stderr
+            )
+        set_rng_state(rng)
     else:
-        if run.dist.is_main:
+        if warn:
             print(
                 f"WARNING: {ckpt.path} was saved by {ckpt.world_size} ranks, this run has "
                 f"{run.dist.world_size}: model and optimizer resume exactly, random streams "
