@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,29 @@ register_configs()
 register_resolvers()
 # In-process runs share 2 cores with the subprocesses tests launch; threads only contend.
 torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """One torch thread (as OMP_NUM_THREADS=1 gives the subprocesses); restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def stdlib_text(path: Path, n_bytes: int) -> Path:
+    """The first `n_bytes` of the stdlib sources as one text file at `path`: real text that
+    loads in milliseconds (all of `data.path=stdlib` takes seconds per launch)."""
+    blob = b""
+    for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        blob += source.read_bytes()
+        if len(blob) >= n_bytes:
+            break
+    path.write_bytes(blob[:n_bytes])
+    return path
 
 
 def compose_config(overrides: list[str]) -> DictConfig:

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from tests.conftest import (
     TINY,
     env,
     explain,
+    one_thread,
     read_metrics,
     torchrun_cmd,
     train_in_process,
@@ -61,20 +61,6 @@ TORCHRUN_TIMEOUT = 120.0
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """In-process runs use one intra-op thread, as the subprocesses do (OMP_NUM_THREADS=1).
-
-    On 2 shared cores torch's default of 2 threads spins and is ~10x slower in CPU time.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _descendants(pid: int) -> list[int]:

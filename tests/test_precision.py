@@ -28,7 +28,6 @@ import copy
 import json
 import math
 import re
-import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from tests.conftest import (
     explain,
     read_metrics,
     run_cli,
+    stdlib_text,
     torchrun_cmd,
     train_in_process,
     train_records,
@@ -68,17 +68,8 @@ SMALL = ["train.micro_batch_size=4", "train.grad_accum_steps=1"]
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """~300 kB of real Python source in one file: loads in milliseconds, unlike all of
-    `stdlib` (~2.5 s per launch here), and the data source is irrelevant to precision."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    blob = b""
-    for path in sorted(root.glob("*.py")):
-        blob += path.read_bytes()
-        if len(blob) >= 300_000:
-            break
-    out = tmp_path_factory.mktemp("precision_data") / "text.txt"
-    out.write_bytes(blob[:300_000])
-    return out
+    """Real Python source in one small file: loads in milliseconds."""
+    return stdlib_text(tmp_path_factory.mktemp("precision_data") / "text.txt", 300000)
 
 
 @pytest.fixture(scope="module")

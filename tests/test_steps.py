@@ -14,7 +14,6 @@ this process where possible: a `python -m trainer.train` launch costs ~5 s on 2 
 from __future__ import annotations
 
 import math
-import sysconfig
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +38,7 @@ from tests.conftest import (
     read_metrics,
     run_cli,
     run_torchrun,
+    stdlib_text,
     train_in_process,
     train_records,
 )
@@ -65,16 +65,8 @@ VOLATILE = {"train/tokens_per_s", "train/step_time_ms", "train/peak_mem_mb", "tr
 
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """~200 kB of real Python source in one file: loads in milliseconds."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    blob = b""
-    for path in sorted(root.glob("*.py")):
-        blob += path.read_bytes()
-        if len(blob) >= 200_000:
-            break
-    out = tmp_path_factory.mktemp("steps_data") / "text.txt"
-    out.write_bytes(blob[:200_000])
-    return out
+    """Real Python source in one small file: loads in milliseconds."""
+    return stdlib_text(tmp_path_factory.mktemp("steps_data") / "text.txt", 200000)
 
 
 @pytest.fixture(scope="module")

@@ -7,20 +7,26 @@ The logged values are read back from the offline `.wandb` file with `tests/wandb
 
 from __future__ import annotations
 
-import contextlib
 import html
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from tests.conftest import REPO, TINY, env, explain, read_metrics, train_in_process, train_records
+from tests.conftest import (
+    REPO,
+    TINY,
+    env,
+    explain,
+    one_thread,
+    read_metrics,
+    train_in_process,
+    train_records,
+)
 from tests.wandb_reader import history, run_id
 
 # TINY without its `logger=none`: these runs use the default logger (wandb).
@@ -170,17 +176,6 @@ def test_resume_continues_the_same_run(first: WandbRun, resumed: WandbRun) -> No
     appended = [r for r in read_metrics(resumed.run_dir) if r["step"] > 6]
     assert [r["step"] for r in train_records(appended)] == [7, 8, 9]
     assert_same_values(appended, rows)
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Like the subprocesses (OMP_NUM_THREADS=1): 2 spinning threads on 2 shared cores are slow."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_logger_none_writes_no_wandb_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
