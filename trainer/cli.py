@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import omegaconf
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -47,16 +48,32 @@ def unknown_key(parts: list[str], schema: type = Config) -> ConfigError | None:
 def check_overrides(args: list[str], config_dir: Path) -> None:
     """Reject command-line overrides of unknown keys before Hydra composes, in one paragraph
     that lists the valid keys (Hydra's own message does not, and `+key=` would pass)."""
+    sweep = any(a in ("-m", "--multirun") for a in args)
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
-        key = arg.split("=", 1)[0].lstrip("+~")
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
         parts = key.split(".")
         if parts[0] == "hydra" or (len(parts) == 1 and (config_dir / key).is_dir()):
             continue  # Hydra's own settings; a config group choice such as model=gpt_tiny
         error = unknown_key(parts)
         if error is not None:
             raise error
+        if not sweep and not any(c in value for c in ",($"):  # sweeps, functions, ${...}
+            check_value_type(key, value)
+
+
+def check_value_type(key: str, value: str) -> None:
+    """`train.max_steps=abc` fails here in one line, not in Hydra's multi-line report."""
+    try:
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist([f"{key}={value}"]))
+    except OmegaConfBaseException as exc:
+        if not isinstance(exc, omegaconf.errors.ValidationError):
+            return  # not a type problem (e.g. a free-form node): leave it to Hydra
+        default = OmegaConf.select(OmegaConf.structured(Config), key)
+        reason = str(exc).strip().splitlines()[0]
+        raise ConfigError(key, f"{reason}; the default is {default!r}") from None
 
 
 def _check_composed(cfg: DictConfig, schema: type = Config, parts: tuple[str, ...] = ()) -> None:
