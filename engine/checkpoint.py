@@ -7,8 +7,9 @@ Layout of one checkpoint (a directory named after its optimizer step):
         rank_00000.pt   this rank's RNG states (one file per rank)
         manifest.json   sizes and SHA-256 of every file above; written last
 
-Everything is written under a temporary name, fsynced, and committed by one `rename` of the
-directory, so a checkpoint is complete or absent. Loading checks the manifest first and uses
+Rank 0 writes everything (the per-rank states are gathered to it) under a temporary name,
+fsyncs it, and commits it by one `rename` of the directory, so a checkpoint is complete or
+absent. Loading checks the manifest first and uses
 `torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary pickles.
 """
 
@@ -21,15 +22,13 @@ import pickle
 import re
 import shutil
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from engine.distributed import DistInfo
+from engine.distributed import DistInfo, gather_object
 
 FORMAT = "cumulus-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -48,11 +47,6 @@ def checkpoint_name(step: int) -> str:
 
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
-
-
-def _barrier(info: DistInfo) -> None:
-    if info.distributed:
-        dist.barrier()
 
 
 def _write_fsynced(path: Path, obj: Any) -> None:
@@ -78,24 +72,31 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _commit(tmp: Path, final: Path, step: int, world_size: int, timeout_s: float) -> None:
-    """Rank 0: wait for every rank's files, write the manifest last, rename into place."""
-    deadline = time.monotonic() + timeout_s
-    markers = [tmp / f"{rank_file(r)}.done" for r in range(world_size)]
-    while not all(m.exists() for m in markers):
-        if time.monotonic() > deadline:
-            missing = [m.name for m in markers if not m.exists()]
-            raise CheckpointError(
-                f"checkpoint {final.name}: ranks never finished writing {missing}"
-            )
-        time.sleep(0.01)
-    for m in markers:
-        m.unlink()
+def write_checkpoint(
+    root: Path,
+    step: int,
+    shared: dict[str, Any],
+    per_rank: list[dict[str, Any]],
+    session: str,
+    keep_last: int | None = None,
+) -> Path:
+    """Rank 0: write checkpoint `step` (shared state and one file per rank) and commit it.
+
+    Files go into a temporary directory unique to this `session` (a crashed save never mixes
+    in), are fsynced, the manifest is written last, and one rename commits the directory.
+    Old checkpoints beyond `keep_last` are deleted only after the new one is committed.
+    """
+    name = checkpoint_name(step)
+    final, tmp = root / name, root / f"{TMP_PREFIX}{name}-{session}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    _write_fsynced(tmp / SHARED, shared)
+    for rank, state in enumerate(per_rank):
+        _write_fsynced(tmp / rank_file(rank), state)
     files = sorted(p.name for p in tmp.iterdir())
     manifest = {
         "format": FORMAT,
         "step": step,
-        "world_size": world_size,
+        "world_size": len(per_rank),
         "files": {n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in files},
     }
     with (tmp / MANIFEST).open("w") as f:
@@ -108,41 +109,11 @@ def _commit(tmp: Path, final: Path, step: int, world_size: int, timeout_s: float
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    _fsync_dir(root)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def write_checkpoint(
-    root: Path,
-    step: int,
-    shared: dict[str, Any] | None,
-    per_rank: dict[str, Any],
-    rank: int,
-    world_size: int,
-    session: str,
-    keep_last: int | None = None,
-    timeout_s: float = 600.0,
-) -> Path:
-    """Write this rank's part of checkpoint `step`; rank 0 also commits it.
-
-    No collectives: each rank writes its file and a `.done` marker into a temporary directory
-    unique to this `session` (stale ones from a crashed run never mix in); rank 0 waits for
-    all markers, writes the manifest and renames the directory into place. That lets the same
-    code run inline or on a background writer thread. Old checkpoints beyond `keep_last` are
-    deleted only after the new one is committed.
-    """
-    name = checkpoint_name(step)
-    final, tmp = root / name, root / f"{TMP_PREFIX}{name}-{session}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    _write_fsynced(tmp / rank_file(rank), per_rank)
-    if rank == 0:
-        _write_fsynced(tmp / SHARED, shared)
-    (tmp / f"{rank_file(rank)}.done").touch()
-    if rank == 0:
-        _commit(tmp, final, step, world_size, timeout_s)
-        if keep_last is not None:
-            for old in list_checkpoints(root)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+    if keep_last is not None:
+        for stale in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
@@ -168,8 +139,10 @@ def cpu_copy(obj: Any) -> Any:
 class CheckpointWriter:
     """Saves checkpoints inline, or with `background=True` on a writer thread.
 
-    In the background mode `save` snapshots the state to CPU memory (the only stall) and
-    returns; the next `save` or `wait` joins the previous write and re-raises its error.
+    Every rank calls `save`: the per-rank states are gathered to rank 0 (a collective, on the
+    calling thread), which alone writes the run directory. In the background mode `save`
+    snapshots the state to CPU memory (the only stall) and returns; the next `save` or `wait`
+    joins the previous write and re-raises its error.
     """
 
     def __init__(
@@ -179,35 +152,26 @@ class CheckpointWriter:
         session: str,
         keep_last: int | None = None,
         background: bool = False,
-        timeout_s: float = 600.0,
     ) -> None:
         self.root = root
         self.info = info
         self.session = session
         self.keep_last = keep_last
         self.background = background
-        self.timeout_s = timeout_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def save(self, step: int, shared: dict[str, Any] | None, per_rank: dict[str, Any]) -> None:
+        """Collective. `shared` matters on rank 0 only; `per_rank` is this rank's state."""
         self.wait()
-        args = (
-            self.root,
-            step,
-            shared,
-            per_rank,
-            self.info.rank,
-            self.info.world_size,
-            self.session,
-            self.keep_last,
-            self.timeout_s,
-        )
+        gathered = gather_object(per_rank, self.info)
+        if not self.info.is_main:
+            return
+        args = (self.root, step, shared, gathered, self.session, self.keep_last)
         if not self.background:
             write_checkpoint(*args)
-            _barrier(self.info)  # every rank returns once the checkpoint is committed
             return
-        args = (self.root, step, cpu_copy(shared), cpu_copy(per_rank), *args[4:])
+        args = (self.root, step, cpu_copy(shared), cpu_copy(gathered), *args[4:])
         self._thread = threading.Thread(target=self._run, args=args, name="checkpoint-writer")
         self._thread.start()
 

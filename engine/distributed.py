@@ -123,6 +123,15 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
 STRATEGIES = ("ddp", "fsdp")
 
 
+def gather_object(obj: Any, info: DistInfo) -> list[Any] | None:
+    """Every rank's `obj` as a list on rank 0 (None elsewhere); small Python values only."""
+    if not info.distributed:
+        return [obj]
+    out: list[Any] | None = [None] * info.world_size if info.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def wrap_model(
     model: nn.Module,
     info: DistInfo,

@@ -212,7 +212,6 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         session=broadcast_object(new_run_id(), info),
         keep_last=cfg.checkpoint.keep_last,
         background=cfg.checkpoint.async_save,
-        timeout_s=cfg.dist.timeout_s,
     )
     if len(splits.val):
         run.sample_prompt = splits.val[0][:32].unsqueeze(0).to(info.device)  # same on all ranks
