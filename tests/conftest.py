@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from engine.distributed import DistInfo
 from trainer.cli import to_config
@@ -156,7 +156,3 @@ def explain(proc: subprocess.CompletedProcess) -> str:
 @pytest.fixture
 def tiny() -> list[str]:
     return list(TINY)
-
-
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg)

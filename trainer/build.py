@@ -24,7 +24,14 @@ from engine.precision import Precision
 from engine.rng import seed_everything
 from engine.step import StepContext
 from trainer.config import Config, TrainCfg
-from trainer.data import GlobalBatchSampler, Splits, TrainBatches, eval_batches, load_splits
+from trainer.data import (
+    GlobalBatchSampler,
+    Splits,
+    TrainBatches,
+    eval_batches,
+    eval_set_size,
+    load_splits,
+)
 from trainer.errors import ConfigError, UserError
 from trainer.fit import Run, restore
 from trainer.gpt import GPT, LanguageModelTask
@@ -162,11 +169,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         callbacks=build_callbacks(cfg.callbacks),
         sync_every_micro_batch=cfg.dist.fsdp_sync_every_micro_batch,
     )
-    n_val = (
-        len(splits.val)
-        if cfg.eval.max_batches is None
-        else min(len(splits.val), cfg.eval.max_batches * cfg.eval.batch_size)
-    )
+    n_val = eval_set_size(len(splits.val), cfg.eval.batch_size, cfg.eval.max_batches)
     if fsdp and cfg.eval.every_steps and n_val < info.world_size:
         raise ConfigError(
             "eval.max_batches",
@@ -178,8 +181,10 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         raise ConfigError(
             "callbacks", "EMA of weights is not supported with dist.strategy=fsdp yet"
         )
-    if cfg.train.grad_norms == "per_layer":
-        ctx.callbacks.named.setdefault("grad_norms_per_layer", GradNormsPerLayer())
+    if cfg.train.grad_norms == "per_layer" and not any(
+        isinstance(cb, GradNormsPerLayer) for cb in ctx.callbacks
+    ):  # callbacks=grad_stats already computes the same norms
+        ctx.callbacks.named["grad_norms_per_layer"] = GradNormsPerLayer()
     sampler = GlobalBatchSampler(len(splits.train), global_batch, cfg.seed)
     batches = TrainBatches(
         splits.train,

@@ -238,6 +238,11 @@ class TrainBatches:
         )  # type: ignore[return-value]
 
 
+def eval_set_size(n_samples: int, batch_size: int, max_batches: int | None) -> int:
+    """How many validation samples an evaluation covers, over all ranks."""
+    return n_samples if max_batches is None else min(n_samples, max_batches * batch_size)
+
+
 def eval_batches(
     samples: Samples,
     *,
@@ -252,8 +257,7 @@ def eval_batches(
     The set is the first `max_batches * batch_size` samples (or all); rank r takes every
     world_size-th sample from r, so shards differ by at most one sample and none repeats.
     """
-    n = len(samples) if max_batches is None else min(len(samples), max_batches * batch_size)
-    mine = list(range(rank, n, world_size))
+    mine = list(range(rank, eval_set_size(len(samples), batch_size, max_batches), world_size))
     return [
         tuple(t.to(device) for t in collate([samples[i] for i in mine[k : k + batch_size]]))
         for k in range(0, len(mine), batch_size)
