@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 class Callback:
     """No-op base; override the hooks you need. Stateful callbacks also override the state pair."""
 
+    def setup(self, ctx: StepContext) -> None:
+        """Once, after the model is wrapped (and sharded) and before a checkpoint is restored.
+        A callback whose state follows the parameters allocates it here, shaped and sharded
+        like them, so a sharded checkpoint can be loaded into it in place."""
+
     def on_after_backward(self, ctx: StepContext) -> None:
         """Gradients of the whole window are accumulated, synchronized and unscaled; not yet
         clipped. May read `p.grad`; may modify it in place (that changes the update), but must
@@ -37,6 +42,8 @@ class Callback:
         return {}
 
     def state_dict(self) -> dict[str, Any]:
+        """Tensors (DTensors under FSDP, saved shard by shard in a sharded checkpoint) and plain
+        values. The same structure every time: a sharded checkpoint loads into it in place."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -51,6 +58,10 @@ class CallbackList:
 
     def __iter__(self) -> Iterable[Callback]:
         return iter(self.named.values())
+
+    def setup(self, ctx: StepContext) -> None:
+        for cb in self.named.values():
+            cb.setup(ctx)
 
     def after_backward(self, ctx: StepContext) -> None:
         for cb in self.named.values():

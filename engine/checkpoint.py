@@ -3,14 +3,20 @@
 Layout of one checkpoint (a directory named after its optimizer step):
 
     step_00000100/
-        state.pt        model, optimizer, scheduler, scaler, counters, run id, config (rank 0)
-        rank_00000.pt   this rank's RNG states (one file per rank)
-        manifest.json   sizes and SHA-256 of every file above; written last
+        state.pt        scheduler, scaler, counters, run id, config, and in the `full` layout
+                        the whole model and optimizer state
+        rank_00000.pt   each rank's RNG states (one file per rank)
+        shards/         `sharded` layout only: model and optimizer state as DCP files, each
+                        rank's own shards (`engine.sharded_checkpoint`)
+        manifest.json   layout, sizes and SHA-256 of every file above; written last
 
-Rank 0 writes everything (the per-rank states are gathered to it) under a temporary name,
-fsyncs it, and commits it by one `rename` of the directory, so a checkpoint is complete or
-absent. Loading checks the manifest first and uses
-`torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary pickles.
+`full`: rank 0 gathers the unsharded state and writes every file. `sharded`: every rank
+writes its shards in parallel (nothing is gathered; the run directory must be on a filesystem
+all ranks share), hashes its share of the files, and rank 0 writes the rest. Either way the
+files go under a temporary name, are fsynced, and one `rename` of the directory by rank 0
+commits them, so a checkpoint is complete or absent. Loading checks the manifest first and
+unpickles nothing but tensors and plain containers (`torch.load(weights_only=True)`, and an
+allow-list for DCP's metadata).
 """
 
 from __future__ import annotations
@@ -23,16 +29,20 @@ import re
 import shutil
 import threading
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from engine.distributed import DistInfo, gather_object
+from engine.sharded_checkpoint import UnsafeCheckpoint, load_shards, read_metadata, save_shards
 
 FORMAT = "cumulus-checkpoint/1"
 MANIFEST = "manifest.json"
 SHARED = "state.pt"
+SHARDS = "shards"
+LAYOUTS = ("full", "sharded")
 TMP_PREFIX = ".tmp-"
 _NAME = re.compile(r"^step_(\d{8})$")
 
@@ -72,6 +82,24 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _tmp_dir(root: Path, step: int, session: str) -> Path:
+    """Unique to this `session`, so a crashed save never mixes into a later one."""
+    return root / f"{TMP_PREFIX}{checkpoint_name(step)}-{session}"
+
+
+def _stage(tmp: Path, shared: dict[str, Any], per_rank: list[dict[str, Any]]) -> list[str]:
+    """Rank 0: write the shared state and one file per rank into `tmp`; their names."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    _write_fsynced(tmp / SHARED, shared)
+    for rank, state in enumerate(per_rank):
+        _write_fsynced(tmp / rank_file(rank), state)
+    return [SHARED] + [rank_file(r) for r in range(len(per_rank))]
+
+
+def _entry(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
 def write_checkpoint(
     root: Path,
     step: int,
@@ -80,30 +108,81 @@ def write_checkpoint(
     session: str,
     keep_last: int | None = None,
 ) -> Path:
-    """Rank 0: write checkpoint `step` (shared state and one file per rank) and commit it.
+    """Rank 0: write checkpoint `step` in the `full` layout (shared state and one file per
+    rank) and commit it."""
+    tmp = _tmp_dir(root, step, session)
+    files = {n: _entry(tmp / n) for n in _stage(tmp, shared, per_rank)}
+    return _commit(root, tmp, step, len(per_rank), "full", files, keep_last)
 
-    Files go into a temporary directory unique to this `session` (a crashed save never mixes
-    in), are fsynced, the manifest is written last, and one rename commits the directory.
-    Old checkpoints beyond `keep_last` are deleted only after the new one is committed.
+
+def write_sharded_checkpoint(
+    root: Path,
+    step: int,
+    shared: dict[str, Any] | None,
+    per_rank: list[dict[str, Any]] | None,
+    shards: dict[str, Any],
+    session: str,
+    info: DistInfo,
+    group: dist.ProcessGroup | None = None,
+    keep_last: int | None = None,
+) -> Path | None:
+    """Collective over `group` (all ranks): write checkpoint `step` in the `sharded` layout.
+
+    Every rank writes its own `shards` (DCP) and hashes an equal share of the files; rank 0
+    also writes `shared` and `per_rank` (gathered), then commits. Returns the path on rank 0.
     """
-    name = checkpoint_name(step)
-    final, tmp = root / name, root / f"{TMP_PREFIX}{name}-{session}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    _write_fsynced(tmp / SHARED, shared)
-    for rank, state in enumerate(per_rank):
-        _write_fsynced(tmp / rank_file(rank), state)
-    files = sorted(p.name for p in tmp.iterdir())
+    tmp = _tmp_dir(root, step, session)
+    # An I/O error is reported through the gather below, so no rank is left waiting for it.
+    staged, mine = [], {}
+    if info.is_main:
+        try:
+            staged = [(n, _entry(tmp / n)) for n in _stage(tmp, shared, per_rank)]
+        except OSError as exc:
+            mine = f"rank 0 could not write {tmp}: {exc}"
+    names = save_shards(shards, tmp / SHARDS, group)  # returns once every rank's files exist
+    try:
+        share = names[info.rank :: info.world_size]
+        hashed = {f"{SHARDS}/{n}": _entry(tmp / SHARDS / n) for n in share}
+        mine = mine or hashed
+    except OSError as exc:
+        mine = f"rank {info.rank} could not hash its share of {tmp / SHARDS}: {exc}"
+    parts = gather_object(mine, info, group)
+    if parts is None:
+        return None
+    errors = [p for p in parts if isinstance(p, str)]
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    files = dict(staged)
+    for part in parts:
+        files.update(part)
+    _fsync_dir(tmp / SHARDS)
+    return _commit(root, tmp, step, len(per_rank), "sharded", files, keep_last)
+
+
+def _commit(
+    root: Path,
+    tmp: Path,
+    step: int,
+    world_size: int,
+    layout: str,
+    files: dict[str, dict[str, Any]],
+    keep_last: int | None,
+) -> Path:
+    """Rank 0: write the manifest last and commit `tmp` by one rename. Old checkpoints beyond
+    `keep_last` are deleted only after the new one is committed."""
     manifest = {
         "format": FORMAT,
         "step": step,
-        "world_size": len(per_rank),
-        "files": {n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in files},
+        "world_size": world_size,
+        "layout": layout,
+        "files": dict(sorted(files.items())),
     }
     with (tmp / MANIFEST).open("w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
+    final = root / checkpoint_name(step)
     old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
     if final.exists():  # the same step saved again: move the old one aside, never delete first
         shutil.rmtree(old, ignore_errors=True)
@@ -139,10 +218,13 @@ def cpu_copy(obj: Any) -> Any:
 class CheckpointWriter:
     """Saves checkpoints inline, or with `background=True` on a writer thread.
 
-    Every rank calls `save`: the per-rank states are gathered to rank 0 (a collective, on the
-    calling thread), which alone writes the run directory. In the background mode `save`
-    snapshots the state to CPU memory (the only stall) and returns; the next `save` or `wait`
-    joins the previous write and re-raises its error.
+    Every rank calls `save`. The per-rank states are gathered to rank 0 (a collective, on the
+    calling thread). With `sharded=False` rank 0 alone writes the run directory; with
+    `sharded=True` every rank writes its own shards of the model and optimizer. In the
+    background mode `save` snapshots the state to CPU memory (the only stall) and returns; the
+    next `save` or `wait` joins the previous write and re-raises its error. Background sharded
+    writes talk over a process group of their own, so they never interleave with training's
+    collectives.
     """
 
     def __init__(
@@ -152,19 +234,34 @@ class CheckpointWriter:
         session: str,
         keep_last: int | None = None,
         background: bool = False,
+        sharded: bool = False,
     ) -> None:
         self.root = root
         self.info = info
         self.session = session
         self.keep_last = keep_last
         self.background = background
+        self.sharded = sharded
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._group: dist.ProcessGroup | None = None
 
-    def save(self, step: int, shared: dict[str, Any] | None, per_rank: dict[str, Any]) -> None:
-        """Collective. `shared` matters on rank 0 only; `per_rank` is this rank's state."""
+    def save(
+        self,
+        step: int,
+        shared: dict[str, Any] | None,
+        per_rank: dict[str, Any],
+        shards: dict[str, Any] | None = None,
+    ) -> None:
+        """Collective. `shared` matters on rank 0 only; `per_rank` is this rank's state;
+        `shards` (required when `sharded`) this rank's sharded model and optimizer state."""
         self.wait()
+        if self.sharded != (shards is not None):
+            raise ValueError("pass shards exactly when the writer is sharded")
         gathered = gather_object(per_rank, self.info)
+        if self.sharded:
+            self._save_sharded(step, shared, gathered, shards)
+            return
         if not self.info.is_main:
             return
         args = (self.root, step, shared, gathered, self.session, self.keep_last)
@@ -172,12 +269,38 @@ class CheckpointWriter:
             write_checkpoint(*args)
             return
         args = (self.root, step, cpu_copy(shared), cpu_copy(gathered), *args[4:])
-        self._thread = threading.Thread(target=self._run, args=args, name="checkpoint-writer")
+        self._start(write_checkpoint, args)
+
+    def _save_sharded(
+        self,
+        step: int,
+        shared: dict[str, Any] | None,
+        gathered: list[dict[str, Any]] | None,
+        shards: dict[str, Any],
+    ) -> None:
+        if not self.background:
+            write_sharded_checkpoint(
+                self.root, step, shared, gathered, shards, self.session, self.info, None,
+                self.keep_last,
+            )  # fmt: skip
+            return
+        if self.info.distributed and self._group is None:
+            self._group = dist.new_group(backend="gloo")  # collective: every rank is here
+        args = (
+            self.root, step, cpu_copy(shared), cpu_copy(gathered), cpu_copy(shards),
+            self.session, self.info, self._group, self.keep_last,
+        )  # fmt: skip
+        self._start(write_sharded_checkpoint, args)
+
+    def _start(self, target: Any, args: tuple[Any, ...]) -> None:
+        self._thread = threading.Thread(
+            target=self._run, args=(target, *args), name="checkpoint-writer"
+        )
         self._thread.start()
 
-    def _run(self, *args: Any) -> None:
+    def _run(self, target: Any, *args: Any) -> None:
         try:
-            write_checkpoint(*args)
+            target(*args)
         except BaseException as exc:  # re-raised on the training thread by wait()
             self._error = exc
 
@@ -197,8 +320,11 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """The manifest of `path` if every file it lists is present and intact; else raises."""
+def verify(path: Path, checksums: bool = True) -> dict[str, Any]:
+    """The manifest of `path` if every file it lists is present and intact; else raises.
+
+    `checksums=False` checks presence and sizes only (for a checkpoint verified moments ago).
+    """
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{path} is not a cumulus checkpoint (no {MANIFEST})")
@@ -219,6 +345,15 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} has a malformed manifest ({exc!r} missing or wrong)"
         ) from None
+    layout = manifest.setdefault("layout", "full")
+    if layout not in LAYOUTS:
+        raise CheckpointError(
+            f"{path} has a malformed manifest (layout {layout!r}; valid: {', '.join(LAYOUTS)})"
+        )
+    for name in files:
+        parts = PurePosixPath(name).parts
+        if not parts or name.startswith("/") or ".." in parts or "\\" in name:
+            raise CheckpointError(f"{path} has a malformed manifest (file name {name!r})")
     for name, (size, sha256) in files.items():
         f = path / name
         if not f.is_file():
@@ -228,8 +363,15 @@ def verify(path: Path) -> dict[str, Any]:
                 f"{path} is corrupt: {name} has {f.stat().st_size} bytes, manifest says "
                 f"{size} (truncated write?)"
             )
-        if _sha256(f) != sha256:
+        if checksums and _sha256(f) != sha256:
             raise CheckpointError(f"{path} is corrupt: {name} does not match its checksum")
+    if layout == "sharded":
+        try:
+            read_metadata(path / SHARDS)
+        except UnsafeCheckpoint as exc:
+            raise CheckpointError(
+                f"{path} is unsafe: {exc}; nothing from it was executed"
+            ) from None
     return manifest
 
 
@@ -293,22 +435,78 @@ def load_model_optimizer_state(
     )
 
 
+def sharded_model_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """This rank's model and optimizer state keyed by parameter name, no communication: FSDP's
+    shards as DTensors, DDP's (replicated) tensors as they are. For `CheckpointWriter` with
+    `sharded=True`, and as the template `load_sharded` fills in place."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def load_sharded(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Collective: load the `sharded` checkpoint `path` into `model` (and `optimizer`, and the
+    tensors of `extra` in place, e.g. callbacks' state), resharding from whatever world size
+    and strategy saved it. Unsafe or unreadable files raise CheckpointError; state that does
+    not fit raises RuntimeError."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        state = sharded_model_optimizer_state(model, optimizer)
+    state |= extra or {}
+    try:
+        load_shards(state, path / SHARDS)
+    except UnsafeCheckpoint as exc:
+        raise CheckpointError(
+            f"refused to load {path / SHARDS}: {exc}. Nothing from it was executed."
+        ) from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path / SHARDS}: {exc}") from None
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+
+
 @dataclass
 class LoadedCheckpoint:
     path: Path
     step: int
     world_size: int
+    layout: str  # full: model and optimizer in `shared`; sharded: `load_sharded` reads them
     shared: dict[str, Any]
     per_rank: dict[str, Any] | None  # None when saved with another world size
 
 
-def load_checkpoint(path: Path, info: DistInfo) -> LoadedCheckpoint:
-    """Verify and load `path` for this rank. Raises CheckpointError with the reason."""
-    manifest = verify(path)
+def load_checkpoint(path: Path, info: DistInfo, checksums: bool = True) -> LoadedCheckpoint:
+    """Verify and load `path` for this rank (all but the sharded model and optimizer state).
+    Raises CheckpointError with the reason."""
+    manifest = verify(path, checksums)
     shared = safe_load(path / SHARED)
     per_rank = None
     if manifest["world_size"] == info.world_size:
         per_rank = safe_load(path / rank_file(info.rank))
     return LoadedCheckpoint(
-        path, int(manifest["step"]), int(manifest["world_size"]), shared, per_rank
+        path,
+        int(manifest["step"]),
+        int(manifest["world_size"]),
+        manifest["layout"],
+        shared,
+        per_rank,
     )

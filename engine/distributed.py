@@ -123,12 +123,15 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
 STRATEGIES = ("ddp", "fsdp")
 
 
-def gather_object(obj: Any, info: DistInfo) -> list[Any] | None:
-    """Every rank's `obj` as a list on rank 0 (None elsewhere); small Python values only."""
+def gather_object(
+    obj: Any, info: DistInfo, group: dist.ProcessGroup | None = None
+) -> list[Any] | None:
+    """Every rank's `obj` as a list on rank 0 (None elsewhere); small Python values only.
+    `group`, if given, must span every rank."""
     if not info.distributed:
         return [obj]
     out: list[Any] | None = [None] * info.world_size if info.is_main else None
-    dist.gather_object(obj, out, dst=0)
+    dist.gather_object(obj, out, dst=0, group=group)
     return out
 
 

@@ -87,6 +87,9 @@ CASES = {
         ("/nonexistent/ckpt", "auto", "never"),
     ),
     "unknown_strategy": Case(("dist.strategy=bogus",), "dist.strategy", ("ddp",)),
+    "unknown_checkpoint_format": Case(
+        ("checkpoint.format=zip",), "checkpoint.format", ("auto", "full", "sharded")
+    ),
 }
 
 

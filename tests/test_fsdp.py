@@ -1,8 +1,9 @@
-"""FSDP2 (`dist.strategy=fsdp`) follows DDP, and checkpoints reshard across strategies and
-world sizes. gloo on CPU, 2 ranks."""
+"""FSDP2 (`dist.strategy=fsdp`) follows DDP, EMA of sharded weights included, and checkpoints
+reshard across strategies and world sizes. gloo on CPU, 2 ranks."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ COMMON = [
     "eval.batch_size=5",  # 15 validation samples: shards of 8 and 7
     "eval.sample_tokens=8",
     "checkpoint.every_steps=4",
+    "callbacks=ema",  # sharded like the parameters under FSDP; evaluated as val/loss_ema
 ]
 TWO_RANKS = ["train.micro_batch_size=4", "train.grad_accum_steps=2"]
 ONE_RANK = ["train.micro_batch_size=8", "train.grad_accum_steps=2"]
@@ -38,7 +40,7 @@ def assert_same_trajectory(got: dict, want: dict, tol: float = 1e-5) -> None:
     assert got, "no records"
     for key, record in got.items():
         ref = want[key]
-        for name in ("train/loss", "train/grad_norm", "val/loss"):
+        for name in ("train/loss", "train/grad_norm", "val/loss", "val/loss_ema"):
             if name in ref:
                 assert record[name] == pytest.approx(ref[name], rel=tol, abs=tol), (key, name)
 
@@ -60,9 +62,11 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_fsdp_follows_ddp(ddp_run: Path, fsdp_run: Path) -> None:
-    """Same losses, unscaled grad norms (clipping active at 1.0) and validation losses."""
+    """Same losses, unscaled grad norms (clipping active at 1.0) and validation losses, of the
+    weights and of their EMA."""
     fsdp, ddp = by_step(fsdp_run), by_step(ddp_run)
     assert set(fsdp) == set(ddp)
+    assert ddp[(8, "val")]["val/loss_ema"] != ddp[(8, "val")]["val/loss"]  # a real average
     assert ddp[(1, "train")]["train/grad_norm"] > 1.0  # so clipping did something
     assert_same_trajectory(fsdp, ddp)
     # Generation runs in lockstep on every rank; rank 0's sample matches DDP's.
@@ -114,3 +118,28 @@ def test_one_process_checkpoint_resumes_sharded_on_two(ddp_run: Path, tmp_path: 
     proc = run_torchrun(2, [*COMMON, *TWO_RANKS, "dist.strategy=fsdp", f"hydra.run.dir={run_dir}"])
     assert proc.returncode == 0, explain(proc)
     assert_same_trajectory(by_step(run_dir), by_step(ddp_run))
+
+
+def test_evaluate_reads_sharded_ema_weights(fsdp_run: Path) -> None:
+    """`trainer.evaluate weights=ema` on FSDP's sharded checkpoint, in one process, gives the
+    EMA validation loss the 2-rank run logged at that step (and the plain weights theirs)."""
+    ckpt = fsdp_run / "checkpoints" / "step_00000008"
+    logged = by_step(fsdp_run)[(8, "val")]
+    for weights, key in (("ema", "val/loss_ema"), ("model", "val/loss")):
+        proc = run_cli([f"checkpoint={ckpt}", f"weights={weights}"], module="trainer.evaluate")
+        assert proc.returncode == 0, explain(proc)
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert got["step"] == 8
+        assert got["val/loss"] == pytest.approx(logged[key], rel=1e-6), weights
+
+
+def test_ema_with_full_checkpoints_under_fsdp_is_refused(tmp_path: Path) -> None:
+    """A full checkpoint would not gather EMA's sharded average: refused before training, in
+    one paragraph naming the key and the remedy."""
+    args = [*COMMON, *TWO_RANKS, "dist.strategy=fsdp", "checkpoint.format=full"]
+    proc = run_torchrun(2, [*args, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode != 0
+    assert "checkpoint.format" in proc.stderr and "checkpoint.format=sharded" in proc.stderr
+    assert "error: invalid config `checkpoint.format`" in proc.stderr, explain(proc)
+    assert "exitcode  : 2" in proc.stderr  # the workers' bad-input exit, not a crash
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -17,6 +17,7 @@ from engine.checkpoint import (
     latest_valid,
     load_checkpoint,
     remove_stale_tmp,
+    verify,
 )
 from engine.distributed import DistInfo, broadcast_object, wrap_model
 from engine.grad_stats import GradNormsPerLayer
@@ -114,7 +115,8 @@ def build_step(spec: dict[str, Any]) -> Any:
 
 
 def find_resume(cfg: Config, ckpt_dir: Path, info: DistInfo) -> Path | None:
-    """Rank 0 picks the checkpoint to resume from; every rank gets the same answer."""
+    """Rank 0 picks the checkpoint to resume from and verifies its checksums; every rank gets
+    the same answer."""
     choice: Path | None = None
     error = None
     if info.is_main:
@@ -130,10 +132,22 @@ def find_resume(cfg: Config, ckpt_dir: Path, info: DistInfo) -> Path | None:
                     f"checkpoint.resume: {choice} does not exist; valid: auto, never, or "
                     "the path of a checkpoint directory (run_dir/checkpoints/step_NNNNNNNN)"
                 )
+            else:
+                try:
+                    verify(choice)
+                except CheckpointError as exc:
+                    error = f"checkpoint.resume: {exc}"
     choice, error = broadcast_object((choice, error), info)
     if error:
         raise UserError(error, all_ranks=True)
     return choice
+
+
+def checkpoint_format(cfg: Config, info: DistInfo) -> str:
+    """`checkpoint.format=auto`: sharded where the state is sharded (FSDP on several ranks)."""
+    if cfg.checkpoint.format != "auto":
+        return cfg.checkpoint.format
+    return "sharded" if cfg.dist.strategy == "fsdp" and info.distributed else "full"
 
 
 def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: DistInfo) -> Run:
@@ -177,14 +191,19 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
             f"{info.world_size} ranks; the set has {n_val}: raise eval.max_batches or "
             "eval.batch_size",
         )
-    if fsdp and any(hasattr(cb, "weights_swapped") for cb in ctx.callbacks):
+    fmt = checkpoint_format(cfg, info)
+    if fsdp and fmt == "full" and any(hasattr(cb, "weights_swapped") for cb in ctx.callbacks):
         raise ConfigError(
-            "callbacks", "EMA of weights is not supported with dist.strategy=fsdp yet"
+            "checkpoint.format",
+            "under dist.strategy=fsdp the EMA callback keeps its average sharded like the "
+            "parameters, and only sharded checkpoints save it; use checkpoint.format=sharded "
+            "(or auto, the default)",
         )
     if cfg.train.grad_norms == "per_layer" and not any(
         isinstance(cb, GradNormsPerLayer) for cb in ctx.callbacks
     ):  # callbacks=grad_stats already computes the same norms
         ctx.callbacks.named["grad_norms_per_layer"] = GradNormsPerLayer()
+    ctx.callbacks.setup(ctx)  # before a checkpoint is restored into their state
     sampler = GlobalBatchSampler(len(splits.train), global_batch, cfg.seed)
     batches = TrainBatches(
         splits.train,
@@ -217,13 +236,14 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         session=broadcast_object(new_run_id(), info),
         keep_last=cfg.checkpoint.keep_last,
         background=cfg.checkpoint.async_save,
+        sharded=fmt == "sharded",
     )
     if len(splits.val):
         run.sample_prompt = splits.val[0][:32].unsqueeze(0).to(info.device)  # same on all ranks
     resume = find_resume(cfg, run.checkpoint_dir, info)
     if resume is not None:
         try:
-            ckpt = load_checkpoint(resume, info)
+            ckpt = load_checkpoint(resume, info, checksums=False)  # rank 0 verified them
         except CheckpointError as exc:
             raise UserError(f"checkpoint.resume: {exc}", all_ranks=True) from None
         restore(run, ckpt)

@@ -215,11 +215,22 @@ class CheckpointCfg:
     resume: str = "auto"  # auto | never | a path
     # Write on a background thread from a CPU snapshot (training stalls only for the copy).
     async_save: bool = False
+    # full: rank 0 gathers the whole model and optimizer state into one file (portable; needs
+    # the full state in one host's memory). sharded: every rank writes its own shards with
+    # torch.distributed.checkpoint (run dir on a shared filesystem). auto: sharded under
+    # dist.strategy=fsdp on several ranks, full otherwise. Both resume on any world size and
+    # strategy.
+    format: str = "auto"
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 disables)")
         _positive(self.keep_last, "checkpoint.keep_last")
         require(bool(self.resume), "checkpoint.resume", "must be auto, never or a path")
+        require(
+            self.format in ("auto", "full", "sharded"),
+            "checkpoint.format",
+            f"must be auto, full or sharded, got {self.format!r}",
+        )
 
 
 @dataclass

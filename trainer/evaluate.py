@@ -9,6 +9,7 @@ prints the metrics as one JSON object on the last line of stdout. Writes nothing
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,16 +17,26 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from engine.checkpoint import SHARED, CheckpointError, load_checkpoint, safe_load, verify
+from engine.checkpoint import (
+    SHARDS,
+    SHARED,
+    CheckpointError,
+    LoadedCheckpoint,
+    load_checkpoint,
+    load_sharded,
+    safe_load,
+    verify,
+)
 from engine.distributed import DistInfo
 from engine.evaluate import evaluate_loss
 from engine.precision import Precision
+from engine.sharded_checkpoint import read_metadata
 from trainer.build import build_model, build_val_batches
 from trainer.cli import run_command
 from trainer.config import Config
 from trainer.data import load_splits
 from trainer.errors import UserError
-from trainer.fit import val_metrics
+from trainer.fit import summarize, val_metrics
 from trainer.gpt import LanguageModelTask
 
 USAGE = "usage: python -m trainer.evaluate checkpoint=PATH [weights=model|ema] [key=value ...]"
@@ -45,21 +56,32 @@ def parse_args(argv: list[str]) -> tuple[Path, str, list[str]]:
     return Path(ckpt[0]).expanduser(), (weights or ["model"])[-1], rest
 
 
-def load_weights(model: torch.nn.Module, shared: dict[str, Any], weights: str) -> None:
+def averaged_weights(ckpt: LoadedCheckpoint) -> list[str]:
+    """Names of the callbacks whose averaged weights (`shadow`) the checkpoint holds."""
+    if ckpt.layout == "sharded":
+        keys = read_metadata(ckpt.path / SHARDS).state_dict_metadata
+        return sorted({k.split(".")[1] for k in keys if re.match(r"callbacks\.[^.]+\.shadow\.", k)})
+    callbacks = ckpt.shared.get("callbacks", {})
+    return [n for n, s in callbacks.items() if s.get("shadow") is not None]
+
+
+def load_weights(model: torch.nn.Module, ckpt: LoadedCheckpoint, weights: str) -> None:
     """The trained weights, or those a callback averaged (its `shadow`, in parameter order)."""
-    model.load_state_dict(shared["model"])
-    if weights == "model":
-        return
-    state = shared.get("callbacks", {}).get(weights)
-    if not state or state.get("shadow") is None:
-        have = [n for n, s in shared.get("callbacks", {}).items() if s.get("shadow") is not None]
+    if weights != "model" and weights not in averaged_weights(ckpt):
         raise UserError(
             f"weights={weights}: the checkpoint holds no averaged weights of that name; valid: "
-            f"model{''.join(', ' + n for n in have)}"
+            f"model{''.join(', ' + n for n in averaged_weights(ckpt))}"
         )
     params = [p for p in model.parameters() if p.requires_grad]
+    if ckpt.layout == "sharded":  # collective under torchrun
+        averaged = [p.detach().clone() for p in params] if weights != "model" else []
+        extra = {"callbacks": {weights: {"shadow": averaged}}} if averaged else None
+        load_sharded(ckpt.path, model, optimizer=None, extra=extra)
+    else:
+        model.load_state_dict(ckpt.shared["model"])
+        averaged = ckpt.shared["callbacks"][weights]["shadow"] if weights != "model" else []
     with torch.no_grad():
-        for p, avg in zip(params, state["shadow"], strict=True):
+        for p, avg in zip(params, averaged, strict=bool(averaged)):
             p.copy_(avg)
 
 
@@ -67,12 +89,20 @@ def evaluate_checkpoint(
     path: Path, cfg: Config, info: DistInfo, weights: str = "model"
 ) -> dict[str, Any]:
     try:
-        ckpt = load_checkpoint(path, info)
+        ckpt = load_checkpoint(path, info, checksums=False)  # main() verified them
     except CheckpointError as exc:
         raise UserError(f"checkpoint: {exc}") from None
     splits = load_splits(cfg.data)
     model = build_model(cfg, splits, info)
-    load_weights(model, ckpt.shared, weights)
+    try:
+        load_weights(model, ckpt, weights)
+    except CheckpointError as exc:
+        raise UserError(f"checkpoint: {exc}") from None
+    except (RuntimeError, KeyError, ValueError) as exc:  # the overrides changed the model
+        raise UserError(
+            f"checkpoint: {path} does not fit the model its config builds with these overrides: "
+            f"{summarize(exc)}. Drop the model.* overrides."
+        ) from None
     batches = build_val_batches(cfg, splits, info)
     precision = Precision(cfg.train.precision, info.device.type)
     loss, count = evaluate_loss(model, LanguageModelTask(), batches, precision, info)

@@ -12,10 +12,13 @@ from typing import Any
 import torch
 
 from engine.checkpoint import (
+    CheckpointError,
     CheckpointWriter,
     LoadedCheckpoint,
     load_model_optimizer_state,
+    load_sharded,
     model_optimizer_state,
+    sharded_model_optimizer_state,
 )
 from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate_loss
@@ -206,7 +209,12 @@ def save(run: Run) -> None:
     if run.last_saved_step == run.step:
         return
     ctx = run.ctx
-    model_state, optimizer_state = model_optimizer_state(ctx.model, ctx.optimizer)  # collective
+    shards = None
+    if run.checkpointer.sharded:  # each rank writes its own part
+        shards = sharded_model_optimizer_state(ctx.model, ctx.optimizer)
+        shards["callbacks"] = ctx.callbacks.state_dict()  # EMA's average is sharded too
+    else:  # gathered to rank 0 (collective)
+        model_state, optimizer_state = model_optimizer_state(ctx.model, ctx.optimizer)
     shared = None
     if run.dist.is_main:
         shared = {
@@ -214,18 +222,21 @@ def save(run: Run) -> None:
             "run_id": run.run_id,
             "global_batch_size": run.batches.sampler.global_batch_size,
             "max_steps": run.cfg.train.max_steps,  # the LR schedule's horizon
-            "model": model_state,
-            "optimizer": optimizer_state,
             "scheduler": ctx.scheduler.state_dict() if ctx.scheduler is not None else None,
             "precision": ctx.precision.state_dict(),
-            "callbacks": ctx.callbacks.state_dict(),
             "meter": {
                 "skipped": run.meter.skipped.cpu(),
                 "consecutive_skips": run.meter.consecutive_skips.cpu(),
             },
             "config": run.config_dict,
         }
-    run.checkpointer.save(run.step, shared, {"rng": rng_state()})
+        if shards is None:
+            shared |= {
+                "model": model_state,
+                "optimizer": optimizer_state,
+                "callbacks": ctx.callbacks.state_dict(),
+            }
+    run.checkpointer.save(run.step, shared, {"rng": rng_state()}, shards)
     run.last_saved_step = run.step
     run.meter.restart_clock()
 
@@ -244,16 +255,23 @@ def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
     """Put the run exactly where checkpoint `ckpt` left it. Anything missing is an error."""
     s, ctx = ckpt.shared, run.ctx
     try:
-        load_model_optimizer_state(ctx.model, ctx.optimizer, s["model"], s["optimizer"])
+        if ckpt.layout == "sharded":  # collective; reshards to this run's ranks and strategy
+            callbacks = ctx.callbacks.state_dict()  # filled in place
+            load_sharded(ckpt.path, ctx.model, ctx.optimizer, {"callbacks": callbacks})
+        else:
+            load_model_optimizer_state(ctx.model, ctx.optimizer, s["model"], s["optimizer"])
+            callbacks = s["callbacks"]
         if ctx.scheduler is not None:
             ctx.scheduler.load_state_dict(s["scheduler"])
         ctx.precision.load_state_dict(s["precision"])
-        ctx.callbacks.load_state_dict(s["callbacks"])
+        ctx.callbacks.load_state_dict(callbacks)
         run.meter.skipped.copy_(s["meter"]["skipped"])
         run.meter.consecutive_skips.copy_(s["meter"]["consecutive_skips"])
         saved_batch, saved_id = int(s["global_batch_size"]), str(s["run_id"])
         saved_horizon = s.get("max_steps")
         rng = None if ckpt.per_rank is None else ckpt.per_rank["rng"]
+    except CheckpointError as exc:  # unsafe or unreadable shards: every rank got the same
+        raise UserError(f"checkpoint.resume: {exc}", all_ranks=True) from None
     except (KeyError, RuntimeError, ValueError, TypeError, AttributeError) as exc:
         raise UserError(
             f"checkpoint {ckpt.path} does not fit this run: {summarize(exc)}. Resume with the "

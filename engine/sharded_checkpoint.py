@@ -1,0 +1,181 @@
+"""Sharded model and optimizer state through `torch.distributed.checkpoint` (DCP).
+
+Every rank writes only the shards it owns (FSDP) or its share of the replicated tensors (DDP:
+DCP writes each replicated tensor once), and loading reshards: a checkpoint saved on N ranks
+loads on M ranks, under either strategy or in one plain process.
+
+DCP stores its `.metadata` (and the non-tensor values, e.g. optimizer hyper-parameters) as
+pickles, and its stock reader unpickles them with no restriction: a crafted checkpoint could
+run code on load. `SafeReader` unpickles `.metadata` with an allow-list of DCP's own metadata
+classes, and `SafeLoadPlanner` reads the values with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pathlib
+import pickle
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemReader,
+    FileSystemWriter,
+    _StorageInfo,
+)
+
+METADATA = ".metadata"
+
+# One process with no process group is a supported case here, not a mistake to warn about.
+warnings.filterwarnings(
+    "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized"
+)
+
+_ALLOWED: dict[str, set[str]] = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class UnsafeCheckpoint(Exception):
+    """The DCP metadata or a stored value holds something other than plain data."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpoint(f"the DCP metadata refers to {module}.{name}, which is not allowed")
+
+
+def read_metadata(path: Path) -> dcp_metadata.Metadata:
+    """Unpickle DCP's `.metadata` in `path`, allowing only DCP's own metadata classes.
+
+    Also checks that every shard it points to is a plain file name inside `path` and that no
+    storage transform (compression, encryption extension) is involved: this module writes none.
+    """
+    try:
+        with (path / METADATA).open("rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except UnsafeCheckpoint:
+        raise
+    except Exception as exc:  # a truncated or garbled pickle raises almost anything
+        raise UnsafeCheckpoint(f"the DCP metadata is unreadable ({exc!r})") from None
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise UnsafeCheckpoint(f"the DCP metadata is a {type(metadata).__name__}, not Metadata")
+    for info in (metadata.storage_data or {}).values():
+        if not isinstance(info, _StorageInfo):
+            raise UnsafeCheckpoint("the DCP metadata has a storage entry of the wrong type")
+        name = info.relative_path
+        if not isinstance(name, str) or pathlib.PurePath(name).name != name or name in ("", ".."):
+            raise UnsafeCheckpoint(f"the DCP metadata points outside its directory: {name!r}")
+        if info.transform_descriptors:
+            raise UnsafeCheckpoint(
+                f"the DCP metadata asks for storage transforms {info.transform_descriptors!r}"
+            )
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """`FileSystemReader` whose metadata is unpickled by `read_metadata` (an allow-list)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        if kwargs.get("rank") is not None:
+            raise UnsafeCheckpoint("per-rank DCP metadata files are not supported")
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """Reads stored non-tensor values with `torch.load(weights_only=True)`."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling error"
+            raise UnsafeCheckpoint(
+                f"the stored value {read_item.dest_index.fqn!r} is not plain data ({first})"
+            ) from None
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+@contextlib.contextmanager
+def _first_failure() -> Iterator[None]:
+    """DCP reports failures as a `CheckpointException` (a BaseException) holding every failed
+    rank's error; raise the lowest failed rank's own exception instead."""
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = exc.failures
+        if not failures:
+            raise RuntimeError(str(exc)) from None
+        first, _trace = failures[min(failures)]
+        raise first from None
+
+
+def _no_dist(group: dist.ProcessGroup | None) -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or (dist.get_world_size(group) == 1)
+
+
+def save_shards(
+    state: dict[str, Any], path: Path, group: dist.ProcessGroup | None = None
+) -> list[str]:
+    """Collective over `group`: write this rank's part of `state` into directory `path`.
+
+    Files are fsynced. Returns the names of every file of the checkpoint (all ranks'), the
+    `.metadata` included, once all of them are complete.
+    """
+    writer = FileSystemWriter(path, sync_files=True)
+    with _first_failure():
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=_no_dist(group))
+    # What dcp.save returns varies across torch versions; the written metadata does not.
+    names = {info.relative_path for info in read_metadata(path).storage_data.values()}
+    return sorted(names | {METADATA})
+
+
+def load_shards(state: dict[str, Any], path: Path, group: dist.ProcessGroup | None = None) -> None:
+    """Collective over `group`: fill `state` (the tensors this rank holds, sharded or not) in
+    place from the checkpoint in directory `path`, resharding as needed. Keys absent from
+    `state` are not read; keys of `state` absent from the checkpoint are an error."""
+    read_metadata(path)  # refuse an unsafe checkpoint here, before DCP falls back to others
+    with _first_failure():
+        dcp.load(
+            state,
+            storage_reader=SafeReader(path),
+            planner=SafeLoadPlanner(),
+            process_group=group,
+            no_dist=_no_dist(group),
+        )

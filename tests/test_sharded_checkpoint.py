@@ -1,0 +1,570 @@
+"""Sharded checkpoints (`checkpoint.format=sharded`, torch.distributed.checkpoint): the layout
+on disk, resharding across world sizes and strategies, exact same-world resume, and the safety
+of DCP's pickled `.metadata` and stored values.
+
+Every resumed trajectory is compared with an uninterrupted run of the same global batch:
+2 ranks DDP in the `full` layout (the independent reference), or the very same FSDP run for
+the bitwise case. gloo on CPU, `model=gpt_tiny`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+from engine.checkpoint import CheckpointError, verify
+from engine.sharded_checkpoint import UnsafeCheckpoint, load_shards, read_metadata, save_shards
+from tests.ckpt_support import kill_tree
+from tests.conftest import CONFIG_DIR, REPO, TINY, env, explain, read_metrics, torchrun_cmd
+from trainer.config import ModelCfg
+from trainer.gpt import GPT
+
+pytestmark = [
+    pytest.mark.multiproc,
+    # DCP warns when it runs without a process group: the in-process unit tests mean to.
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+]
+
+COMMON = [
+    *TINY,
+    "data.packed=false",
+    "train.max_steps=8",
+    "eval.every_steps=4",
+    "eval.max_batches=3",
+    "eval.batch_size=5",
+    "eval.sample_tokens=0",
+    "checkpoint.every_steps=4",
+]
+TWO_RANKS = ["train.micro_batch_size=4", "train.grad_accum_steps=2"]  # global batch 16
+ONE_RANK = ["train.micro_batch_size=8", "train.grad_accum_steps=2"]  # global batch 16
+FSDP = ["dist.strategy=fsdp"]
+CLI_TIMEOUT = 120.0
+TORCHRUN_TIMEOUT = 180.0
+BANNER = re.compile(r"resumed from (\S+) at step (\d+)")
+TRAIN_KEYS = ("train/loss", "train/grad_norm", "train/lr")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def launch(cmd: list[str], timeout: float, tmp: Path) -> subprocess.CompletedProcess:
+    """Run `cmd` from the repo root, output in files; on timeout kill the whole process tree
+    (torchrun's workers too) and fail. `tmp` is TMPDIR (torchrun's scratch directories)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=err, text=True, cwd=REPO, env=env(TMPDIR=str(tmp))
+        )
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_tree(proc.pid)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        result = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+    if timed_out:
+        pytest.fail(f"killed after {timeout:.0f} s (hang?): {' '.join(cmd)}\n{explain(result)}")
+    return result
+
+
+def train1(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    """`python -m trainer.train args` (one process)."""
+    return launch([sys.executable, "-m", "trainer.train", *args], CLI_TIMEOUT, tmp)
+
+
+def train2(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=2 -m trainer.train args`."""
+    return launch([*torchrun_cmd(2), "-m", "trainer.train", *args], TORCHRUN_TIMEOUT, tmp)
+
+
+def evaluate(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    return launch([sys.executable, "-m", "trainer.evaluate", *args], CLI_TIMEOUT, tmp)
+
+
+def ckpt(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def copy_ckpt(source: Path, step: int, dest_run: Path) -> Path:
+    """Copy checkpoint `step` of run `source` into run directory `dest_run`."""
+    dest = ckpt(dest_run, step)
+    shutil.copytree(ckpt(source, step), dest)
+    return dest
+
+
+def manifest_of(path: Path) -> dict[str, Any]:
+    return json.loads((path / "manifest.json").read_text())
+
+
+def resign(path: Path, name: str) -> None:
+    """Rewrite the manifest entry of `path/name` so that its size and checksum pass."""
+    manifest = manifest_of(path)
+    data = (path / name).read_bytes()
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def by_step(run_dir: Path) -> dict[tuple[int, str], dict[str, Any]]:
+    """Last record of each (step, kind): a resumed run repeats the steps it redid."""
+    out = {}
+    for r in read_metrics(run_dir):
+        out[(r["step"], "train" if "train/loss" in r else "val")] = r
+    return out
+
+
+def assert_close_trajectory(got: dict, want: dict, tol: float = 1e-5) -> None:
+    assert got, "no records"
+    for key, record in got.items():
+        ref = want[key]
+        for name in ("train/loss", "train/grad_norm", "val/loss"):
+            if name in ref:
+                assert record[name] == pytest.approx(ref[name], rel=tol, abs=tol), (key, name)
+
+
+def assert_resumed_at(proc: subprocess.CompletedProcess, run_dir: Path, step: int) -> None:
+    """The run printed that it resumed from `step` and wrote records only after it."""
+    assert [int(m.group(2)) for m in BANNER.finditer(proc.stdout)] == [step], explain(proc)
+    got = by_step(run_dir)
+    train_steps = sorted(s for s, kind in got if kind == "train")
+    assert train_steps == list(range(step + 1, 9)), train_steps
+
+
+class _Payload:
+    """Unpickling this runs `touch marker`: what an unrestricted unpickler would execute."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant_metadata(path: Path, marker: Path) -> None:
+    """Replace the DCP `.metadata` of checkpoint `path` by a code-running pickle, re-signed in
+    the manifest so that only the safe unpickler stands between the file and execution."""
+    shards = path / "shards"
+    (shards / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    # The payload is live: DCP's own reader runs it (and only then fails on the result).
+    with contextlib.suppress(Exception):
+        FileSystemReader(shards).read_metadata()
+    assert marker.exists()
+    marker.unlink()
+    resign(path, "shards/.metadata")
+
+
+# --------------------------------------------------------------------------- shared runs
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sharded")
+
+
+@pytest.fixture(scope="module")
+def ddp_ref(root: Path) -> Path:
+    """The reference: 2 ranks DDP, `full` checkpoints (the default under DDP)."""
+    run_dir = root / "ddp_ref"
+    proc = train2([*COMMON, *TWO_RANKS, f"hydra.run.dir={run_dir}"], root)
+    assert proc.returncode == 0, explain(proc)
+    assert manifest_of(ckpt(run_dir, 4))["layout"] == "full"
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(root: Path) -> Path:
+    """2 ranks FSDP with default checkpoint settings: sharded, written inline."""
+    run_dir = root / "fsdp"
+    proc = train2([*COMMON, *TWO_RANKS, *FSDP, f"hydra.run.dir={run_dir}"], root)
+    assert proc.returncode == 0, explain(proc)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def ddp_sharded(root: Path) -> Path:
+    """2 ranks DDP with `checkpoint.format=sharded`."""
+    run_dir = root / "ddp_sharded"
+    args = [*COMMON, *TWO_RANKS, "checkpoint.format=sharded", f"hydra.run.dir={run_dir}"]
+    proc = train2(args, root)
+    assert proc.returncode == 0, explain(proc)
+    return run_dir
+
+
+# --------------------------------------------------------------------------- 1. layout
+
+
+def test_fsdp_writes_the_sharded_layout_by_default(fsdp_run: Path, ddp_ref: Path) -> None:
+    """Every rank's DCP shard plus the metadata are listed with true sizes and checksums;
+    state.pt holds the small state only; the shards hold the whole model at full shapes."""
+    assert sorted(p.name for p in (fsdp_run / "checkpoints").iterdir()) == [
+        "step_00000004",
+        "step_00000008",
+    ]  # no temporary directory left behind
+    model_cfg = ModelCfg(**yaml.safe_load((CONFIG_DIR / "model" / "gpt_tiny.yaml").read_text()))
+    shapes = {k: tuple(v.shape) for k, v in GPT(model_cfg).state_dict().items()}
+    for step in (4, 8):
+        path = ckpt(fsdp_run, step)
+        manifest = manifest_of(path)
+        assert manifest["layout"] == "sharded" and manifest["world_size"] == 2
+        assert manifest["step"] == step
+        files = manifest["files"]
+        want = {"state.pt", "rank_00000.pt", "rank_00001.pt", "shards/.metadata"}
+        want |= {f"shards/__{r}_0.distcp" for r in range(2)}
+        assert set(files) == want
+        on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {
+            "manifest.json"
+        }
+        assert on_disk == want
+        for name, entry in files.items():
+            data = (path / name).read_bytes()
+            assert entry["size"] == len(data), name
+            assert entry["sha256"] == hashlib.sha256(data).hexdigest(), name
+        assert verify(path)["layout"] == "sharded"
+
+        state = torch.load(path / "state.pt", weights_only=True)
+        assert "model" not in state and "optimizer" not in state, sorted(state)
+        assert {"scheduler", "config"} <= set(state), sorted(state)
+
+        metadata = read_metadata(path / "shards")
+        stored = {
+            k.removeprefix("model."): tuple(v.size)
+            for k, v in metadata.state_dict_metadata.items()
+            if k.startswith("model.")
+        }
+        assert stored == shapes  # global shapes, not a rank's shard
+        assert any(k.startswith("optimizer.state.") for k in metadata.state_dict_metadata)
+        # Each rank wrote its own shard file.
+        used = {info.relative_path for info in metadata.storage_data.values()}
+        assert used == {"__0_0.distcp", "__1_0.distcp"}
+    # Saving sharded does not disturb training: FSDP still follows the DDP reference.
+    assert_close_trajectory(by_step(fsdp_run), by_step(ddp_ref))
+
+
+# --------------------------------------------------------------------------- 2. reshard
+
+
+def test_fsdp_sharded_checkpoint_resumes_under_ddp(
+    fsdp_run: Path, ddp_ref: Path, tmp_path: Path
+) -> None:
+    """FSDP shards, 2 ranks -> 2 ranks DDP: the continuation follows the DDP reference, and
+    DDP then saves in the `full` layout (`auto`)."""
+    run_dir = tmp_path / "run"
+    copy_ckpt(fsdp_run, 4, run_dir)
+    proc = train2([*COMMON, *TWO_RANKS, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert_resumed_at(proc, run_dir, 4)
+    assert_close_trajectory(by_step(run_dir), by_step(ddp_ref))
+    assert manifest_of(ckpt(run_dir, 8))["layout"] == "full"
+
+
+def test_ddp_sharded_checkpoint_resumes_under_fsdp(
+    ddp_sharded: Path, ddp_ref: Path, tmp_path: Path
+) -> None:
+    """`checkpoint.format=sharded` under DDP: both ranks write a shard; it resumes under FSDP
+    on 2 ranks on the reference trajectory."""
+    source = ckpt(ddp_sharded, 4)
+    manifest = manifest_of(source)
+    assert manifest["layout"] == "sharded" and manifest["world_size"] == 2
+    for r in range(2):
+        assert manifest["files"][f"shards/__{r}_0.distcp"]["size"] > 0, manifest
+    assert "model" not in torch.load(source / "state.pt", weights_only=True)
+    # The format is a storage choice: the DDP trajectory itself is unchanged, bit for bit.
+    ref = by_step(ddp_ref)
+    for key, record in by_step(ddp_sharded).items():
+        for name in (*TRAIN_KEYS, "val/loss"):
+            assert record.get(name) == ref[key].get(name), (key, name)
+
+    run_dir = tmp_path / "run"
+    copy_ckpt(ddp_sharded, 4, run_dir)
+    proc = train2([*COMMON, *TWO_RANKS, *FSDP, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert_resumed_at(proc, run_dir, 4)
+    assert_close_trajectory(by_step(run_dir), ref)
+
+
+def test_ddp_sharded_checkpoint_resumes_on_one_process(
+    ddp_sharded: Path, ddp_ref: Path, tmp_path: Path
+) -> None:
+    """2 ranks DDP sharded -> one plain process (no process group)."""
+    run_dir = tmp_path / "run"
+    copy_ckpt(ddp_sharded, 4, run_dir)
+    proc = train1([*COMMON, *ONE_RANK, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert_resumed_at(proc, run_dir, 4)
+    assert_close_trajectory(by_step(run_dir), by_step(ddp_ref))
+
+
+# --------------------------------------------------------------------------- 3. 1 -> 2
+
+
+def test_one_process_sharded_checkpoint_resumes_under_fsdp(ddp_ref: Path, tmp_path: Path) -> None:
+    """A single process writes one shard file; FSDP on 2 ranks resumes it on the trajectory."""
+    single = tmp_path / "single"
+    args = [*COMMON, *ONE_RANK, "checkpoint.format=sharded", f"hydra.run.dir={single}"]
+    proc = train1(args, tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    manifest = manifest_of(ckpt(single, 4))
+    assert manifest["layout"] == "sharded" and manifest["world_size"] == 1
+    assert sorted(n for n in manifest["files"] if n.startswith("shards/")) == [
+        "shards/.metadata",
+        "shards/__0_0.distcp",
+    ]
+    assert_close_trajectory(by_step(single), by_step(ddp_ref))
+
+    run_dir = tmp_path / "run"
+    copy_ckpt(single, 4, run_dir)
+    proc = train2([*COMMON, *TWO_RANKS, *FSDP, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert_resumed_at(proc, run_dir, 4)
+    assert_close_trajectory(by_step(run_dir), by_step(ddp_ref))
+
+
+# --------------------------------------------------------------------------- 4. bitwise
+
+
+def test_same_world_fsdp_async_resume_is_bitwise(fsdp_run: Path, tmp_path: Path) -> None:
+    """FSDP 2 ranks, async sharded saves, dropout: resuming from step 4 on the same ranks and
+    strategy reproduces the uninterrupted run exactly (weights, optimizer, RNG per rank)."""
+    args = [*COMMON, *TWO_RANKS, *FSDP, "model.dropout=0.1", "checkpoint.async_save=true"]
+    full = tmp_path / "full"
+    proc = train2([*args, f"hydra.run.dir={full}"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert manifest_of(ckpt(full, 4))["layout"] == "sharded"
+    want = by_step(full)
+    # Dropout is on: the trajectory depends on the RNG streams a resume must restore.
+    assert want[(1, "train")]["train/loss"] != by_step(fsdp_run)[(1, "train")]["train/loss"]
+
+    run_dir = tmp_path / "run"
+    copy_ckpt(full, 4, run_dir)
+    proc = train2([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert_resumed_at(proc, run_dir, 4)
+    got = by_step(run_dir)
+    assert sorted(got) == sorted(k for k in want if k[0] > 4)
+    for key, record in got.items():
+        for name in (*TRAIN_KEYS, "val/loss"):
+            assert record.get(name) == want[key].get(name), (key, name)
+
+
+# --------------------------------------------------------------------------- 5. malicious
+
+
+def test_explicit_resume_of_malicious_metadata_is_refused(fsdp_run: Path, tmp_path: Path):
+    """`checkpoint.resume=PATH` to a checkpoint whose `.metadata` would run code: one-line
+    error, exit 2, nothing executed, nothing trained."""
+    marker = tmp_path / "pwned"
+    bad = copy_ckpt(fsdp_run, 8, tmp_path / "elsewhere")
+    plant_metadata(bad, marker)
+    with pytest.raises(CheckpointError, match="unsafe"):
+        verify(bad)
+    assert not marker.exists()
+
+    run_dir = tmp_path / "run"
+    args = [*COMMON, *ONE_RANK, f"checkpoint.resume={bad}", f"hydra.run.dir={run_dir}"]
+    proc = train1(args, tmp_path)
+    assert proc.returncode == 2, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+    assert re.search(r"error: checkpoint\.resume: .*unsafe.*system", proc.stderr), explain(proc)
+    assert not marker.exists(), "the malicious metadata was executed"
+    assert not (run_dir / "metrics.jsonl").exists(), "it trained instead of failing"
+    assert bad.is_dir(), "the refused checkpoint was deleted"
+
+
+def test_auto_resume_skips_malicious_metadata(
+    fsdp_run: Path, ddp_ref: Path, tmp_path: Path
+) -> None:
+    """`auto` skips the unsafe newest checkpoint with a warning and resumes from the older,
+    valid one (resharded onto one process), on the reference trajectory."""
+    marker = tmp_path / "pwned"
+    run_dir = tmp_path / "run"
+    copy_ckpt(fsdp_run, 4, run_dir)
+    plant_metadata(copy_ckpt(fsdp_run, 8, run_dir), marker)
+    proc = train1([*COMMON, *ONE_RANK, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert re.search(r"skipping checkpoint: .*step_00000008.*unsafe", proc.stderr), explain(proc)
+    assert not marker.exists(), "the malicious metadata was executed"
+    assert_resumed_at(proc, run_dir, 4)
+    assert_close_trajectory(by_step(run_dir), by_step(ddp_ref))
+    assert verify(ckpt(run_dir, 8))["step"] == 8  # saved again, over the bad one
+
+
+def test_evaluate_refuses_malicious_metadata(fsdp_run: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    bad = copy_ckpt(fsdp_run, 8, tmp_path / "elsewhere")
+    plant_metadata(bad, marker)
+    proc = evaluate([f"checkpoint={bad}"], tmp_path)
+    assert proc.returncode == 2, explain(proc)
+    assert "unsafe" in proc.stderr and "Traceback" not in proc.stderr, explain(proc)
+    assert not proc.stdout.strip().startswith("{"), explain(proc)
+    assert not marker.exists(), "the malicious metadata was executed"
+
+
+# --------------------------------------------------------------------------- 6. unit
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)},
+        "extra": {"step": 7, "betas": (0.9, 0.95)},
+    }
+
+
+def test_save_and_load_shards_in_one_process(tmp_path: Path) -> None:
+    """No process group: save, then fill zeroed tensors and empty slots in place."""
+    path = tmp_path / "shards"
+    original = _state()
+    names = save_shards(original, path)
+    assert names == sorted(p.name for p in path.iterdir())
+    assert ".metadata" in names and "__0_0.distcp" in names
+    target = {
+        "model": {"w": torch.zeros(3, 4), "b": torch.zeros(4)},
+        "extra": {"step": None, "betas": None},
+    }
+    w = target["model"]["w"]
+    load_shards(target, path)
+    assert target["model"]["w"] is w  # in place
+    assert torch.equal(target["model"]["w"], original["model"]["w"])
+    assert torch.equal(target["model"]["b"], original["model"]["b"])
+    assert target["extra"]["step"] == 7
+    assert tuple(target["extra"]["betas"]) == (0.9, 0.95)
+    # A key the checkpoint lacks is an error, not silently left as it was.
+    with pytest.raises(RuntimeError, match=r"Missing key .*model\.missing"):
+        load_shards({"model": {"w": torch.zeros(3, 4), "missing": torch.zeros(2)}}, path)
+
+
+def _rewrite_storage(path: Path, **changes: Any) -> None:
+    """Change the first storage entry of `path/.metadata` (plain pickle: trusted here)."""
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    index = next(iter(metadata.storage_data))
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], **changes)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("name", ["../outside.distcp", "/tmp/absolute.distcp", "sub/x.distcp"])
+def test_metadata_pointing_outside_is_refused(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "ckpt" / "shards"
+    save_shards(_state(), path)
+    read_metadata(path)  # the untouched metadata is fine
+    _rewrite_storage(path, relative_path=name)
+    if name.startswith("../"):
+        # Stock DCP follows the path out of the checkpoint directory.
+        shutil.copy(path / "__0_0.distcp", path.parent / "outside.distcp")
+        target = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(4)}}
+        dcp.load(target, storage_reader=FileSystemReader(path), no_dist=True)
+    with pytest.raises(UnsafeCheckpoint, match="outside"):
+        read_metadata(path)
+    with pytest.raises(UnsafeCheckpoint):
+        load_shards({"model": {"w": torch.zeros(3, 4), "b": torch.zeros(4)}}, path)
+
+
+def test_metadata_with_storage_transforms_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "shards"
+    save_shards(_state(), path)
+    _rewrite_storage(path, transform_descriptors=["zstd"])
+    with pytest.raises(UnsafeCheckpoint, match="transform"):
+        read_metadata(path)
+
+
+def test_metadata_that_runs_code_or_is_garbage_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "shards"
+    save_shards(_state(), path)
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(UnsafeCheckpoint, match="system"):
+        read_metadata(path)
+    with pytest.raises(UnsafeCheckpoint):
+        load_shards({"model": {"w": torch.zeros(3, 4), "b": torch.zeros(4)}}, path)
+    assert not marker.exists()
+    (path / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(UnsafeCheckpoint, match="unreadable"):
+        read_metadata(path)
+
+
+class _Evil:
+    """A stored non-tensor value whose unpickling runs `touch marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_stored_value_that_runs_code_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "shards"
+    save_shards({"t": torch.ones(2), "obj": _Evil(marker)}, path)  # DCP torch.saves it as bytes
+    assert not marker.exists()
+    read_metadata(path)  # the metadata itself is clean
+    # The payload is live: stock DCP loading runs it.
+    dcp.load(
+        {"t": torch.zeros(2), "obj": None}, storage_reader=FileSystemReader(path), no_dist=True
+    )
+    assert marker.exists()
+    marker.unlink()
+    target = {"t": torch.zeros(2), "obj": None}
+    with pytest.raises(UnsafeCheckpoint, match="obj"):
+        load_shards(target, path)
+    assert not marker.exists(), "the stored value was executed"
+    assert target["obj"] is None
+
+
+# --------------------------------------------------------------------------- 7. corrupt
+
+
+def test_corrupt_shard_is_reported_and_skipped(
+    fsdp_run: Path, ddp_ref: Path, tmp_path: Path
+) -> None:
+    """One flipped byte in rank 1's shard: `verify` names the file; `auto` falls back."""
+    run_dir = tmp_path / "run"
+    copy_ckpt(fsdp_run, 4, run_dir)
+    bad = copy_ckpt(fsdp_run, 8, run_dir)
+    shard = bad / "shards" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte differs
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"shards/__1_0\.distcp does not match its checksum"):
+        verify(bad)
+
+    proc = train1([*COMMON, *ONE_RANK, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert re.search(r"skipping checkpoint: .*step_00000008.*__1_0\.distcp", proc.stderr), explain(
+        proc
+    )
+    assert_resumed_at(proc, run_dir, 4)
+    assert_close_trajectory(by_step(run_dir), by_step(ddp_ref))
+
+
+# --------------------------------------------------------------------------- 8. evaluate
+
+
+def test_evaluate_reads_a_sharded_checkpoint(fsdp_run: Path, tmp_path: Path) -> None:
+    """`trainer.evaluate` on a 2-rank FSDP checkpoint, in one process, gets the run's val/loss
+    (the checkpoint's own config: the same 15 validation samples)."""
+    trained = by_step(fsdp_run)[(8, "val")]
+    proc = evaluate([f"checkpoint={ckpt(fsdp_run, 8)}"], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["step"] == 8
+    assert got["val/items"] == trained["val/items"]
+    assert math.isclose(got["val/loss"], trained["val/loss"], rel_tol=1e-5), (got, trained)
