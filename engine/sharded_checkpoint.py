@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystemWriter,
     _StorageInfo,
 )
+from torch.distributed.tensor import DTensor
 
 METADATA = ".metadata"
 
@@ -144,6 +145,55 @@ def _first_failure() -> Iterator[None]:
             raise RuntimeError(str(exc)) from None
         first, _trace = failures[min(failures)]
         raise first from None
+
+
+def split_dtensors(obj: Any) -> tuple[Any, dict[str, Any]]:
+    """`obj` with every DTensor replaced by None, and those DTensors keyed by their path in it
+    (`"ema/shadow/3"`). For state such as a callback's: its DTensors (sharded like the
+    parameters) are saved shard by shard, the rest as plain data, whose structure may change
+    (None before a first value) where DCP's in-place loading would need it fixed."""
+    found: dict[str, Any] = {}
+
+    def walk(o: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(o, DTensor):
+            found["/".join(path)] = o
+            return None
+        if isinstance(o, dict):
+            return {k: walk(v, (*path, str(k))) for k, v in o.items()}
+        if isinstance(o, list | tuple):
+            return type(o)(walk(v, (*path, str(i))) for i, v in enumerate(o))
+        return o
+
+    return walk(obj, ()), found
+
+
+def _step(obj: Any, part: str) -> tuple[Any, Any]:
+    return (obj, int(part)) if isinstance(obj, list | tuple) else (obj, part)
+
+
+def get_path(obj: Any, path: str) -> Any:
+    """The value at `path` (as `split_dtensors` names it) in nested dicts and lists."""
+    for part in path.split("/"):
+        container, key = _step(obj, part)
+        obj = container[key]
+    return obj
+
+
+def set_path(obj: Any, path: str, value: Any) -> None:
+    """Put `value` at `path` in nested dicts and lists (the inverse of `split_dtensors`)."""
+    *parents, last = path.split("/")
+    for part in parents:
+        container, key = _step(obj, part)
+        obj = container[key]
+    container, key = _step(obj, last)
+    container[key] = value
+
+
+def saved_keys(path: Path, prefix: str) -> list[str]:
+    """The keys saved under `prefix` (a top-level key of the saved state) in the DCP
+    checkpoint `path`, with the prefix removed."""
+    head = prefix + "."
+    return [k[len(head) :] for k in read_metadata(path).state_dict_metadata if k.startswith(head)]
 
 
 def _no_dist(group: dist.ProcessGroup | None) -> bool:

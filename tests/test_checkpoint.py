@@ -221,13 +221,16 @@ def test_sigkill_then_rerun_continues_the_same_trajectory(
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_torchrun_restart_after_rank_death_resumes_exactly(
-    refs: References, tmp_path: Path
+    refs: References, tmp_path: Path, fmt: str
 ) -> None:
     """torchrun --max-restarts=1 brings a job back after one rank is SIGKILLed: the restarted
-    workers resume from the last checkpoint and continue the 2-rank trajectory exactly."""
+    workers resume from the last checkpoint and continue the 2-rank trajectory exactly, from
+    one gathered file or from the shards each rank wrote."""
     run_dir, marker = tmp_path / "run", tmp_path / "killed"
-    args = [*DDP, f"hydra.run.dir={run_dir}", *kill_at(7, marker, rank=1)]
+    args = [*DDP, f"checkpoint.format={fmt}", f"hydra.run.dir={run_dir}"]
+    args += kill_at(7, marker, rank=1)
     proc = launch(torchrun(args, "--max-restarts=1"), TORCHRUN_TIMEOUT, tmp=tmp_path)
     assert proc.returncode == 0, explain(proc)
     assert marker.exists(), "rank 1 was never killed: the test did not test a restart"

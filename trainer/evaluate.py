@@ -30,7 +30,7 @@ from engine.checkpoint import (
 from engine.distributed import DistInfo
 from engine.evaluate import evaluate_loss
 from engine.precision import Precision
-from engine.sharded_checkpoint import read_metadata
+from engine.sharded_checkpoint import saved_keys
 from trainer.build import build_model, build_val_batches
 from trainer.cli import run_command
 from trainer.config import Config
@@ -56,30 +56,42 @@ def parse_args(argv: list[str]) -> tuple[Path, str, list[str]]:
     return Path(ckpt[0]).expanduser(), (weights or ["model"])[-1], rest
 
 
-def averaged_weights(ckpt: LoadedCheckpoint) -> list[str]:
-    """Names of the callbacks whose averaged weights (`shadow`) the checkpoint holds."""
+def averaged_weights(ckpt: LoadedCheckpoint) -> dict[str, bool]:
+    """Callbacks whose averaged weights (`shadow`) the checkpoint holds, and whether they were
+    saved shard by shard (FSDP's) rather than as plain tensors."""
+    out = {}
+    for name, state in ckpt.shared.get("callbacks", {}).items():
+        shadow = state.get("shadow") if isinstance(state, dict) else None
+        if shadow is not None and all(t is not None for t in shadow):
+            out[name] = False
     if ckpt.layout == "sharded":
-        keys = read_metadata(ckpt.path / SHARDS).state_dict_metadata
-        return sorted({k.split(".")[1] for k in keys if re.match(r"callbacks\.[^.]+\.shadow\.", k)})
-    callbacks = ckpt.shared.get("callbacks", {})
-    return [n for n, s in callbacks.items() if s.get("shadow") is not None]
+        for key in saved_keys(ckpt.path / SHARDS, "callbacks"):
+            match = re.fullmatch(r"([^/]+)/shadow/\d+", key)
+            if match:
+                out[match.group(1)] = True
+    return out
 
 
 def load_weights(model: torch.nn.Module, ckpt: LoadedCheckpoint, weights: str) -> None:
     """The trained weights, or those a callback averaged (its `shadow`, in parameter order)."""
-    if weights != "model" and weights not in averaged_weights(ckpt):
+    averages = averaged_weights(ckpt)
+    if weights != "model" and weights not in averages:
         raise UserError(
             f"weights={weights}: the checkpoint holds no averaged weights of that name; valid: "
-            f"model{''.join(', ' + n for n in averaged_weights(ckpt))}"
+            f"model{''.join(', ' + n for n in sorted(averages))}"
         )
     params = [p for p in model.parameters() if p.requires_grad]
+    averaged: list[torch.Tensor] = []
+    extra = None
+    if averages.get(weights):  # saved shard by shard: load into copies of the parameters
+        averaged = [p.detach().clone() for p in params]
+        extra = {"callbacks": {f"{weights}/shadow/{i}": t for i, t in enumerate(averaged)}}
+    elif weights != "model":
+        averaged = ckpt.shared["callbacks"][weights]["shadow"]
     if ckpt.layout == "sharded":  # collective under torchrun
-        averaged = [p.detach().clone() for p in params] if weights != "model" else []
-        extra = {"callbacks": {weights: {"shadow": averaged}}} if averaged else None
         load_sharded(ckpt.path, model, optimizer=None, extra=extra)
     else:
         model.load_state_dict(ckpt.shared["model"])
-        averaged = ckpt.shared["callbacks"][weights]["shadow"] if weights != "model" else []
     with torch.no_grad():
         for p, avg in zip(params, averaged, strict=bool(averaged)):
             p.copy_(avg)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from engine.checkpoint import (
+    SHARDS,
     CheckpointError,
     CheckpointWriter,
     LoadedCheckpoint,
@@ -24,6 +25,7 @@ from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate_loss
 from engine.grad_stats import missing_gradients
 from engine.rng import rng_state, seed_everything, set_rng_state
+from engine.sharded_checkpoint import get_path, saved_keys, set_path, split_dtensors
 from engine.step import StepContext, StepStrategy
 from trainer.config import Config
 from trainer.data import Batch, TrainBatches
@@ -210,9 +212,11 @@ def save(run: Run) -> None:
         return
     ctx = run.ctx
     shards = None
+    callbacks = ctx.callbacks.state_dict()
     if run.checkpointer.sharded:  # each rank writes its own part
         shards = sharded_model_optimizer_state(ctx.model, ctx.optimizer)
-        shards["callbacks"] = ctx.callbacks.state_dict()  # EMA's average is sharded too
+        # Callback tensors sharded like the parameters (FSDP's EMA) too; the rest is plain.
+        callbacks, shards["callbacks"] = split_dtensors(callbacks)
     else:  # gathered to rank 0 (collective)
         model_state, optimizer_state = model_optimizer_state(ctx.model, ctx.optimizer)
     shared = None
@@ -228,14 +232,11 @@ def save(run: Run) -> None:
                 "skipped": run.meter.skipped.cpu(),
                 "consecutive_skips": run.meter.consecutive_skips.cpu(),
             },
+            "callbacks": callbacks,
             "config": run.config_dict,
         }
         if shards is None:
-            shared |= {
-                "model": model_state,
-                "optimizer": optimizer_state,
-                "callbacks": ctx.callbacks.state_dict(),
-            }
+            shared |= {"model": model_state, "optimizer": optimizer_state}
     run.checkpointer.save(run.step, shared, {"rng": rng_state()}, shards)
     run.last_saved_step = run.step
     run.meter.restart_clock()
@@ -251,16 +252,32 @@ def summarize(exc: BaseException) -> str:
     return f"{lines[0].rstrip(':.')}{': ' + detail[0] if detail else ''}{more}"
 
 
+def sharded_callback_state(ckpt: LoadedCheckpoint, live: dict[str, Any]) -> dict[str, Any]:
+    """Where to load the callback tensors the checkpoint saved shard by shard: this run's own
+    tensors at the same places (sharded or not: loading reshards)."""
+    out = {}
+    for key in saved_keys(ckpt.path / SHARDS, "callbacks"):
+        try:
+            out[key] = get_path(live, key)
+        except (KeyError, IndexError, TypeError):
+            out[key] = None
+        if not isinstance(out[key], torch.Tensor):
+            raise KeyError(f"callback state {key} is in the checkpoint but not in this run")
+    return out
+
+
 def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
     """Put the run exactly where checkpoint `ckpt` left it. Anything missing is an error."""
     s, ctx = ckpt.shared, run.ctx
     try:
+        callbacks = s["callbacks"]
         if ckpt.layout == "sharded":  # collective; reshards to this run's ranks and strategy
-            callbacks = ctx.callbacks.state_dict()  # filled in place
-            load_sharded(ckpt.path, ctx.model, ctx.optimizer, {"callbacks": callbacks})
+            sharded = sharded_callback_state(ckpt, ctx.callbacks.state_dict())
+            load_sharded(ckpt.path, ctx.model, ctx.optimizer, {"callbacks": sharded})
+            for key, tensor in sharded.items():
+                set_path(callbacks, key, tensor)
         else:
             load_model_optimizer_state(ctx.model, ctx.optimizer, s["model"], s["optimizer"])
-            callbacks = s["callbacks"]
         if ctx.scheduler is not None:
             ctx.scheduler.load_state_dict(s["scheduler"])
         ctx.precision.load_state_dict(s["precision"])
