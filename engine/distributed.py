@@ -123,6 +123,15 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
 STRATEGIES = ("ddp", "fsdp")
 
 
+def all_gather_object(obj: Any, info: DistInfo) -> list[Any]:
+    """Every rank's `obj`, as a list on every rank; small Python values only."""
+    if not info.distributed:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def gather_object(
     obj: Any, info: DistInfo, group: dist.ProcessGroup | None = None
 ) -> list[Any] | None:

@@ -568,3 +568,27 @@ def test_evaluate_reads_a_sharded_checkpoint(fsdp_run: Path, tmp_path: Path) -> 
     assert got["step"] == 8
     assert got["val/items"] == trained["val/items"]
     assert math.isclose(got["val/loss"], trained["val/loss"], rel_tol=1e-5), (got, trained)
+
+
+def test_verify_shares_split_the_hashing(tmp_path: Path) -> None:
+    """n ranks verifying together each hash a disjoint share of the files: a flipped byte is
+    caught by exactly one share, and by the single-process `verify_together`."""
+    from engine.checkpoint import verify_together, write_checkpoint
+    from engine.distributed import DistInfo
+
+    per_rank = [{"rng": torch.arange(8) + r} for r in range(3)]
+    ckpt = write_checkpoint(tmp_path, 5, {"w": torch.ones(16)}, per_rank, "s")
+    assert verify_together(ckpt, DistInfo()) is None
+    victim = ckpt / "rank_00001.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 1
+    victim.write_bytes(bytes(data))
+    caught = 0
+    for i in range(3):
+        try:
+            verify(ckpt, share=(i, 3))
+        except CheckpointError as exc:
+            assert "rank_00001.pt does not match its checksum" in str(exc)
+            caught += 1
+    assert caught == 1
+    assert "rank_00001.pt" in (verify_together(ckpt, DistInfo()) or "")

@@ -14,10 +14,10 @@ from engine.callbacks import Callback, CallbackList
 from engine.checkpoint import (
     CheckpointError,
     CheckpointWriter,
-    latest_valid,
+    list_checkpoints,
     load_checkpoint,
     remove_stale_tmp,
-    verify,
+    verify_together,
 )
 from engine.distributed import DistInfo, broadcast_object, wrap_model
 from engine.grad_stats import GradNormsPerLayer
@@ -115,32 +115,33 @@ def build_step(spec: dict[str, Any]) -> Any:
 
 
 def find_resume(cfg: Config, ckpt_dir: Path, info: DistInfo) -> Path | None:
-    """Rank 0 picks the checkpoint to resume from and verifies its checksums; every rank gets
-    the same answer."""
-    choice: Path | None = None
+    """The checkpoint to resume from, the same on every rank: the newest that verifies
+    (`auto`) or the given path. All ranks verify each candidate together."""
+    resume = cfg.checkpoint.resume
+    if resume == "never":
+        return None
     error = None
-    if info.is_main:
-        resume = cfg.checkpoint.resume
-        if resume == "auto":
-            choice, warnings = latest_valid(ckpt_dir)
-            for w in warnings:
-                print(f"WARNING: {w}", file=sys.stderr)
-        elif resume != "never":
-            choice = Path(resume).expanduser()
-            if not choice.exists():
-                error = (
-                    f"checkpoint.resume: {choice} does not exist; valid: auto, never, or "
-                    "the path of a checkpoint directory (run_dir/checkpoints/step_NNNNNNNN)"
-                )
-            else:
-                try:
-                    verify(choice)
-                except CheckpointError as exc:
-                    error = f"checkpoint.resume: {exc}"
-    choice, error = broadcast_object((choice, error), info)
+    if resume == "auto":
+        candidates = list(reversed(list_checkpoints(ckpt_dir))) if info.is_main else []
+    else:
+        candidates = [Path(resume).expanduser()]
+        if info.is_main and not candidates[0].exists():
+            error = (
+                f"checkpoint.resume: {candidates[0]} does not exist; valid: auto, never, or "
+                "the path of a checkpoint directory (run_dir/checkpoints/step_NNNNNNNN)"
+            )
+    candidates, error = broadcast_object((candidates, error), info)
     if error:
         raise UserError(error, all_ranks=True)
-    return choice
+    for path in candidates:
+        problem = verify_together(path, info)
+        if problem is None:
+            return path
+        if resume != "auto":
+            raise UserError(f"checkpoint.resume: {problem}", all_ranks=True)
+        if info.is_main:
+            print(f"WARNING: skipping checkpoint: {problem}", file=sys.stderr)
+    return None
 
 
 def checkpoint_format(cfg: Config, info: DistInfo) -> str:
