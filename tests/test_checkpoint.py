@@ -181,10 +181,12 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> References:
 
 
 @pytest.mark.parametrize(
-    ("async_save", "eval_every"), [(False, 0), (True, 5)], ids=["sync", "async-eval"]
+    ("async_save", "eval_every", "fmt"),
+    [(False, 0, "full"), (True, 5, "full"), (True, 5, "sharded")],
+    ids=["sync", "async-eval", "sharded-async-eval"],
 )
 def test_sigkill_then_rerun_continues_the_same_trajectory(
-    refs: References, tmp_path: Path, async_save: bool, eval_every: int
+    refs: References, tmp_path: Path, async_save: bool, eval_every: int, fmt: str
 ) -> None:
     """A crash mid-run loses nothing but the steps since the last checkpoint: the rerun of the
     same command resumes there and reproduces the uninterrupted run bit for bit."""
@@ -196,6 +198,7 @@ def test_sigkill_then_rerun_continues_the_same_trajectory(
         f"train.max_steps={STEPS}",
         f"eval.every_steps={eval_every}",
         f"checkpoint.async_save={str(async_save).lower()}",
+        f"checkpoint.format={fmt}",
         f"hydra.run.dir={run_dir}",
         *kill_at(12, marker, wait_for=ckpt10),
     ]
