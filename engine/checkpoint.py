@@ -29,6 +29,7 @@ import re
 import shutil
 import threading
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -143,8 +144,8 @@ def write_sharded_checkpoint(
     if info.is_main:
         try:
             staged = [(n, _entry(tmp / n)) for n in _stage(tmp, shared, per_rank)]
-        except OSError as exc:
-            mine = f"rank 0 could not write {tmp}: {exc}"
+        except Exception as exc:  # any failure: the other ranks must hear of it
+            mine = f"rank 0 could not write {tmp}: {exc!r}"
     names = save_shards(shards, tmp / SHARDS, group)  # returns once every rank's files exist
     try:
         share = names[info.rank :: info.world_size]
@@ -241,6 +242,7 @@ class CheckpointWriter:
         keep_last: int | None = None,
         background: bool = False,
         sharded: bool = False,
+        timeout_s: float | None = None,
     ) -> None:
         self.root = root
         self.info = info
@@ -251,6 +253,7 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._group: dist.ProcessGroup | None = None
+        self.timeout_s = timeout_s  # of the background writer's collectives
 
     def save(
         self,
@@ -291,7 +294,8 @@ class CheckpointWriter:
             )  # fmt: skip
             return
         if self.info.distributed and self._group is None:
-            self._group = dist.new_group(backend="gloo")  # collective: every rank is here
+            timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)  # every rank is here
         args = (
             self.root, step, cpu_copy(shared), cpu_copy(gathered), cpu_copy(shards),
             self.session, self.info, self._group, self.keep_last,

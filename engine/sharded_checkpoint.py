@@ -19,7 +19,7 @@ import pickle
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,23 @@ class UnsafeCheckpoint(Exception):
     """The DCP metadata or a stored value holds something other than plain data."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+# Classes whose instances the metadata may fill in (pickle's BUILD). BUILD on anything else,
+# a class object above all, would set attributes process-wide (e.g. redefine `PosixPath`).
+_BUILDABLE = (
+    dcp_metadata.Metadata,
+    dcp_metadata.MetadataIndex,
+    dcp_metadata.StorageMeta,
+    dcp_metadata.TensorStorageMetadata,
+    dcp_metadata.BytesStorageMetadata,
+    dcp_metadata.ChunkStorageMetadata,
+    dcp_metadata.TensorProperties,
+    _StorageInfo,
+)
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its opcodes can be overridden
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
@@ -71,12 +87,49 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         raise UnsafeCheckpoint(f"the DCP metadata refers to {module}.{name}, which is not allowed")
 
+    def load_build(self) -> None:
+        target = self.stack[-2]
+        if type(target) not in _BUILDABLE:
+            raise UnsafeCheckpoint(
+                f"the DCP metadata sets attributes of {target!r}, which is not allowed"
+            )
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def _check_structure(metadata: Any) -> None:
+    """What loading relies on has the types DCP writes; anything else is refused."""
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise UnsafeCheckpoint(f"the DCP metadata is a {type(metadata).__name__}, not Metadata")
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise UnsafeCheckpoint("the DCP metadata lacks its tables of entries and storage")
+    kinds = (dcp_metadata.TensorStorageMetadata, dcp_metadata.BytesStorageMetadata)
+    for key, entry in entries.items():
+        if not isinstance(key, str) or not isinstance(entry, kinds):
+            raise UnsafeCheckpoint(f"the DCP metadata has an entry of the wrong type: {key!r}")
+    for index, info in storage.items():
+        if not isinstance(index, dcp_metadata.MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise UnsafeCheckpoint("the DCP metadata has a storage entry of the wrong type")
+        name = info.relative_path
+        if not isinstance(name, str) or pathlib.PurePath(name).name != name or name in ("", ".."):
+            raise UnsafeCheckpoint(f"the DCP metadata points outside its directory: {name!r}")
+        if not all(type(v) is int and v >= 0 for v in (info.offset, info.length)):
+            raise UnsafeCheckpoint(f"the DCP metadata has a bad extent in {name!r}")
+        if info.transform_descriptors:
+            raise UnsafeCheckpoint(
+                f"the DCP metadata asks for storage transforms {info.transform_descriptors!r}"
+            )
+
 
 def read_metadata(path: Path) -> dcp_metadata.Metadata:
-    """Unpickle DCP's `.metadata` in `path`, allowing only DCP's own metadata classes.
+    """Unpickle DCP's `.metadata` in `path`, allowing only DCP's own metadata classes, and
+    only their instances to be filled in.
 
-    Also checks that every shard it points to is a plain file name inside `path` and that no
-    storage transform (compression, encryption extension) is involved: this module writes none.
+    Also checks the types loading relies on, that every shard it points to is a plain file name
+    inside `path`, and that no storage transform (compression, encryption extension) is
+    involved: this module writes none.
     """
     try:
         with (path / METADATA).open("rb") as f:
@@ -85,18 +138,7 @@ def read_metadata(path: Path) -> dcp_metadata.Metadata:
         raise
     except Exception as exc:  # a truncated or garbled pickle raises almost anything
         raise UnsafeCheckpoint(f"the DCP metadata is unreadable ({exc!r})") from None
-    if not isinstance(metadata, dcp_metadata.Metadata):
-        raise UnsafeCheckpoint(f"the DCP metadata is a {type(metadata).__name__}, not Metadata")
-    for info in (metadata.storage_data or {}).values():
-        if not isinstance(info, _StorageInfo):
-            raise UnsafeCheckpoint("the DCP metadata has a storage entry of the wrong type")
-        name = info.relative_path
-        if not isinstance(name, str) or pathlib.PurePath(name).name != name or name in ("", ".."):
-            raise UnsafeCheckpoint(f"the DCP metadata points outside its directory: {name!r}")
-        if info.transform_descriptors:
-            raise UnsafeCheckpoint(
-                f"the DCP metadata asks for storage transforms {info.transform_descriptors!r}"
-            )
+    _check_structure(metadata)
     return metadata
 
 
@@ -159,6 +201,8 @@ def split_dtensors(obj: Any) -> tuple[Any, dict[str, Any]]:
             found["/".join(path)] = o
             return None
         if isinstance(o, dict):
+            if any("/" in str(k) for k in o):
+                raise ValueError(f"state keys may not contain '/': {list(o)} at {path}")
             return {k: walk(v, (*path, str(k))) for k, v in o.items()}
         if isinstance(o, list | tuple):
             return type(o)(walk(v, (*path, str(i))) for i, v in enumerate(o))
@@ -167,26 +211,38 @@ def split_dtensors(obj: Any) -> tuple[Any, dict[str, Any]]:
     return walk(obj, ()), found
 
 
-def _step(obj: Any, part: str) -> tuple[Any, Any]:
-    return (obj, int(part)) if isinstance(obj, list | tuple) else (obj, part)
+def _key(container: Any, part: str) -> Any:
+    """The key or index of `container` that `split_dtensors` wrote as `part`."""
+    if isinstance(container, list | tuple):
+        return int(part)
+    for key in container:
+        if str(key) == part:
+            return key
+    raise KeyError(part)
 
 
 def get_path(obj: Any, path: str) -> Any:
-    """The value at `path` (as `split_dtensors` names it) in nested dicts and lists."""
+    """The value at `path` (as `split_dtensors` names it) in nested dicts, lists and tuples."""
     for part in path.split("/"):
-        container, key = _step(obj, part)
-        obj = container[key]
+        obj = obj[_key(obj, part)]
     return obj
 
 
-def set_path(obj: Any, path: str, value: Any) -> None:
-    """Put `value` at `path` in nested dicts and lists (the inverse of `split_dtensors`)."""
-    *parents, last = path.split("/")
-    for part in parents:
-        container, key = _step(obj, part)
-        obj = container[key]
-    container, key = _step(obj, last)
-    container[key] = value
+def with_path(obj: Any, path: str, value: Any) -> Any:
+    """`obj` with `value` at `path` (the inverse of `split_dtensors`): dicts and lists are
+    updated in place, tuples rebuilt."""
+
+    def put(o: Any, parts: list[str]) -> Any:
+        if not parts:
+            return value
+        key = _key(o, parts[0])
+        new = put(o[key], parts[1:])
+        if isinstance(o, tuple):
+            return type(o)(new if i == key else v for i, v in enumerate(o))
+        o[key] = new
+        return o
+
+    return put(obj, path.split("/"))
 
 
 def saved_keys(path: Path, prefix: str) -> list[str]:

@@ -36,11 +36,16 @@ def by_step(run_dir: Path) -> dict[tuple[int, str], dict]:
     return out
 
 
-def assert_same_trajectory(got: dict, want: dict, tol: float = 1e-5) -> None:
+METRICS = ("train/loss", "train/grad_norm", "val/loss", "val/loss_ema")
+
+
+def assert_same_trajectory(
+    got: dict, want: dict, tol: float = 1e-5, metrics: tuple[str, ...] = METRICS
+) -> None:
     assert got, "no records"
     for key, record in got.items():
         ref = want[key]
-        for name in ("train/loss", "train/grad_norm", "val/loss", "val/loss_ema"):
+        for name in metrics:
             if name in ref:
                 assert record[name] == pytest.approx(ref[name], rel=tol, abs=tol), (key, name)
 
@@ -143,3 +148,16 @@ def test_ema_with_full_checkpoints_under_fsdp_is_refused(tmp_path: Path) -> None
     assert "error: invalid config `checkpoint.format`" in proc.stderr, explain(proc)
     assert "exitcode  : 2" in proc.stderr  # the workers' bad-input exit, not a crash
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_sharded_checkpoint_resumes_without_its_ema(fsdp_run: Path, ddp_run: Path, tmp_path):
+    """Dropping a callback on resume is allowed in both layouts: the EMA shards saved under
+    FSDP are left unread, training continues on the trajectory."""
+    run_dir = resume_from(fsdp_run, 4, tmp_path / "run")
+    args = [a for a in COMMON if a != "callbacks=ema"]
+    proc = run_cli([*args, *ONE_RANK, f"hydra.run.dir={run_dir}"], timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    assert "at step 4" in proc.stdout
+    got = by_step(run_dir)
+    assert "val/loss_ema" not in got[(8, "val")]
+    assert_same_trajectory(got, by_step(ddp_run), metrics=METRICS[:3])

@@ -592,3 +592,49 @@ def test_verify_shares_split_the_hashing(tmp_path: Path) -> None:
             caught += 1
     assert caught == 1
     assert "rank_00001.pt" in (verify_together(ckpt, DistInfo()) or "")
+
+
+def test_metadata_that_sets_attributes_of_a_class_is_refused(tmp_path: Path) -> None:
+    """Pickle's BUILD on an allow-listed *class* would set attributes process-wide (here: make
+    `PurePosixPath.name` lie, which the outside-the-directory check relies on): refused, and
+    the class is left untouched."""
+    from pathlib import PurePosixPath
+
+    name = b"../../private/__0_0.distcp"
+    evil = (
+        b"\x80\x02cpathlib\nPurePosixPath\nN}X\x04\x00\x00\x00nameX"
+        + len(name).to_bytes(4, "little")
+        + name
+        + b"s\x86b."
+    )
+    (tmp_path / ".metadata").write_bytes(evil)
+    with pytest.raises(UnsafeCheckpoint, match=r"sets attributes of <class 'pathlib\.PurePos"):
+        read_metadata(tmp_path)
+    assert PurePosixPath("a/b").name == "b"
+
+
+def test_metadata_without_its_tables_is_refused(tmp_path: Path) -> None:
+    """Crafted metadata of the right class but missing what loading relies on: refused by
+    `read_metadata` (so `verify` skips it) rather than failing later inside DCP."""
+    save_shards({"t": torch.ones(2)}, tmp_path)
+    metadata = read_metadata(tmp_path)
+    for broken in ({"storage_data": None}, {"storage_data": [1]}, {"state_dict_metadata": {1: 2}}):
+        (tmp_path / ".metadata").write_bytes(pickle.dumps(dataclasses.replace(metadata, **broken)))
+        with pytest.raises(UnsafeCheckpoint):
+            read_metadata(tmp_path)
+
+
+def test_paths_into_callback_state_round_trip() -> None:
+    """The paths `split_dtensors` names callback tensors by lead back to them through dicts
+    with non-string keys, lists and tuples (rebuilt, not mutated)."""
+    from engine.sharded_checkpoint import get_path, with_path
+
+    state = {"ema": {"pair": (torch.zeros(1), torch.ones(1)), 3: [None, torch.full((1,), 2.0)]}}
+    assert torch.equal(get_path(state, "ema/pair/1"), torch.ones(1))
+    assert torch.equal(get_path(state, "ema/3/1"), torch.full((1,), 2.0))
+    out = with_path(state, "ema/pair/0", torch.full((1,), 7.0))
+    out = with_path(out, "ema/3/0", torch.full((1,), 8.0))
+    assert isinstance(out["ema"]["pair"], tuple)
+    assert out["ema"]["pair"][0].item() == 7.0 and out["ema"][3][0].item() == 8.0
+    with pytest.raises(KeyError):
+        get_path(state, "ema/4/0")

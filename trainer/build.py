@@ -238,6 +238,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         keep_last=cfg.checkpoint.keep_last,
         background=cfg.checkpoint.async_save,
         sharded=fmt == "sharded",
+        timeout_s=cfg.dist.timeout_s,
     )
     if len(splits.val):
         run.sample_prompt = splits.val[0][:32].unsqueeze(0).to(info.device)  # same on all ranks

@@ -25,7 +25,7 @@ from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate_loss
 from engine.grad_stats import missing_gradients
 from engine.rng import rng_state, seed_everything, set_rng_state
-from engine.sharded_checkpoint import get_path, saved_keys, set_path, split_dtensors
+from engine.sharded_checkpoint import get_path, saved_keys, split_dtensors, with_path
 from engine.step import StepContext, StepStrategy
 from trainer.config import Config
 from trainer.data import Batch, TrainBatches
@@ -254,9 +254,12 @@ def summarize(exc: BaseException) -> str:
 
 def sharded_callback_state(ckpt: LoadedCheckpoint, live: dict[str, Any]) -> dict[str, Any]:
     """Where to load the callback tensors the checkpoint saved shard by shard: this run's own
-    tensors at the same places (sharded or not: loading reshards)."""
+    tensors at the same places (sharded or not: loading reshards). State of callbacks this run
+    does not have is left unread, as in the full layout."""
     out = {}
     for key in saved_keys(ckpt.path / SHARDS, "callbacks"):
+        if key.split("/", 1)[0] not in live:
+            continue
         try:
             out[key] = get_path(live, key)
         except (KeyError, IndexError, TypeError):
@@ -275,7 +278,7 @@ def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
             sharded = sharded_callback_state(ckpt, ctx.callbacks.state_dict())
             load_sharded(ckpt.path, ctx.model, ctx.optimizer, {"callbacks": sharded})
             for key, tensor in sharded.items():
-                set_path(callbacks, key, tensor)
+                callbacks = with_path(callbacks, key, tensor)
         else:
             load_model_optimizer_state(ctx.model, ctx.optimizer, s["model"], s["optimizer"])
         if ctx.scheduler is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,12 @@ def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> 
     run = build_run(cfg, plain, run_dir, info)
     try:
         fit(run)
+    except BaseException:
+        # A save in flight still commits: a sharded one needs the process group, which is
+        # torn down after this. Its own error would only hide the one being raised.
+        with contextlib.suppress(Exception):
+            run.checkpointer.wait()
+        raise
     finally:
         torch.autograd.set_detect_anomaly(False)  # process-wide; don't leak into later runs
         for sink in run.sinks:
