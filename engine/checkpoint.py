@@ -254,6 +254,7 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._group: dist.ProcessGroup | None = None
         self.timeout_s = timeout_s  # of the background writer's collectives
+        self.committed: int | None = None  # the newest step known committed (rank 0)
 
     def save(
         self,
@@ -276,6 +277,7 @@ class CheckpointWriter:
         args = (self.root, step, shared, gathered, self.session, self.keep_last)
         if not self.background:
             write_checkpoint(*args)
+            self.committed = step
             return
         args = (self.root, step, cpu_copy(shared), cpu_copy(gathered), *args[4:])
         self._start(write_checkpoint, args)
@@ -292,6 +294,7 @@ class CheckpointWriter:
                 self.root, step, shared, gathered, shards, self.session, self.info, None,
                 self.keep_last,
             )  # fmt: skip
+            self.committed = step
             return
         if self.info.distributed and self._group is None:
             timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
@@ -311,6 +314,7 @@ class CheckpointWriter:
     def _run(self, target: Any, *args: Any) -> None:
         try:
             target(*args)
+            self.committed = args[1]  # every writer's second argument is the step
         except BaseException as exc:  # re-raised on the training thread by wait()
             self._error = exc
 

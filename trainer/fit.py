@@ -137,11 +137,14 @@ def report_first_step(run: Run, started: float) -> None:
 def check_divergence(run: Run) -> None:
     consecutive = int(run.meter.consecutive_skips.item())
     if consecutive >= run.cfg.train.max_consecutive_skips:
+        run.checkpointer.wait()  # a save in flight commits first (every rank is here)
+        last = run.checkpointer.committed
         raise TrainingDiverged(
             f"{consecutive} consecutive optimizer steps up to step {run.step} had non-finite "
             f"gradients and were skipped (train.max_consecutive_skips="
             f"{run.cfg.train.max_consecutive_skips}); stopping. Parameters were never updated "
-            f"with them and the last checkpoint (step {max(run.last_saved_step, 0)}) is intact. "
+            "with them; "
+            + (f"the last checkpoint (step {last}) is intact. " if last else "no checkpoint yet. ")
             + divergence_hints(run.cfg)
         )
 
@@ -298,7 +301,7 @@ def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
             "model, optimizer and callbacks it was saved with, or pass checkpoint.resume=never.",
             all_ranks=True,
         ) from None
-    run.step = run.last_saved_step = ckpt.step
+    run.step = run.last_saved_step = run.checkpointer.committed = ckpt.step
     # The same W&B run only when continuing this run directory; a branch gets its own id.
     if ckpt.path.resolve().parent == run.checkpoint_dir.resolve():
         run.run_id = saved_id
