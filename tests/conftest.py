@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from engine.distributed import DistInfo
+from tests.ckpt_support import kill_tree
 from trainer.cli import to_config
 from trainer.config import register_configs
 from trainer.identity import register_resolvers
@@ -156,3 +158,29 @@ def explain(proc: subprocess.CompletedProcess) -> str:
 @pytest.fixture
 def tiny() -> list[str]:
     return list(TINY)
+
+
+def launch(
+    cmd: list[str], timeout: float = 120.0, tmp: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Run `cmd` from the repo root with output in files (no pipe can fill up and block it).
+
+    On timeout the whole process tree is killed (torchrun's workers too) and the test fails.
+    `tmp` becomes TMPDIR, where torchrun leaves its `torchelastic_*` directories.
+    """
+    extra = {"TMPDIR": str(tmp)} if tmp is not None else {}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO, env=env(**extra))
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_tree(proc.pid)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        result = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+    if timed_out:
+        pytest.fail(f"killed after {timeout:.0f} s (hang?): {' '.join(cmd)}\n{explain(result)}")
+    return result

@@ -28,7 +28,7 @@ import torch
 
 from engine.checkpoint import CheckpointError, list_checkpoints, verify
 from tests.ckpt_support import kill_tree
-from tests.conftest import REPO, env, explain, read_metrics, torchrun_cmd, train_records
+from tests.conftest import REPO, env, explain, launch, read_metrics, torchrun_cmd, train_records
 
 BASE = ["model=gpt_tiny", "logger=none", "train.log_every=1"]
 # Dropout, variable-length samples, accumulation: a resume must restore the RNG streams, the
@@ -48,32 +48,6 @@ BANNER = re.compile(r"resumed from (\S+) at step (\d+)")
 
 
 # --------------------------------------------------------------------------- launching
-
-
-def launch(
-    cmd: list[str], timeout: float = SINGLE_TIMEOUT, tmp: Path | None = None
-) -> subprocess.CompletedProcess:
-    """Run `cmd` from the repo root with output in files (no pipe can fill up and block it).
-
-    On timeout the whole process tree is killed (torchrun's workers too) and the test fails.
-    `tmp` becomes TMPDIR, where torchrun leaves its `torchelastic_*` directories.
-    """
-    extra = {"TMPDIR": str(tmp)} if tmp is not None else {}
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO, env=env(**extra))
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            kill_tree(proc.pid)
-            proc.wait()
-        out.seek(0)
-        err.seek(0)
-        result = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
-    if timed_out:
-        pytest.fail(f"killed after {timeout:.0f} s (hang?): {' '.join(cmd)}\n{explain(result)}")
-    return result
 
 
 def trainer(args: list[str]) -> list[str]:

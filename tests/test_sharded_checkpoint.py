@@ -20,7 +20,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from engine.checkpoint import CheckpointError, verify
 from engine.sharded_checkpoint import UnsafeCheckpoint, load_shards, read_metadata, save_shards
-from tests.ckpt_support import kill_tree
-from tests.conftest import CONFIG_DIR, REPO, TINY, env, explain, read_metrics, torchrun_cmd
+from tests.conftest import CONFIG_DIR, TINY, explain, launch, read_metrics, torchrun_cmd
 from trainer.config import ModelCfg
 from trainer.gpt import GPT
 
@@ -63,28 +61,6 @@ TRAIN_KEYS = ("train/loss", "train/grad_norm", "train/lr")
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def launch(cmd: list[str], timeout: float, tmp: Path) -> subprocess.CompletedProcess:
-    """Run `cmd` from the repo root, output in files; on timeout kill the whole process tree
-    (torchrun's workers too) and fail. `tmp` is TMPDIR (torchrun's scratch directories)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=err, text=True, cwd=REPO, env=env(TMPDIR=str(tmp))
-        )
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            kill_tree(proc.pid)
-            proc.wait()
-        out.seek(0)
-        err.seek(0)
-        result = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
-    if timed_out:
-        pytest.fail(f"killed after {timeout:.0f} s (hang?): {' '.join(cmd)}\n{explain(result)}")
-    return result
 
 
 def train1(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
