@@ -264,10 +264,16 @@ def write_report(args, overrides, rows, info, sync_result) -> None:
         )
     if sync_result:
         lines.append(f"\nHost-device syncs on non-logging steps: {sync_result}")
-    Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.report, "a") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    report(lines, args.report)
+
+
+def report(lines: list[str], path: str) -> None:
+    """Print a benchmark's section and append it to the report file (docs/benchmarks.md)."""
+    text = "\n".join(lines)
+    print(text)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(text + "\n")
 
 
 if __name__ == "__main__":

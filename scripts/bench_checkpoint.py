@@ -36,7 +36,7 @@ from engine.distributed import (  # noqa: E402
     init_distributed,
     shutdown_distributed,
 )
-from scripts.bench import make_run  # noqa: E402
+from scripts.bench import make_run, report  # noqa: E402
 from trainer.config import register_configs  # noqa: E402
 from trainer.fit import fit, restore, save  # noqa: E402
 from trainer.identity import register_resolvers  # noqa: E402
@@ -140,10 +140,7 @@ def main() -> None:
                 f"| {fmt} | {mode} | {1000 * statistics.median(values):.0f} | {ms(values)} | "
                 f"{written[fmt]:.0f} | {1000 * resume[fmt]:.0f} |"
             )
-        text = "\n".join(lines)
-        print(text)
-        with open(args.report, "a") as fh:
-            fh.write(text + "\n")
+        report(lines, args.report)
     shutdown_distributed()
 
 

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from engine.distributed import init_distributed, shutdown_distributed  # noqa: E402
-from scripts.bench import make_run, peak_memory_reset  # noqa: E402
+from scripts.bench import make_run, peak_memory_reset, report  # noqa: E402
 from trainer.config import register_configs  # noqa: E402
 from trainer.fit import fit  # noqa: E402
 from trainer.identity import register_resolvers  # noqa: E402
@@ -148,10 +148,7 @@ def main() -> None:
                 f"| {name} | {p / 2**20:.2f} | {o / 2**20:.2f} | {(p + o) / 2**20:.2f} | "
                 f"{(p + o) / sum(d):.3f} |"
             )
-    text = "\n".join(lines)
-    print(text)
-    with open(args.report, "a") as fh:
-        fh.write(text + "\n")
+    report(lines, args.report)
 
 
 if __name__ == "__main__":

@@ -92,9 +92,10 @@ def load_weights(model: torch.nn.Module, ckpt: LoadedCheckpoint, weights: str) -
         load_sharded(ckpt.path, model, optimizer=None, extra=extra)
     else:
         model.load_state_dict(ckpt.shared["model"])
-    with torch.no_grad():
-        for p, avg in zip(params, averaged, strict=bool(averaged)):
-            p.copy_(avg)
+    if averaged:
+        with torch.no_grad():
+            for p, avg in zip(params, averaged, strict=True):
+                p.copy_(avg)
 
 
 def evaluate_checkpoint(
