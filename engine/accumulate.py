@@ -103,7 +103,8 @@ class AccumulateStep:
 
 
 def finish_step(ctx: StepContext, loss_sum: torch.Tensor, global_count: torch.Tensor) -> StepResult:
-    """Unscale, clip, skip-or-update, advance the schedule: the tail every strategy shares."""
+    """Unscale, clip, skip-or-update, advance the schedule and the step count: the tail every
+    strategy shares. It fires the callbacks' hooks of these moments, so no loop has to."""
     ctx.precision.unscale_(ctx.optimizer)
     ctx.callbacks.after_backward(ctx)
     grad_norm, found_inf = clip_gradients(ctx.trainable_parameters(), ctx.clip_grad_norm)
@@ -112,4 +113,6 @@ def finish_step(ctx: StepContext, loss_sum: torch.Tensor, global_count: torch.Te
     ctx.precision.optimizer_step(ctx.optimizer, found_inf)
     if ctx.scheduler is not None:
         ctx.scheduler.step()
+    ctx.step += 1
+    ctx.callbacks.after_optimizer_step(ctx, ctx.step)
     return StepResult(loss_sum, global_count, grad_norm, found_inf, lr)

@@ -6,10 +6,13 @@ gradients outside `on_after_backward`) breaks the exactness guarantees, so don't
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from engine.step import StepContext
 
 
@@ -50,6 +53,30 @@ class Callback:
         del state
 
 
+class AveragedWeights(Callback):
+    """A callback that keeps its own copy of the weights (an EMA, say): the declared interface
+    evaluation and `trainer.evaluate weights=NAME` use to find and swap them in.
+
+    Subclasses implement `attach` (allocate the copy laid out like the model's parameters,
+    sharded like them under FSDP) and `weights_swapped`; `evaluate` says whether each
+    evaluation also reports the loss of these weights (`val/loss_NAME`).
+    """
+
+    evaluate: bool = True
+
+    def setup(self, ctx: StepContext) -> None:
+        self.attach(ctx.model)
+
+    def attach(self, model: nn.Module) -> None:
+        """Allocate the averaged weights like `model`'s trainable parameters (before a
+        checkpoint is restored into them)."""
+        raise NotImplementedError
+
+    def weights_swapped(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Within the context `model` holds these weights; its own come back after."""
+        raise NotImplementedError
+
+
 class CallbackList:
     """Calls every callback in order; keyed by name so checkpoints can restore each one."""
 
@@ -78,6 +105,9 @@ class CallbackList:
     def evaluate(self, step: int, metrics: dict[str, float]) -> None:
         for cb in self.named.values():
             cb.on_evaluate(step, metrics)
+
+    def averaged_weights(self) -> dict[str, AveragedWeights]:
+        return {n: cb for n, cb in self.named.items() if isinstance(cb, AveragedWeights)}
 
     def metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

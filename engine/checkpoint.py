@@ -37,18 +37,15 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed import DistInfo, all_gather_object, gather_object
-from engine.sharded_checkpoint import (
-    METADATA,
-    UnsafeCheckpoint,
-    load_shards,
-    read_metadata,
-    save_shards,
-)
+
+# engine.sharded_checkpoint (and torch.distributed.checkpoint, slow to import) is imported
+# only where a sharded checkpoint is written or read.
 
 FORMAT = "cumulus-checkpoint/1"
 MANIFEST = "manifest.json"
 SHARED = "state.pt"
 SHARDS = "shards"
+METADATA = ".metadata"  # DCP's pickled index of a sharded checkpoint's shards
 LAYOUTS = ("full", "sharded")
 TMP_PREFIX = ".tmp-"
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -56,6 +53,10 @@ _NAME = re.compile(r"^step_(\d{8})$")
 
 class CheckpointError(Exception):
     """A checkpoint that is incomplete, corrupt, foreign or unsafe."""
+
+
+class UnsafeCheckpoint(Exception):
+    """The DCP metadata or a stored value holds something other than plain data."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -138,6 +139,8 @@ def write_sharded_checkpoint(
     Every rank writes its own `shards` (DCP) and hashes an equal share of the files; rank 0
     also writes `shared` and `per_rank` (gathered), then commits. Returns the path on rank 0.
     """
+    from engine.sharded_checkpoint import save_shards
+
     tmp = _tmp_dir(root, step, session)
     # An I/O error is reported through the gather below, so no rank is left waiting for it.
     staged, mine = [], {}
@@ -384,6 +387,8 @@ def verify(path: Path, checksums: bool = True, share: tuple[int, int] = (0, 1)) 
             raise CheckpointError(f"{path} is corrupt: {name} does not match its checksum")
     metadata = f"{SHARDS}/{METADATA}"
     if layout == "sharded" and (metadata in mine or not checksums):  # once its bytes are known
+        from engine.sharded_checkpoint import read_metadata
+
         try:
             read_metadata(path / SHARDS)
         except UnsafeCheckpoint as exc:
@@ -492,6 +497,8 @@ def load_sharded(
         set_model_state_dict,
         set_state_dict,
     )
+
+    from engine.sharded_checkpoint import load_shards
 
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}

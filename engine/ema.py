@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from engine.callbacks import Callback
+from engine.callbacks import AveragedWeights
 from engine.distributed import unwrap
 
 
@@ -29,7 +29,7 @@ def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return t.clone()
 
 
-class EMA(Callback):
+class EMA(AveragedWeights):
     """Keeps `shadow = decay * shadow + (1 - decay) * w` after every optimizer step.
 
     Reads the parameters only after the update (never touches them or their gradients), so the
@@ -55,11 +55,11 @@ class EMA(Callback):
     def _params(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for p in unwrap(model).parameters() if p.requires_grad]
 
-    def setup(self, ctx: Any) -> None:
+    def attach(self, model: nn.Module) -> None:
         """Allocate the average like the parameters (DTensor shards under FSDP); it holds
         nothing meaningful until the first update (`updates == 0`)."""
         if self.shadow is None:
-            self.shadow = [p.detach().clone() for p in self._params(ctx.model)]
+            self.shadow = [p.detach().clone() for p in self._params(model)]
 
     def on_after_optimizer_step(self, ctx: Any, step: int) -> None:
         params = [p.detach() for p in self._params(ctx.model)]

@@ -1,49 +1,75 @@
-"""Evaluation: exact global mean loss under `inference_mode`, leaving training untouched."""
+"""Evaluation: exact global means under `inference_mode`, leaving training untouched."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
 
 import torch
 from torch import nn
 
-from engine.distributed import DistInfo, all_reduce_max, all_reduce_sum, is_sharded
+from engine.distributed import (
+    DistInfo,
+    all_gather_object,
+    all_reduce_max,
+    all_reduce_sum,
+    is_sharded,
+)
 from engine.precision import Precision
-from engine.step import Batch, Task
+from engine.step import Batch, EvalTask, Task
 
 
-def evaluate_loss(
+def _sums(task: Task, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+    if isinstance(task, EvalTask):
+        return task.eval_sums(model, batch)
+    return {"loss": task.loss_sum(model, batch)}
+
+
+def evaluate(
     model: nn.Module,
     task: Task,
     batches: Iterable[Batch],
     precision: Precision,
     dist: DistInfo,
-) -> tuple[float, int]:
-    """Mean loss per item over all ranks' `batches`, and the global item count.
+) -> tuple[dict[str, float], int]:
+    """Per-item means over all ranks' `batches` (`loss`, and whatever else the task sums,
+    e.g. `accuracy`), and the global item count.
 
-    Sums and counts are all-reduced, so ranks may hold different numbers of samples (no padding
-    with duplicates). A sharded (FSDP) model gathers its parameters in every forward, so there
-    every rank runs as many forwards as the rank with the most batches; the extra ones reuse a
-    batch and are not counted. The model is put in eval mode and restored to its mode after.
+    `batches` is streamed: one batch on the device at a time. Sums and counts are
+    all-reduced, so ranks may hold different numbers of samples (no padding with
+    duplicates). A sharded (FSDP) model gathers its parameters in every forward, so there
+    every rank runs as many forwards as the rank with the most batches (`batches` must have
+    a length); the extra ones reuse a batch and are not counted. The model is put in eval
+    mode and restored to its mode after.
     """
-    batches = list(batches)
-    n_forwards = len(batches)
+    n_forwards = None
     if dist.distributed and is_sharded(model):
+        if not isinstance(batches, Sized):
+            raise TypeError("evaluating a sharded model needs batches with a length")
         n_forwards = int(all_reduce_max(torch.tensor(len(batches), device=dist.device), dist))
-        if n_forwards and not batches:
+        if n_forwards and not len(batches):
             raise ValueError(f"rank {dist.rank} has no validation batch to keep FSDP in step")
     was_training = model.training
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=dist.device)  # (loss sum, item count)
+    sums: dict[str, torch.Tensor] = {}
+    count = torch.zeros((), dtype=torch.float64, device=dist.device)
+    first, seen = None, 0
     try:
         with torch.inference_mode(), precision.autocast():
-            for i in range(n_forwards):
-                if i < len(batches):
-                    total[0] += task.loss_sum(model, batches[i]).double()
-                    total[1] += task.count_items(batches[i]).double()
-                else:
-                    task.loss_sum(model, batches[0])  # lockstep only: not counted
+            for batch in batches:
+                first = batch if first is None else first
+                seen += 1
+                for name, value in _sums(task, model, batch).items():
+                    sums[name] = sums.get(name, 0) + value.double()
+                count += task.count_items(batch).double()
+            for _ in range(seen, n_forwards or 0):
+                task.loss_sum(model, first)  # lockstep only: not counted
     finally:
         model.train(was_training)
-    loss_sum, count = all_reduce_sum(total, dist).tolist()
-    return (loss_sum / count if count else float("nan")), int(count)
+    names = sorted(sums)
+    if dist.distributed:  # a rank without batches does not know the task's metric names
+        names = sorted(set().union(*all_gather_object(names, dist)))
+    zero = torch.zeros((), dtype=torch.float64, device=dist.device)
+    totals = all_reduce_sum(torch.stack([sums.get(n, zero) for n in names] + [count]), dist)
+    *values, total = totals.tolist()
+    means = {n: (v / total if total else float("nan")) for n, v in zip(names, values)}
+    return means, int(total)

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.filesystem import (
 )
 from torch.distributed.tensor import DTensor
 
-METADATA = ".metadata"
+from engine.checkpoint import METADATA, UnsafeCheckpoint
 
 # One process with no process group is a supported case here, not a mistake to warn about.
 warnings.filterwarnings(
@@ -57,10 +57,6 @@ _ALLOWED: dict[str, set[str]] = {
     "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
     "collections": {"OrderedDict"},
 }
-
-
-class UnsafeCheckpoint(Exception):
-    """The DCP metadata or a stored value holds something other than plain data."""
 
 
 # Classes whose instances the metadata may fill in (pickle's BUILD). BUILD on anything else,

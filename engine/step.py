@@ -35,6 +35,18 @@ class Task(Protocol):
         ...
 
 
+@runtime_checkable
+class EvalTask(Task, Protocol):
+    """A task that reports more than the loss at evaluation (optional).
+
+    `eval_sums` runs one forward and returns sums over the batch's loss items, `"loss"`
+    among them (e.g. `{"loss": ..., "accuracy": correct}`); evaluation reduces each over all
+    ranks and divides by the global item count, exactly like the loss.
+    """
+
+    def eval_sums(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]: ...
+
+
 @dataclass
 class StepContext:
     """The runtime objects a step strategy works with. Built once per run."""
@@ -50,6 +62,8 @@ class StepContext:
     # FSDP: reduce-scatter after every micro-batch instead of keeping unsharded gradients of
     # the whole window (less memory, one collective per micro-batch).
     sync_every_micro_batch: bool = False
+    # Optimizer steps completed; `finish_step` advances it (restored from checkpoints).
+    step: int = 0
     # What the data-parallel wrapper divides synchronized gradients by (DDP averages).
     grad_sync_divisor: int = field(init=False)
 

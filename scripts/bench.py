@@ -35,11 +35,11 @@ sys.path.insert(0, str(REPO))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from engine.distributed import init_distributed, shutdown_distributed, unwrap  # noqa: E402
+from engine.tasks import IGNORE_INDEX  # noqa: E402
 from trainer.build import build_run  # noqa: E402
 from trainer.cli import to_config  # noqa: E402
 from trainer.config import register_configs  # noqa: E402
 from trainer.fit import Run, fit  # noqa: E402
-from trainer.gpt import IGNORE_INDEX  # noqa: E402
 from trainer.identity import register_resolvers  # noqa: E402
 from trainer.metrics import device_peak_flops, peak_memory_mb  # noqa: E402
 from trainer.optim import param_groups  # noqa: E402
@@ -78,7 +78,7 @@ class PlainLoop:
         )
         o = run.cfg.optim
         self.opt = torch.optim.AdamW(
-            param_groups(model, o.weight_decay), lr=o.lr, betas=tuple(o.betas), fused=True
+            param_groups(model, o["weight_decay"]), lr=o["lr"], betas=tuple(o["betas"]), fused=True
         )
         self.clip = run.cfg.train.clip_grad_norm
         self.dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[
@@ -138,17 +138,19 @@ def sync_check(run: Run, steps: int) -> str:
     """Non-logging steps of the fit loop under sync-debug 'error': any sync raises."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
+    windows = run.batches.windows(run.step)
+    window = next(windows)  # the loader's start-up is not part of a step
     try:
         for _ in range(steps):  # the body of fit() on a step that writes no record
-            result = run.step_fn(run.ctx, run.batches.window(run.step))
-            run.step += 1
+            result = run.step_fn(run.ctx, window)
             run.meter.update(result)
-            run.ctx.callbacks.after_optimizer_step(run.ctx, run.step)
+            window = next(windows)
         return f"ok: {steps} steps, no host-device sync"
     except RuntimeError as exc:
         return f"SYNC: {str(exc).splitlines()[0]}"
     finally:
         torch.cuda.set_sync_debug_mode("default")
+        windows.close()
 
 
 def main() -> None:
@@ -190,7 +192,7 @@ def bench_one(accum: int, args, overrides: list[str], info, check_syncs: bool) -
     with tempfile.TemporaryDirectory() as tmp:
         run = make_run(ov, Path(tmp), info)
         plain = PlainLoop(run)
-        data_step = [0]
+        plain_windows = run.batches.windows(0)  # the same batches, through the same loader
 
         def run_cumulus(steps: int) -> None:
             run.cfg.train.max_steps = run.step + steps
@@ -198,8 +200,7 @@ def bench_one(accum: int, args, overrides: list[str], info, check_syncs: bool) -
 
         def run_plain(steps: int) -> None:
             for _ in range(steps):
-                plain.step(run.batches.window(data_step[0]))
-                data_step[0] += 1
+                plain.step(next(plain_windows))
 
         run_cumulus(args.warmup)
         run_plain(args.warmup)
@@ -208,7 +209,7 @@ def bench_one(accum: int, args, overrides: list[str], info, check_syncs: bool) -
             order = [("cumulus", run_cumulus), ("plain", run_plain)]
             for name, fn in order if r % 2 == 0 else order[::-1]:
                 res[name].append(timed(fn, args.steps, info.device))
-        tokens = run.batches.sampler.global_batch_size * run.cfg.data.block_size
+        tokens = run.batches.sampler.global_batch_size * run.cfg.data["block_size"]
         row: dict = {
             "accum": accum,
             "world": info.world_size,
@@ -226,8 +227,9 @@ def bench_one(accum: int, args, overrides: list[str], info, check_syncs: bool) -
         row["ratio"] = (statistics.median(ratios), min(ratios), max(ratios))
         peak = device_peak_flops(info.device)
         if peak:
-            fpt = unwrap(run.ctx.model).flops_per_token(run.cfg.data.block_size)
-            row["mfu"] = fpt * row["cumulus"]["tok_s"] / info.world_size / peak
+            row["mfu"] = (
+                run.meter.flops_per_token * row["cumulus"]["tok_s"] / info.world_size / peak
+            )
         if info.device.type == "cuda" and check_syncs:
             row["sync"] = sync_check(run, 10)
     return row

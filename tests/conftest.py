@@ -9,6 +9,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -161,7 +162,7 @@ def tiny() -> list[str]:
 
 
 def launch(
-    cmd: list[str], timeout: float = 120.0, tmp: Path | None = None
+    cmd: list[str], timeout: float = 120.0, tmp: Path | None = None, **env_extra: str
 ) -> subprocess.CompletedProcess:
     """Run `cmd` from the repo root with output in files (no pipe can fill up and block it).
 
@@ -169,6 +170,7 @@ def launch(
     `tmp` becomes TMPDIR, where torchrun leaves its `torchelastic_*` directories.
     """
     extra = {"TMPDIR": str(tmp)} if tmp is not None else {}
+    extra.update(env_extra)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO, env=env(**extra))
         timed_out = False
@@ -184,3 +186,43 @@ def launch(
     if timed_out:
         pytest.fail(f"killed after {timeout:.0f} s (hang?): {' '.join(cmd)}\n{explain(result)}")
     return result
+
+
+def launch_all(
+    cmds: dict[str, list[str]], timeout: float, cwd: Path | None = None, **env_extra: str
+) -> dict[str, subprocess.CompletedProcess]:
+    """Run independent commands at once (mostly import-bound: this saves wall time on 2 cores),
+    output in files. Past `timeout` kill each unfinished one *and* its workers, and fail.
+
+    torchrun's workers live in their own sessions, so killing the launcher alone would leave
+    them running: the whole process tree is killed by pid.
+    """
+    deadline = time.monotonic() + timeout
+    results, late = {}, []
+    with contextlib.ExitStack() as stack:
+        started = {}
+        for name, cmd in cmds.items():
+            out = stack.enter_context(tempfile.TemporaryFile("w+"))
+            err = stack.enter_context(tempfile.TemporaryFile("w+"))
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=err, text=True, cwd=cwd or REPO, env=env(**env_extra)
+            )
+            started[name] = (proc, out, err)
+        for name, (proc, out, err) in started.items():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill_tree(proc.pid)
+                proc.wait()
+                late.append(name)
+            out.seek(0)
+            err.seek(0)
+            results[name] = subprocess.CompletedProcess(
+                cmds[name], proc.returncode, out.read(), err.read()
+            )
+    if late:
+        pytest.fail(
+            f"timed out after {timeout:.0f} s: "
+            + "\n".join(f"{' '.join(cmds[n])}\n{explain(results[n])}" for n in late)
+        )
+    return results

@@ -94,13 +94,13 @@ def run_accum(info: DistInfo, accum: int, steps: int, hooked: bool) -> dict[str,
     from engine.distributed import unwrap, wrap_model
     from engine.precision import Precision
     from engine.step import StepContext
-    from trainer.config import ModelCfg
-    from trainer.gpt import GPT, LanguageModelTask
+    from engine.tasks import CausalLMTask
+    from trainer.models.gpt import GPT
 
-    cfg = ModelCfg(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
     torch.manual_seed(0)
-    ddp = wrap_model(GPT(cfg), info)
-    task = MicroCounter(LanguageModelTask())
+    gpt = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    ddp = wrap_model(gpt, info)
+    task = MicroCounter(CausalLMTask())
     calls: list[dict[str, int]] = []
     world = info.world_size
 
@@ -125,7 +125,7 @@ def run_accum(info: DistInfo, accum: int, steps: int, hooked: bool) -> dict[str,
     step_fn = AccumulateStep()
     for step in range(1, steps + 1):
         task.start_step(step)
-        window = synthetic_window(step, accum, 2, info.rank, cfg.vocab_size, cfg.block_size)
+        window = synthetic_window(step, accum, 2, info.rank, gpt.vocab_size, gpt.max_seq_len)
         step_fn(ctx, window)
     params = [p.detach().clone() for p in unwrap(ddp).parameters()]
     # Teardown order matters with a Python comm hook under gloo (PLATFORM.md): drop the DDP

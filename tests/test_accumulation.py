@@ -33,9 +33,9 @@ from engine.callbacks import Callback, CallbackList
 from engine.distributed import DistInfo
 from engine.precision import Precision
 from engine.step import StepContext, StepResult, Task
-from trainer.config import DataCfg, ModelCfg
-from trainer.data import Batch, Samples, collate, load_splits
-from trainer.gpt import GPT, LanguageModelTask
+from engine.tasks import CausalLMTask
+from trainer.data.text import Batch, Samples, TextCfg, collate, load_splits
+from trainer.models.gpt import GPT
 
 BLOCK = 64
 MICRO, ACCUM = 4, 4
@@ -55,7 +55,7 @@ Grads = dict[str, torch.Tensor]
 @cache
 def _train_samples(packed: bool) -> Samples:
     """The default `stdlib` training split; loaded once per mode (about a second each)."""
-    return load_splits(DataCfg(packed=packed, block_size=BLOCK)).train
+    return load_splits(TextCfg(packed=packed, block_size=BLOCK)).train
 
 
 def pick_samples(packed: bool, seed: int = 0) -> list[torch.Tensor]:
@@ -75,15 +75,14 @@ def pick_samples(packed: bool, seed: int = 0) -> list[torch.Tensor]:
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT:
     """gpt_tiny-sized GPT; dropout 0 so every forward is deterministic."""
-    cfg = ModelCfg(vocab_size=256, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = GPT(cfg)
+        model = GPT(vocab_size=256, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
     return model.to(dtype)
 
 
 def engine_window(samples: Sequence[torch.Tensor]) -> list[Batch]:
-    """The engine's input: micro-batches of MICRO samples, each padded by trainer.data.collate."""
+    """The engine's input: micro-batches of MICRO samples, each padded by the text collate."""
     return [collate(list(samples[k : k + MICRO])) for k in range(0, len(samples), MICRO)]
 
 
@@ -95,7 +94,7 @@ def valid_tokens(batch: Batch) -> int:
 
 
 def pad_as_one_batch(samples: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """All samples in one batch, written independently of trainer.data.collate: inputs are
+    """All samples in one batch, written independently of trainer.data.text.collate: inputs are
     s[:-1], targets s[1:], padded to the longest with 0 / -100."""
     width = max(len(s) for s in samples) - 1
     inputs = torch.zeros(len(samples), width, dtype=torch.int64)
@@ -153,7 +152,7 @@ class GradCapture(Callback):
         self.grads = {n: p.grad.detach().clone() for n, p in ctx.model.named_parameters()}
 
 
-class Float64LanguageModelTask(LanguageModelTask):
+class Float64LanguageModelTask(CausalLMTask):
     """The real task without its `.float()` on the logits: isolates the engine's own precision
     from the task's when the model runs in float64."""
 
@@ -172,7 +171,7 @@ def make_ctx(model: nn.Module, task: Task | None = None) -> tuple[StepContext, G
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
         scheduler=None,
-        task=task or LanguageModelTask(),
+        task=task or CausalLMTask(),
         precision=Precision("fp32", "cpu"),
         dist=DistInfo(),
         clip_grad_norm=None,
@@ -271,7 +270,7 @@ def test_float64_engine_is_exact_when_scale_is_exact() -> None:
 @pytest.mark.parametrize(
     "task",
     [
-        pytest.param(LanguageModelTask(), id="real_task"),
+        pytest.param(CausalLMTask(), id="real_task"),
         pytest.param(Float64LanguageModelTask(), id="float64_task"),
     ],
 )
@@ -366,7 +365,7 @@ def test_step_retains_no_autograd_graph() -> None:
     # The tracker itself is sensitive: a graph kept with retain_graph=True stays visible.
     control = SavedTensorTracker()
     with control.track():
-        kept = LanguageModelTask().loss_sum(model, engine_window(samples)[0])
+        kept = CausalLMTask().loss_sum(model, engine_window(samples)[0])
         kept.backward(retain_graph=True)
     assert control.alive() > 0
     del kept

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import explain, run_cli
-from trainer.config import ModelCfg
-from trainer.gpt import GPT
+from trainer.models.gpt import GPT
 
 TRACEBACK = "Traceback (most recent call last)"
 
@@ -239,7 +238,7 @@ def _foreign_model(root: Path, trained: Path) -> Path:
     """Intact, but holds the weights of a different model shape."""
     state_file = trained / "checkpoints" / "step_00000002" / "state.pt"
     state = torch.load(state_file, weights_only=True)
-    other = GPT(ModelCfg(block_size=64, n_layer=1, n_head=2, n_embd=16))
+    other = GPT(block_size=64, n_layer=1, n_head=2, n_embd=16)
     return _resealed(root, trained, {**state, "model": other.state_dict()})
 
 

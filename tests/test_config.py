@@ -10,27 +10,34 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-import hydra
 import numpy as np
 import pytest
 import torch
 import yaml
 from torch import nn
+from torch.utils.data import default_collate
 
 from engine.callbacks import CallbackList
 from engine.distributed import DistInfo
 from engine.precision import Precision
-from engine.step import StepContext, StepResult
+from engine.step import StepContext, StepResult, Task
 from tests.conftest import CONFIG_DIR, compose_config
-from trainer.build import build_callbacks
+from trainer.build import (
+    build_callbacks,
+    build_data,
+    build_model,
+    build_step,
+    build_task,
+    check_fits,
+)
 from trainer.cli import to_config
 from trainer.config import Config
-from trainer.data import collate, load_splits
+from trainer.data import DataSplits
 from trainer.errors import ConfigError, UserError
-from trainer.gpt import GPT, LanguageModelTask
 from trainer.optim import build_optimizer, build_scheduler
 
 CPU = torch.device("cpu")
@@ -79,46 +86,70 @@ def _compose(overrides: list[str]) -> Config:
 # --------------------------------------------------------------------------- builders
 
 
-def _tokens(cfg: Config, batch: int = 2, length: int = 8) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(0)
-    t = min(length, cfg.model.block_size)
-    return torch.randint(0, cfg.model.vocab_size, (batch, t), generator=gen)
+_BUILT: dict[int, tuple[DataSplits, nn.Module, Task]] = {}
 
 
-def _lm_batch(cfg: Config, batch: int = 2, length: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
-    seq = _tokens(cfg, batch, min(length, cfg.model.block_size + 1))
-    return seq[:, :-1], seq[:, 1:]
+@pytest.fixture(autouse=True)
+def _fresh_parts() -> Iterator[None]:
+    _BUILT.clear()
+    yield
+    _BUILT.clear()
+
+
+def _parts(cfg: Config) -> tuple[DataSplits, nn.Module, Task]:
+    """Data, model (seeded) and task from the real builders, once per test (an experiment's
+    checks share one GPT-2-sized model)."""
+    if id(cfg) not in _BUILT:
+        torch.manual_seed(0)
+        model, _ = build_model(cfg.model, DistInfo())
+        data, _ = build_data(cfg.data)
+        check_fits(model, data, cfg.model)
+        _BUILT[id(cfg)] = (data, model, build_task(cfg.task))
+    return _BUILT[id(cfg)]
+
+
+def _batch(data: DataSplits, n: int = 4, offset: int = 0) -> Any:
+    collate = data.collate_fn or default_collate
+    return collate([data.train[i] for i in range(offset, offset + min(n, len(data.train)))])
 
 
 def check_model(cfg: Config) -> None:
-    model = GPT(cfg.model)
-    idx = _tokens(cfg)
-    logits = model(idx)
-    assert logits.shape == (*idx.shape, cfg.model.vocab_size)
-    assert torch.isfinite(logits).all()
+    data, model, task = _parts(cfg)
+    batch = _batch(data)
+    loss = task.loss_sum(model, batch)
+    assert loss.ndim == 0 and torch.isfinite(loss), loss
+    loss.backward()
+    assert any(p.grad is not None for p in model.parameters())
+
+
+def check_task(cfg: Config) -> None:
+    data, model, task = _parts(cfg)
+    batch = _batch(data)
+    count = task.count_items(batch)
+    assert count.dtype in (torch.int64, torch.int32) and int(count) > 0
+    with torch.no_grad():
+        per_item = task.loss_sum(model, batch) / count
+    # An untrained model is close to uniform: per-item loss is of the order of log(classes).
+    assert 0 < float(per_item) < 20, float(per_item)
 
 
 def check_data(cfg: Config) -> None:
-    splits = load_splits(cfg.data)
-    assert len(splits.train) > 0, f"{splits.description}: empty training split"
-    assert len(splits.val) > 0, f"{splits.description}: empty validation split"
-    assert splits.vocab_size <= cfg.model.vocab_size, "data does not fit the composed model"
-    for samples in (splits.train, splits.val):
-        first = samples[0]
-        assert 2 <= len(first) <= cfg.data.block_size + 1
-        inputs, targets = collate([samples[i] for i in range(min(4, len(samples)))])
-        assert inputs.shape == targets.shape and inputs.shape[1] <= cfg.model.block_size
+    data, _ = build_data(cfg.data)
+    assert len(data.train) > 0, f"{data.description}: empty training split"
+    assert len(data.val) > 0, f"{data.description}: empty validation split"
+    batch = _batch(data)
+    assert int(build_task(cfg.task).count_items(batch)) > 0
+    if data.seq_len is not None and isinstance(batch, tuple):
+        assert batch[0].shape[1] <= data.seq_len
 
 
 def check_optim(cfg: Config) -> None:
-    model = GPT(cfg.model)
-    opt = build_optimizer(cfg.optim, model, CPU)
-    expected_type = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}.get(cfg.optim.name)
-    if expected_type is not None:
-        assert type(opt) is expected_type
-    assert all(g["lr"] == pytest.approx(cfg.optim.lr) for g in opt.param_groups)
+    data, model, task = _parts(cfg)
+    opt = build_optimizer(cfg.optim, model)
+    assert type(opt).__name__ == cfg.optim["_target_"].rsplit(".", 1)[1]
+    assert all(g["lr"] == pytest.approx(cfg.optim["lr"]) for g in opt.param_groups)
     before = [p.detach().clone() for p in model.parameters()]
-    LanguageModelTask().loss_sum(model, _lm_batch(cfg)).backward()
+    task.loss_sum(model, _batch(data)).backward()
     opt.step()
     after = list(model.parameters())
     assert all(torch.isfinite(p).all() for p in after)
@@ -126,16 +157,19 @@ def check_optim(cfg: Config) -> None:
 
 
 def check_scheduler(cfg: Config) -> None:
-    opt = build_optimizer(cfg.optim, GPT(cfg.model), CPU)
+    _, model, _ = _parts(cfg)
+    model.zero_grad(set_to_none=True)  # optimizer steps without gradients: no-ops
+    opt = build_optimizer(cfg.optim, model)
     sched = build_scheduler(cfg.scheduler, opt, cfg.train.max_steps)
-    peak = cfg.optim.lr
+    peak = cfg.optim["lr"]
     lrs = []
     for _ in range(cfg.train.max_steps + 5):
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()  # no gradients: a no-op that keeps LambdaLR's call-order check quiet
         sched.step()
-    assert all(0 < lr <= peak * (1 + 1e-9) for lr in lrs), lrs
-    warmup = cfg.scheduler.warmup_steps
+    assert all(0 <= lr <= peak * (1 + 1e-9) for lr in lrs), lrs
+    assert lrs[0] > 0, "the first update must not use a zero learning rate"
+    warmup = cfg.scheduler.get("warmup_steps", 0)
     if warmup < cfg.train.max_steps:
         assert lrs[warmup] == pytest.approx(peak), "peak lr not reached after warmup"
     if warmup > 0:
@@ -151,46 +185,47 @@ def check_logger(cfg: Config) -> None:
 
 
 def check_step(cfg: Config) -> None:
-    step_fn = hydra.utils.instantiate(cfg.step)
-    assert callable(step_fn)
-    torch.manual_seed(0)
-    model = GPT(cfg.model)
-    opt = build_optimizer(cfg.optim, model, CPU)
+    step_fn = build_step(cfg.step)
+    data, model, task = _parts(cfg)
+    opt = build_optimizer(cfg.optim, model)
     ctx = StepContext(
         model=model,
         optimizer=opt,
         scheduler=build_scheduler(cfg.scheduler, opt, cfg.train.max_steps),
-        task=LanguageModelTask(),
+        task=task,
         precision=Precision("fp32", "cpu"),
         dist=DistInfo(),
         clip_grad_norm=cfg.train.clip_grad_norm,
-        callbacks=build_callbacks(cfg.callbacks),
+        callbacks=build_callbacks(cfg.callbacks, cfg.train),
     )
-    window = [_lm_batch(cfg), _lm_batch(cfg, batch=3)]
+    window = [_batch(data, 2), _batch(data, 3, offset=2)]
     before = [p.detach().clone() for p in model.parameters()]
     result = step_fn(ctx, window)
     assert isinstance(result, StepResult)
-    assert int(result.global_count) == sum(t.numel() for _, t in window)
+    assert int(result.global_count) == sum(int(task.count_items(b)) for b in window)
     assert torch.isfinite(result.loss_sum) and torch.isfinite(result.grad_norm)
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert ctx.step == 1
 
 
 def check_callbacks(cfg: Config) -> None:
-    callbacks = build_callbacks(cfg.callbacks)
+    callbacks = build_callbacks(cfg.callbacks, cfg.train)
     assert isinstance(callbacks, CallbackList)
     assert set(callbacks.named) == set(cfg.callbacks)
 
 
 def check_experiment(cfg: Config) -> None:
     """An experiment configures a whole run: build every component of it."""
-    for check in (check_model, check_optim, check_scheduler, check_logger, check_step):
+    for check in (check_model, check_task, check_optim, check_scheduler, check_logger):
         check(cfg)
+    check_step(cfg)
     check_callbacks(cfg)
     check_data(cfg)
 
 
 BUILDERS: dict[str, Callable[[Config], None]] = {
     "model": check_model,
+    "task": check_task,
     "data": check_data,
     "optim": check_optim,
     "scheduler": check_scheduler,
@@ -200,7 +235,12 @@ BUILDERS: dict[str, Callable[[Config], None]] = {
     "experiment": check_experiment,
 }
 # Groups whose checks build a model: use the small one unless the group picks the model itself.
-NEEDS_SMALL_MODEL = {"optim", "scheduler", "step", "callbacks", "logger"}
+NEEDS_SMALL_MODEL = {"optim", "scheduler", "step", "callbacks", "logger", "task"}
+# Choices that only fit together (an image model needs image data), checked in company.
+COMPANIONS = {
+    ("model", "cnn"): ["data=digits", "task=classification"],
+    ("data", "digits"): ["model=cnn", "task=classification"],
+}
 
 
 def test_configs_are_discovered() -> None:
@@ -219,15 +259,20 @@ def test_every_group_has_a_builder_check() -> None:
 @pytest.mark.parametrize(("group", "name"), ALL_CONFIGS, ids=[f"{g}={n}" for g, n in ALL_CONFIGS])
 def test_config_composes_and_instantiates(group: str, name: str, tmp_path: Path) -> None:
     """`<group>=<name>` composes, passes validation, and builds with the real builders."""
-    overrides = [_select(group, name)]
-    if group == "experiment":  # presets train on a token .bin dataset the user provides
-        for split, n in (("train", 20000), ("val", 3000)):  # > block_size + 1 tokens each
-            np.arange(n, dtype="<u2").tofile(tmp_path / f"{split}.bin")
-        overrides.append(f"data.path={tmp_path}")
+    overrides = [_select(group, name), *COMPANIONS.get((group, name), [])]
     if group in NEEDS_SMALL_MODEL:
         overrides.insert(0, SMALL_MODEL)
     if group == "scheduler":
         overrides.append("train.max_steps=120")  # enough for any warmup shipped, still fast
+    cfg = _compose(overrides)
+    if cfg.data.get("path") == "required":  # a preset on a token .bin dataset the user provides
+        for split, n in (("train", 20000), ("val", 3000)):  # > block_size + 1 tokens each
+            np.arange(n, dtype="<u2").tofile(tmp_path / f"{split}.bin")
+        overrides.append(f"data.path={tmp_path}")
+    if group == "experiment" and "block_size" in cfg.data:
+        # The preset's own model, on short samples: a GPT-2-sized step on 1024 tokens takes
+        # a minute on one CPU thread; 16 tokens show the same wiring in a second.
+        overrides.append("data.block_size=16")
     cfg = _compose(overrides)
     if group not in BUILDERS:
         pytest.fail(f"no instantiation check for config group {group!r}")
@@ -237,7 +282,7 @@ def test_config_composes_and_instantiates(group: str, name: str, tmp_path: Path)
 def test_experiment_without_token_data_names_data_path() -> None:
     """The GPT-2 preset cannot fall back to byte data silently: data.path is required."""
     with pytest.raises(ConfigError, match=r"data\.path.*train\.bin"):
-        _compose(["experiment=gpt2_small"])
+        build_data(_compose(["experiment=gpt2_small"]).data)
 
 
 # --------------------------------------------------------------------------- the contract
@@ -277,7 +322,7 @@ def test_contract_keys_exist_in_default_config() -> None:
         for part in key.split("."):
             assert part in node, f"contract key {key!r} missing from the composed config"
             node = node[part]
-            obj = getattr(obj, part)
+            obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
 
 
 def test_contract_defaults() -> None:
@@ -336,9 +381,9 @@ def test_contract_values_validate(override: str) -> None:
 def test_no_weight_decay_on_biases_norms_embeddings(bias: bool) -> None:
     """Decay only the Linear weight matrices; identified by identity, not by name."""
     cfg = _compose([SMALL_MODEL, "optim=adamw", f"model.bias={str(bias).lower()}"])
-    assert cfg.optim.weight_decay > 0, "the check needs a decaying optimizer config"
-    model = GPT(cfg.model)
-    opt = build_optimizer(cfg.optim, model, CPU)
+    assert cfg.optim["weight_decay"] > 0, "the check needs a decaying optimizer config"
+    _, model, _ = _parts(cfg)
+    opt = build_optimizer(cfg.optim, model)
 
     no_decay: set[int] = set()
     matrices: set[int] = set()
@@ -364,7 +409,7 @@ def test_no_weight_decay_on_biases_norms_embeddings(bias: bool) -> None:
     wrongly_decayed = [i for i in no_decay if decay_of[i] != 0.0]
     assert not wrongly_decayed, "biases / LayerNorm / embeddings must have weight_decay=0"
     for i in decay_expected:
-        assert decay_of[i] == pytest.approx(cfg.optim.weight_decay)
+        assert decay_of[i] == pytest.approx(cfg.optim["weight_decay"])
     # the tied output head shares the embedding and so is not decayed
     assert decay_of[id(model.lm_head.weight)] == 0.0
     assert model.lm_head.weight is model.tok_emb.weight
@@ -376,7 +421,7 @@ def test_no_weight_decay_on_biases_norms_embeddings(bias: bool) -> None:
 def _lrs(overrides: list[str], n: int) -> list[float]:
     """The lr each of the first n optimizer updates uses, from the real builders."""
     cfg = _compose([SMALL_MODEL, *overrides])
-    opt = build_optimizer(cfg.optim, GPT(cfg.model), CPU)
+    opt = build_optimizer(cfg.optim, _parts(cfg)[1])
     sched = build_scheduler(cfg.scheduler, opt, cfg.train.max_steps)
     out = []
     for _ in range(n):
@@ -427,3 +472,100 @@ def test_warmup_constant_values() -> None:
         10,
     )
     assert lrs == pytest.approx([0.005, 0.01, 0.015] + [0.02] * 7, rel=1e-9)
+
+
+def test_warmup_linear_values() -> None:
+    """Linear: warmup over 2 updates, then a straight line to min_lr_ratio at max_steps."""
+    lrs = _lrs(
+        ["scheduler=linear", "scheduler.warmup_steps=2", "scheduler.min_lr_ratio=0.0",
+         "train.max_steps=10", "optim.lr=0.01"],
+        12,
+    )  # fmt: skip
+    want = [0.01 / 3, 0.02 / 3] + [0.01 * (1 - (s - 2) / 8) for s in range(2, 10)] + [0.0, 0.0]
+    assert lrs == pytest.approx(want, rel=1e-9, abs=1e-15)
+
+
+def test_warmup_stable_decay_values() -> None:
+    """WSD: warmup over 2 updates, the peak until the last 4 of 10 steps, a linear decay to
+    0.1 x peak at step 10, then the floor. Worked out by hand."""
+    lrs = _lrs(
+        ["scheduler=wsd", "scheduler.warmup_steps=2", "scheduler.decay_steps=4",
+         "scheduler.min_lr_ratio=0.1", "train.max_steps=10", "optim.lr=0.01"],
+        12,
+    )  # fmt: skip
+    peak, lo = 0.01, 0.001
+    want = [peak / 3, 2 * peak / 3, peak, peak, peak, peak, peak]  # updates 0-6
+    want += [lo + (peak - lo) * f for f in (0.75, 0.5, 0.25)] + [lo, lo]  # 7-9, then 10, 11
+    assert lrs == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("shape", ["cosine", "sqrt"])
+def test_wsd_decay_shapes_end_at_the_floor(shape: str) -> None:
+    lrs = _lrs(
+        ["scheduler=wsd", "scheduler.warmup_steps=0", "scheduler.decay_steps=5",
+         f"scheduler.decay_shape={shape}", "scheduler.min_lr_ratio=0.2", "train.max_steps=10",
+         "optim.lr=0.01"],
+        11,
+    )  # fmt: skip
+    assert lrs[:6] == pytest.approx([0.01] * 6)  # stable until the decay starts at step 5
+    assert all(a > b for a, b in itertools.pairwise(lrs[5:11]))
+    assert lrs[10] == pytest.approx(0.002)
+
+
+def test_wsd_decay_longer_than_the_run_names_the_key() -> None:
+    cfg = _compose([SMALL_MODEL, "scheduler=wsd", "scheduler.decay_steps=20", "train.max_steps=10"])
+    with pytest.raises(ConfigError, match=r"scheduler\.decay_steps"):
+        build_scheduler(cfg.scheduler, build_optimizer(cfg.optim, _parts(cfg)[1]), 10)
+
+
+def test_torch_scheduler_partial_is_accepted() -> None:
+    """Any torch.optim.lr_scheduler class, with its own arguments, steps per optimizer step."""
+    cfg = _compose(
+        [SMALL_MODEL, "scheduler._target_=torch.optim.lr_scheduler.StepLR",
+         "~scheduler.warmup_steps", "~scheduler.min_lr_ratio", "+scheduler.step_size=2",
+         "+scheduler.gamma=0.5", "optim.lr=0.01"]
+    )  # fmt: skip
+    opt = build_optimizer(cfg.optim, _parts(cfg)[1])
+    sched = build_scheduler(cfg.scheduler, opt, 10)
+    lrs = []
+    for _ in range(5):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([0.01, 0.01, 0.005, 0.005, 0.0025])
+
+
+# --------------------------------------------------------------------------- components
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "hint"),
+    [
+        ("model.n_layr=3", "model.n_layr", "n_layer"),  # a typo: the close match is offered
+        ("model.n_layer=three", "model.n_layer", "an int"),
+        ("model.dropout=[0.1]", "model.dropout", "a number"),
+        ("optim.lr=fast", "optim.lr", "a number"),
+        ("optim.betas=[0.9]", "optim.betas", "tuple"),
+        ("model._target_=no.such.Model", "model._target_", "cannot import no.such.Model"),
+        ("task._target_=engine.tasks.Nope", "task._target_", "no attribute 'Nope'"),
+        ("data.num_workers=-1", "data.num_workers", ">= 0"),
+        ("model.block_classes=Block", "model.block_classes", "list"),
+    ],
+)
+def test_component_arguments_are_checked_before_anything_runs(
+    override: str, key: str, hint: str
+) -> None:
+    """Component keys are checked against their target's signature (names, annotated types)
+    when the config is validated: one line naming the key and what is valid."""
+    with pytest.raises(ConfigError) as err:
+        _compose([SMALL_MODEL, override])
+    message = str(err.value)
+    assert f"`{key}`" in message and hint in message, message
+    assert "\n" not in message
+
+
+def test_component_errors_from_the_constructor_name_the_argument() -> None:
+    """A value the constructor rejects is reported under the argument's own key."""
+    cfg = _compose([SMALL_MODEL, "model.n_head=3"])  # 32 is not divisible by 3
+    with pytest.raises(ConfigError, match=r"`model\.n_embd`: n_embd must be divisible"):
+        build_model(cfg.model, DistInfo())

@@ -1,14 +1,19 @@
-"""The code in docs/extending.md runs as documented: in plain Python and from the CLI."""
+"""The code in docs/extending.md and docs/your-model.md runs as documented: in plain Python,
+from Python through the trainer, and from the command line."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO, TINY, env, explain, read_metrics, train_records
+import pytest
+
+from tests.conftest import REPO, TINY, env, explain, launch_all, read_metrics, train_records
+from tests.user_project import commands, write_project
 
 DOC = REPO / "docs" / "extending.md"
 
@@ -73,3 +78,36 @@ def test_documented_cli_runs(tmp_path: Path) -> None:
     assert [r["step"] for r in resumed] == [3, 4]
     for key in ("train/loss", "param_norm", "param_norm_grew"):
         assert [r[key] for r in resumed] == [r[key] for r in records[2:]], key
+
+
+def test_your_model_doc_runs(tmp_path: Path) -> None:
+    """docs/your-model.md: its package and config folder, written out, train from the
+    command line and from Python as documented; both learn the tagging rule, and
+    `trainer.evaluate` on the command-line run's checkpoint reports its accuracy."""
+    project = write_project(tmp_path)
+    (bash,) = commands("bash")
+    (script,) = commands("python")
+    (tmp_path / "from_python.py").write_text(script)
+    cmds = {
+        "cli": ["bash", "-c", bash.replace("python -m", f"{sys.executable} -m")],
+        "python": [sys.executable, "from_python.py"],
+    }
+    results = launch_all(cmds, 180, cwd=project)
+    for name, proc in results.items():
+        assert proc.returncode == 0, f"{name}\n{explain(proc)}"
+    assert "val/accuracy" in results["python"].stdout
+    evals = [r for r in read_metrics(project / "runs" / "tagger") if "val/accuracy" in r]
+    assert [r["step"] for r in evals] == [50, 100, 150]
+    assert evals[-1]["val/accuracy"] > 0.8, evals
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "trainer.evaluate",
+            f"checkpoint={project}/runs/tagger/checkpoints/step_00000150",
+            f"hydra.searchpath=[file://{project}/my_configs]",
+        ],
+        capture_output=True, text=True, timeout=120, env=env(), cwd=project,
+    )  # fmt: skip
+    assert proc.returncode == 0, explain(proc)
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["val/accuracy"] == evals[-1]["val/accuracy"]
+    assert got["val/loss"] == pytest.approx(evals[-1]["val/loss"], rel=1e-12)

@@ -7,15 +7,10 @@ module; every subprocess has a deadline after which it and its children are kill
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,23 +21,21 @@ import yaml
 from torch import nn
 
 from engine.distributed import DistInfo
-from engine.evaluate import evaluate_loss
+from engine.evaluate import evaluate
 from engine.precision import Precision
 from tests.conftest import (
     CONFIG_DIR,
-    REPO,
     TINY,
-    env,
     explain,
+    launch_all,
     one_thread,
     read_metrics,
     torchrun_cmd,
     train_in_process,
     train_records,
 )
-from trainer.config import DataCfg, ModelCfg
-from trainer.data import load_splits
-from trainer.gpt import GPT
+from trainer.data.text import TextCfg, load_splits
+from trainer.models.gpt import GPT, GPTConfig
 
 STEPS = 6
 EVAL_EVERY = 3
@@ -61,61 +54,6 @@ TORCHRUN_TIMEOUT = 120.0
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _descendants(pid: int) -> list[int]:
-    """`pid` and all its descendants (Linux /proc), collected before anything is killed."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            parents.setdefault(ppid, []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(parents.get(p, []))
-    return tree
-
-
-def launch_all(
-    cmds: dict[str, list[str]], timeout: float
-) -> dict[str, subprocess.CompletedProcess]:
-    """Run independent commands at once (mostly import-bound: this saves wall time on 2 cores),
-    output in files. Past `timeout` kill each unfinished one *and* its workers, and fail.
-
-    torchrun's workers live in their own sessions, so killing the launcher alone would leave
-    them running: the whole process tree is killed by pid.
-    """
-    deadline = time.monotonic() + timeout
-    results, late = {}, []
-    with contextlib.ExitStack() as stack:
-        started = {}
-        for name, cmd in cmds.items():
-            out = stack.enter_context(tempfile.TemporaryFile("w+"))
-            err = stack.enter_context(tempfile.TemporaryFile("w+"))
-            proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO, env=env())
-            started[name] = (proc, out, err)
-        for name, (proc, out, err) in started.items():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for pid in _descendants(proc.pid):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                proc.wait()
-                late.append(name)
-            out.seek(0)
-            err.seek(0)
-            results[name] = subprocess.CompletedProcess(
-                cmds[name], proc.returncode, out.read(), err.read()
-            )
-    if late:
-        pytest.fail(
-            f"timed out after {timeout:.0f} s: "
-            + "\n".join(f"{' '.join(cmds[n])}\n{explain(results[n])}" for n in late)
-        )
-    return results
 
 
 def evaluate_cmd(args: list[str], nproc: int = 0) -> list[str]:
@@ -141,14 +79,15 @@ def train_curve(records: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     return [tuple(r[k] for k in keys) for r in train_records(records)]
 
 
-def tiny_model_cfg() -> ModelCfg:
+def tiny_model_cfg() -> GPTConfig:
     """gpt_tiny as its YAML file states it, read without the trainer's config machinery."""
-    return ModelCfg(**yaml.safe_load((CONFIG_DIR / "model" / "gpt_tiny.yaml").read_text()))
+    spec = yaml.safe_load((CONFIG_DIR / "model" / "gpt_tiny.yaml").read_text())
+    return GPTConfig(**{k: v for k, v in spec.items() if k in GPTConfig.__dataclass_fields__})
 
 
 def val_samples(n: int) -> list[torch.Tensor]:
     """The first `n` validation samples (unpacked, gpt_tiny's block size)."""
-    splits = load_splits(DataCfg(packed=False, block_size=tiny_model_cfg().block_size))
+    splits = load_splits(TextCfg(packed=False, block_size=tiny_model_cfg().block_size))
     assert len(splits.val) >= n
     return [splits.val[i] for i in range(n)]
 
@@ -158,7 +97,7 @@ def reference_loss(checkpoint: Path, samples: list[torch.Tensor]) -> tuple[float
 
     One forward per sample (no padding, no batching), in eval mode, sums in float64.
     """
-    model = GPT(tiny_model_cfg())
+    model = GPT.from_config(tiny_model_cfg())
     model.load_state_dict(torch.load(checkpoint / "state.pt", weights_only=True)["model"])
     model.eval()
     total, count = 0.0, 0
@@ -211,6 +150,17 @@ def cli(eval_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
         "no_checkpoint": evaluate_cmd(["eval.max_batches=2"]),
         "nonexistent": evaluate_cmd([f"checkpoint={missing}"]),
         "bogus_key": evaluate_cmd([f"checkpoint={ckpt}", "eval.bogus=1"]),
+        # Group selections, as training takes them: the same model and data, chosen again.
+        "groups": evaluate_cmd(
+            [
+                f"checkpoint={ckpt}",
+                "model=gpt_tiny",
+                "logger=none",
+                "data=stdlib",
+                "data.packed=false",
+            ]
+        ),  # fmt: skip
+        "unknown_group": evaluate_cmd([f"checkpoint={ckpt}", "data=nope"]),
     }
     return launch_all(cmds, CLI_TIMEOUT)
 
@@ -305,6 +255,18 @@ def test_evaluate_cli_matches_training(eval_run: Path, cli: dict[str, Any]) -> N
     assert math.isclose(fewer["val/loss"], want, rel_tol=0, abs_tol=1e-6), (fewer, want)
 
 
+def test_evaluate_cli_takes_group_selections(eval_run: Path, cli: dict[str, Any]) -> None:
+    """`model=...`, `data=...`, `logger=...` select groups as in training (they used to fail
+    with Hydra's raw merge error); re-selecting the run's own choices changes nothing."""
+    trained = eval_records(read_metrics(eval_run))
+    got = last_json(cli["groups"])
+    assert got["val/items"] == trained[3]["val/items"]
+    assert math.isclose(got["val/loss"], trained[3]["val/loss"], rel_tol=0, abs_tol=1e-9)
+    proc = cli["unknown_group"]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, explain(proc)
+    assert "nope" in proc.stderr and "stdlib" in proc.stderr, explain(proc)
+
+
 @pytest.mark.multiproc
 def test_evaluate_cli_under_torchrun(eval_run: Path, multi: dict[str, Any]) -> None:
     """Two ranks split the 15 samples; only rank 0 prints, and the loss is the same."""
@@ -356,7 +318,8 @@ def test_evaluate_loss_modes(training: bool) -> None:
     batches = [torch.randn(2, 3), torch.randn(3, 3)]
     task = _Probe()
     with torch.enable_grad():  # evaluation must not rely on the caller disabling autograd
-        loss, count = evaluate_loss(model, task, batches, Precision("fp32", "cpu"), DistInfo())
+        means, count = evaluate(model, task, batches, Precision("fp32", "cpu"), DistInfo())
+    loss = means["loss"]
     assert task.seen == [(True, False), (True, False)]
     assert model.training is training
     assert all(m.training is training for m in model.modules())
@@ -369,7 +332,7 @@ def test_evaluate_loss_modes(training: bool) -> None:
     model.train(training)
     failing = _Probe(fail=True)
     with pytest.raises(RuntimeError, match="probe failure"):
-        evaluate_loss(model, failing, batches, Precision("fp32", "cpu"), DistInfo())
+        evaluate(model, failing, batches, Precision("fp32", "cpu"), DistInfo())
     assert failing.seen == [(True, False)]
     assert model.training is training
 

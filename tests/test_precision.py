@@ -33,13 +33,16 @@ from typing import Any
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from engine.accumulate import AccumulateStep
 from engine.distributed import DistInfo
 from engine.precision import Precision
 from engine.step import StepContext, StepResult
+from engine.tasks import CausalLMTask
 from tests.conftest import (
+    CONFIG_DIR,
     REPO,
     TINY,
     env,
@@ -52,15 +55,17 @@ from tests.conftest import (
     train_records,
 )
 from tests.precision_support import poison_next_backward, run_concurrently
-from trainer.config import ModelCfg, OptimCfg
 from trainer.fit import TrainingDiverged
-from trainer.gpt import GPT, LanguageModelTask
+from trainer.models.gpt import GPT
 from trainer.optim import build_optimizer
 
 INJECT = "tests.precision_support.InjectNonFinite"
 CLI_TIMEOUT = 120.0  # one gpt_tiny CLI launch takes ~5-10 s on 2 busy cores
 TORCHRUN_TIMEOUT = 150.0
 SMALL = ["train.micro_batch_size=4", "train.grad_accum_steps=1"]
+# The shipped optimizer configs, as the trainer reads them (YAML 1.2 floats such as 1e-8).
+ADAMW = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "optim" / "adamw.yaml"))
+SGD = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "optim" / "sgd.yaml"))
 
 
 # --------------------------------------------------------------------------- shared setup
@@ -216,14 +221,14 @@ def test_clipping_under_grad_scaler_equals_clipping_true_gradient(mode: str) -> 
 def tiny_gpt_ctx(mode: str) -> StepContext:
     """A tiny GPT with the trainer's fused AdamW, clipping on, in precision `mode`."""
     torch.manual_seed(0)
-    model = GPT(ModelCfg(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
-    optimizer = build_optimizer(OptimCfg(lr=1e-2), model, torch.device("cpu"))
+    model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    optimizer = build_optimizer({**ADAMW, "lr": 1e-2}, model)
     assert optimizer.defaults.get("fused"), "the skip must be tested on the fused AdamW path"
     return StepContext(
         model=model,
         optimizer=optimizer,
         scheduler=None,
-        task=LanguageModelTask(),
+        task=CausalLMTask(),
         precision=Precision(mode, "cpu"),
         dist=DistInfo(),
         clip_grad_norm=1.0,
@@ -289,18 +294,16 @@ def test_skipped_first_step_with_sgd_momentum_has_no_effect(mode: str) -> None:
     buffers (fused SGD would fill them with uninitialized memory), so the next step equals a
     run in which the poisoned step never happened."""
     torch.manual_seed(0)
-    model = GPT(ModelCfg(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
     twin = copy.deepcopy(model)
 
     def ctx_for(m: torch.nn.Module) -> StepContext:
-        opt = build_optimizer(
-            OptimCfg(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.0), m, torch.device("cpu")
-        )
+        opt = build_optimizer({**SGD, "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}, m)
         return StepContext(
             model=m,
             optimizer=opt,
             scheduler=None,
-            task=LanguageModelTask(),
+            task=CausalLMTask(),
             precision=Precision(mode, "cpu"),
             dist=DistInfo(),
             clip_grad_norm=1.0,

@@ -32,8 +32,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from engine.checkpoint import CheckpointError, verify
 from engine.sharded_checkpoint import UnsafeCheckpoint, load_shards, read_metadata, save_shards
 from tests.conftest import CONFIG_DIR, TINY, explain, launch, read_metrics, torchrun_cmd
-from trainer.config import ModelCfg
-from trainer.gpt import GPT
+from trainer.models.gpt import GPT
 
 pytestmark = [
     pytest.mark.multiproc,
@@ -195,8 +194,11 @@ def test_fsdp_writes_the_sharded_layout_by_default(fsdp_run: Path, ddp_ref: Path
         "step_00000004",
         "step_00000008",
     ]  # no temporary directory left behind
-    model_cfg = ModelCfg(**yaml.safe_load((CONFIG_DIR / "model" / "gpt_tiny.yaml").read_text()))
-    shapes = {k: tuple(v.shape) for k, v in GPT(model_cfg).state_dict().items()}
+    spec = yaml.safe_load((CONFIG_DIR / "model" / "gpt_tiny.yaml").read_text())
+    model = GPT(
+        **{k: v for k, v in spec.items() if k not in ("_target_", "activation_checkpointing")}
+    )
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     for step in (4, 8):
         path = ckpt(fsdp_run, step)
         manifest = manifest_of(path)

@@ -43,10 +43,10 @@ from tests.conftest import (
     train_records,
 )
 from tests.steps_support import CountingStep
+from trainer.build import build_model
 from trainer.cli import to_config
-from trainer.config import ModelCfg
 from trainer.errors import ConfigError
-from trainer.gpt import GPT, FakeQuantLinear
+from trainer.models.gpt import GPT, FakeQuantLinear, GPTConfig
 
 Records = list[dict[str, Any]]
 Runner = Callable[[Sequence[str]], Records]
@@ -425,20 +425,20 @@ def test_activation_checkpointing_changes_nothing_but_memory(
     """With dropout 0.1, recomputing each block in backward must redraw the same dropout
     masks: records identical to the run without checkpointing. Counting the calls proves the
     checkpointed path ran; a dropout-free run proves dropout was active at all."""
-    import trainer.gpt
+    import engine.model
 
     args = [*base, "train.max_steps=6", "model.dropout=0.1"]
     plain = [stable(r) for r in train_records(run(args))]
 
     calls = 0
-    original = trainer.gpt.checkpoint
+    original = engine.model.checkpoint
 
     def counting(*a: Any, **kw: Any) -> Any:
         nonlocal calls
         calls += 1
         return original(*a, **kw)
 
-    monkeypatch.setattr(trainer.gpt, "checkpoint", counting)
+    monkeypatch.setattr(engine.model, "checkpoint", counting)
     checkpointed = [
         stable(r) for r in train_records(run([*args, "model.activation_checkpointing=true"]))
     ]
@@ -510,9 +510,9 @@ def test_fake_quant_forward_uses_quantized_weights() -> None:
     """fake_quant_bits=2: every block linear multiplies by a weight with at most 3 distinct
     values (seen at the F.linear call itself), equal to the hand-rounded weight; the module's
     output is F.linear with that weight, not with the full-precision one."""
-    cfg = ModelCfg(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, fake_quant_bits=2)
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, fake_quant_bits=2)
     torch.manual_seed(0)
-    model = GPT(cfg).eval()
+    model = GPT.from_config(cfg).eval()
     idx = torch.randint(0, 64, (2, 16))
     mode = LinearWeights()
     with mode, torch.no_grad():
@@ -543,7 +543,8 @@ def test_fake_quant_forward_uses_quantized_weights() -> None:
 
 @pytest.mark.parametrize("bits", [1, 0])
 def test_fake_quant_bits_below_two_is_a_config_error(bits: int) -> None:
-    """Fewer than 2 bits leaves no quantization level: the config must say so up front, before
-    data loading and model building, naming the key."""
+    """Fewer than 2 bits leaves no quantization level: building the model (before any data is
+    loaded) says so, naming the key."""
+    cfg, _ = to_config(compose_config([f"model.fake_quant_bits={bits}"]))
     with pytest.raises(ConfigError, match=r"model\.fake_quant_bits"):
-        to_config(compose_config([f"model.fake_quant_bits={bits}"]))
+        build_model(cfg.model, DistInfo())

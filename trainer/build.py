@@ -1,14 +1,17 @@
-"""Assemble a run from the config: each builder receives its own sub-config."""
+"""Assemble a run from the config: each builder receives its own sub-config and the runtime
+objects it needs, and `build_run` reads as the list of what a run is made of."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from omegaconf import OmegaConf
+from torch import nn
 
 from engine.callbacks import Callback, CallbackList
 from engine.checkpoint import (
@@ -21,21 +24,22 @@ from engine.checkpoint import (
 )
 from engine.distributed import DistInfo, broadcast_object, wrap_model
 from engine.grad_stats import GradNormsPerLayer
+from engine.model import (
+    NoBlocks,
+    apply_activation_checkpointing,
+    find_blocks,
+    flops_per_token,
+    require_blocks,
+)
 from engine.precision import Precision
 from engine.rng import seed_everything
-from engine.step import StepContext
-from trainer.config import Config, TrainCfg
-from trainer.data import (
-    GlobalBatchSampler,
-    Splits,
-    TrainBatches,
-    eval_batches,
-    eval_set_size,
-    load_splits,
-)
+from engine.step import StepContext, StepStrategy, Task
+from trainer.components import check, instantiate
+from trainer.config import EXTRAS, CheckpointCfg, Config, DataExtras, DistCfg, ModelExtras, TrainCfg
+from trainer.data import DataSplits, as_splits
+from trainer.data.loader import EvalBatches, GlobalBatchSampler, TrainBatches, eval_set_size
 from trainer.errors import ConfigError, UserError
-from trainer.fit import Run, restore
-from trainer.gpt import GPT, LanguageModelTask
+from trainer.fit import Run, TrainingProgress, restore
 from trainer.identity import new_run_id
 from trainer.metrics import JsonlWriter, Progress, RecordSink, TrainMeter
 from trainer.optim import build_optimizer, build_scheduler
@@ -57,61 +61,205 @@ def resolve_grad_accum(train: TrainCfg, world_size: int) -> int:
     return train.global_batch_size // per_step
 
 
-def build_model(cfg: Config, splits: Splits, info: DistInfo) -> torch.nn.Module:
-    if splits.vocab_size > cfg.model.vocab_size:
+def split_extras(node: dict[str, Any], group: str) -> tuple[dict[str, Any], Any]:
+    """A `model`/`data` node as (the `_target_`'s spec, the keys the trainer reads itself)."""
+    cls = EXTRAS[group]
+    names = {f.name for f in dataclasses.fields(cls)}
+    spec = {k: v for k, v in node.items() if k not in names}
+    extras = {k: v for k, v in node.items() if k in names}
+    target = {"_target_": f"{cls.__module__}.{cls.__qualname__}", **extras}
+    return spec, instantiate(target, group)
+
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def options(group: str) -> list[str]:
+    """The in-tree config names of a group (`model=gpt_tiny`), for error messages."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def check_config(cfg: Config) -> None:
+    """Every component's target imports and its arguments fit its signature (names, types,
+    required ones): a one-paragraph error naming the key, before any work starts."""
+    for group in ("model", "data"):
+        spec, _ = split_extras(getattr(cfg, group), group)
+        check(spec, group, options=options(group))
+    check(cfg.task, "task", options=options("task"))
+    check(cfg.optim, "optim", provided=["params"], options=options("optim"))
+    check(cfg.scheduler, "scheduler", ["optimizer", "max_steps"], options("scheduler"))
+    check(cfg.step, "step", options=options("step"))
+    for name, spec in cfg.callbacks.items():
+        check(spec, f"callbacks.{name}")
+
+
+def build_data(node: dict[str, Any]) -> tuple[DataSplits, DataExtras]:
+    spec, extras = split_extras(node, "data")
+    splits = as_splits(instantiate(spec, "data"), spec["_target_"])
+    return splits, extras
+
+
+def build_model(node: dict[str, Any], info: DistInfo) -> tuple[nn.Module, ModelExtras]:
+    """The user's module (or the in-tree GPT) on this rank's device."""
+    spec, extras = split_extras(node, "model")
+    model = instantiate(spec, "model")
+    if not isinstance(model, nn.Module):
         raise ConfigError(
-            "model.vocab_size",
-            f"the data ({splits.description}) holds token ids up to {splits.vocab_size - 1}; "
-            f"model.vocab_size must be at least {splits.vocab_size}, got {cfg.model.vocab_size}",
+            "model._target_",
+            f"{spec['_target_']} returned a {type(model).__name__}; it must return an nn.Module",
         )
-    return GPT(cfg.model).to(info.device)
+    return model.to(info.device), extras
 
 
-def build_val_batches(cfg: Config, splits: Splits, info: DistInfo) -> list[Any]:
-    """This rank's share of the validation set (the same set for any world size)."""
-    return eval_batches(
-        splits.val,
+def check_fits(model: nn.Module, data: DataSplits, spec: dict[str, Any]) -> None:
+    """Token ids and sequence lengths the data declares must fit what the model declares."""
+    vocab = getattr(model, "vocab_size", None)
+    if isinstance(vocab, int) and data.vocab_size is not None and data.vocab_size > vocab:
+        key = "model.vocab_size" if "vocab_size" in spec else "model"
+        raise ConfigError(
+            key,
+            f"the data ({data.description or 'data'}) holds token ids up to "
+            f"{data.vocab_size - 1}; the model's vocabulary must be at least {data.vocab_size}, "
+            f"got {vocab}",
+        )
+    longest = getattr(model, "max_seq_len", None)
+    if isinstance(longest, int) and data.seq_len is not None and data.seq_len > longest:
+        raise ConfigError(
+            "data.block_size",
+            f"must be <= the model's longest sequence ({longest}, model.block_size), got "
+            f"{data.seq_len}",
+        )
+
+
+def build_task(spec: dict[str, Any]) -> Task:
+    task = instantiate(spec, "task")
+    if not isinstance(task, Task):
+        raise ConfigError(
+            "task._target_",
+            f"{spec['_target_']} built a {type(task).__name__}, which is not a task: it needs "
+            "count_items(batch) (loss items, without the model) and loss_sum(model, batch) (the "
+            "summed loss), see engine/step.py; or select task=causal_lm|classification",
+        )
+    return task
+
+
+def parallelize(
+    model: nn.Module, extras: ModelExtras, train: TrainCfg, dist_cfg: DistCfg, info: DistInfo
+) -> nn.Module:
+    """Activation checkpointing, compilation and data parallelism (DDP, or FSDP2 sharding each
+    block and the root), in that order. The model's own parameter names are kept."""
+    fsdp = dist_cfg.strategy == "fsdp" and info.distributed
+    try:
+        blocks = find_blocks(model, extras.block_classes, key="model.block_classes")
+        if extras.activation_checkpointing:
+            require_blocks(
+                model, blocks, "model.activation_checkpointing=true", "model.block_classes"
+            )
+            apply_activation_checkpointing(blocks)
+        if fsdp:
+            require_blocks(model, blocks, "dist.strategy=fsdp", "model.block_classes")
+    except NoBlocks as exc:
+        message = str(exc).removeprefix("model.block_classes: ")
+        raise ConfigError("model.block_classes", message) from None
+    if train.compile:  # in place: parameter names (and checkpoints) stay the same
+        for module in blocks if fsdp else [model]:
+            module.compile()
+    return wrap_model(
+        model,
+        info,
+        dist_cfg.strategy,
+        shard_modules=blocks,
+        param_dtype=torch.bfloat16 if train.precision == "bf16" else None,
+    )
+
+
+def instantiate_callback(name: str, spec: Any) -> Callback:
+    cb = instantiate(spec, f"callbacks.{name}")
+    if not isinstance(cb, Callback):
+        raise ConfigError(f"callbacks.{name}", f"{spec['_target_']} is not a Callback")
+    return cb
+
+
+def build_callbacks(specs: dict[str, Any], train: TrainCfg) -> CallbackList:
+    callbacks = CallbackList({name: instantiate_callback(name, s) for name, s in specs.items()})
+    if train.grad_norms == "per_layer" and not any(
+        isinstance(cb, GradNormsPerLayer) for cb in callbacks
+    ):  # callbacks=grad_stats already computes the same norms
+        callbacks.named["grad_norms_per_layer"] = GradNormsPerLayer()
+    return callbacks
+
+
+def build_step(spec: dict[str, Any]) -> StepStrategy:
+    step_fn = instantiate(spec, "step")
+    if not callable(step_fn):
+        raise ConfigError("step._target_", f"{spec['_target_']!r} is not a step strategy")
+    return step_fn
+
+
+def resolve_num_workers(requested: int | None, info: DistInfo) -> int:
+    """`data.num_workers=null`: loader workers only where spare cores make them pay off."""
+    if requested is not None:
+        return requested
+    if info.device.type != "cuda":
+        return 0  # on CPU the workers would take cores from the training step itself
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(0, min(4, (os.cpu_count() or 1) // local_ranks - 1))
+
+
+def build_batches(
+    data: DataSplits, extras: DataExtras, cfg: Config, info: DistInfo, accum: int
+) -> tuple[TrainBatches, EvalBatches]:
+    """This rank's training windows and validation batches, both through DataLoaders."""
+    workers = resolve_num_workers(extras.num_workers, info)
+    global_batch = cfg.train.micro_batch_size * accum * info.world_size
+    batches = TrainBatches(
+        data.train,
+        GlobalBatchSampler(len(data.train), global_batch, cfg.seed),
+        rank=info.rank,
+        world_size=info.world_size,
+        micro_batch_size=cfg.train.micro_batch_size,
+        grad_accum_steps=accum,
+        device=info.device,
+        collate_fn=data.collate_fn,
+        num_workers=workers,
+    )
+    val = EvalBatches(
+        data.val,
         rank=info.rank,
         world_size=info.world_size,
         batch_size=cfg.eval.batch_size,
         max_batches=cfg.eval.max_batches,
         device=info.device,
+        seed=cfg.seed,
+        collate_fn=data.collate_fn,
+        num_workers=workers,
     )
+    n_val = eval_set_size(len(data.val), cfg.eval.batch_size, cfg.eval.max_batches)
+    fsdp = cfg.dist.strategy == "fsdp" and info.distributed
+    if fsdp and cfg.eval.every_steps and n_val < info.world_size:
+        raise ConfigError(
+            "eval.max_batches",
+            f"FSDP evaluates in lockstep and needs a validation sample on each of the "
+            f"{info.world_size} ranks; the set has {n_val}: raise eval.max_batches or "
+            "eval.batch_size",
+        )
+    return batches, val
 
 
-def instantiate(spec: dict[str, Any], key: str) -> Any:
-    """`hydra.utils.instantiate` with a one-paragraph error naming the config key."""
-    if not isinstance(spec, dict) or "_target_" not in spec:
-        raise ConfigError(key, f"needs a `_target_` (a class path), got {spec!r}")
-    try:
-        return hydra.utils.instantiate(spec)
-    except Exception as exc:
-        root = exc
-        while root.__cause__ is not None:  # Hydra wraps the constructor's own error
-            root = root.__cause__
-        text = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
-        if isinstance(root, ImportError | AttributeError):  # the class itself is not found
-            target = spec["_target_"]
-            raise ConfigError(f"{key}._target_", f"cannot import {target}: {text}") from None
-        args = ", ".join(f"{k}={v!r}" for k, v in spec.items() if k != "_target_")
-        raise ConfigError(key, f"cannot build {spec['_target_']}({args}): {text}") from None
-
-
-def build_callbacks(specs: dict[str, Any]) -> CallbackList:
-    callbacks = {}
-    for name, spec in specs.items():
-        cb = instantiate(spec, f"callbacks.{name}")
-        if not isinstance(cb, Callback):
-            raise ConfigError(f"callbacks.{name}", f"{spec['_target_']} is not a Callback")
-        callbacks[name] = cb
-    return CallbackList(callbacks)
-
-
-def build_step(spec: dict[str, Any]) -> Any:
-    step_fn = instantiate(spec, "step")
-    if not callable(step_fn):
-        raise ConfigError("step._target_", f"{spec['_target_']!r} is not a step strategy")
-    return step_fn
+def build_checkpointer(
+    cfg: CheckpointCfg, checkpoint_dir: Path, info: DistInfo, fmt: str, timeout_s: float
+) -> CheckpointWriter:
+    if info.is_main:
+        remove_stale_tmp(checkpoint_dir)
+    return CheckpointWriter(
+        checkpoint_dir,
+        info,
+        session=broadcast_object(new_run_id(), info),
+        keep_last=cfg.keep_last,
+        background=cfg.async_save,
+        sharded=fmt == "sharded",
+        timeout_s=timeout_s,
+    )
 
 
 def find_resume(cfg: Config, ckpt_dir: Path, info: DistInfo) -> Path | None:
@@ -144,108 +292,75 @@ def find_resume(cfg: Config, ckpt_dir: Path, info: DistInfo) -> Path | None:
     return None
 
 
-def checkpoint_format(cfg: Config, info: DistInfo) -> str:
+def checkpoint_format(cfg: CheckpointCfg, dist_cfg: DistCfg, info: DistInfo) -> str:
     """`checkpoint.format=auto`: sharded where the state is sharded (FSDP on several ranks)."""
-    if cfg.checkpoint.format != "auto":
-        return cfg.checkpoint.format
-    return "sharded" if cfg.dist.strategy == "fsdp" and info.distributed else "full"
+    if cfg.format != "auto":
+        return cfg.format
+    return "sharded" if dist_cfg.strategy == "fsdp" and info.distributed else "full"
 
 
-def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: DistInfo) -> Run:
-    accum = resolve_grad_accum(cfg.train, info.world_size)
-    global_batch = cfg.train.micro_batch_size * accum * info.world_size
-    splits = load_splits(cfg.data)
-
-    seed_everything(cfg.seed)  # same initial weights on every rank
-    model = build_model(cfg, splits, info)
-    fsdp = cfg.dist.strategy == "fsdp" and info.distributed
-    if cfg.train.compile:  # in place: parameter names (and checkpoints) stay the same
-        for module in model.blocks if fsdp else [model]:
-            module.compile()
-    wrapped = wrap_model(
-        model,
-        info,
-        cfg.dist.strategy,
-        shard_modules=list(model.blocks),
-        param_dtype=torch.bfloat16 if cfg.train.precision == "bf16" else None,
-    )
-    # After wrapping: FSDP replaces the parameters with sharded ones.
-    optimizer = build_optimizer(cfg.optim, model, info.device)
-    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.train.max_steps)
-    precision = Precision(cfg.train.precision, info.device.type)
-    ctx = StepContext(
-        model=wrapped,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        task=LanguageModelTask(),
-        precision=precision,
-        dist=info,
-        clip_grad_norm=cfg.train.clip_grad_norm,
-        callbacks=build_callbacks(cfg.callbacks),
-        sync_every_micro_batch=cfg.dist.fsdp_sync_every_micro_batch,
-    )
-    n_val = eval_set_size(len(splits.val), cfg.eval.batch_size, cfg.eval.max_batches)
-    if fsdp and cfg.eval.every_steps and n_val < info.world_size:
-        raise ConfigError(
-            "eval.max_batches",
-            f"FSDP evaluates in lockstep and needs a validation sample on each of the "
-            f"{info.world_size} ranks; the set has {n_val}: raise eval.max_batches or "
-            "eval.batch_size",
-        )
-    fmt = checkpoint_format(cfg, info)
-    if fsdp and fmt == "full" and any(hasattr(cb, "weights_swapped") for cb in ctx.callbacks):
+def check_checkpoint_format(
+    fmt: str, dist_cfg: DistCfg, info: DistInfo, callbacks: CallbackList
+) -> None:
+    fsdp = dist_cfg.strategy == "fsdp" and info.distributed
+    if fsdp and fmt == "full" and callbacks.averaged_weights():
         raise ConfigError(
             "checkpoint.format",
             "under dist.strategy=fsdp the EMA callback keeps its average sharded like the "
             "parameters, and only sharded checkpoints save it; use checkpoint.format=sharded "
             "(or auto, the default)",
         )
-    if cfg.train.grad_norms == "per_layer" and not any(
-        isinstance(cb, GradNormsPerLayer) for cb in ctx.callbacks
-    ):  # callbacks=grad_stats already computes the same norms
-        ctx.callbacks.named["grad_norms_per_layer"] = GradNormsPerLayer()
-    ctx.callbacks.setup(ctx)  # before a checkpoint is restored into their state
-    sampler = GlobalBatchSampler(len(splits.train), global_batch, cfg.seed)
-    batches = TrainBatches(
-        splits.train,
-        sampler,
-        rank=info.rank,
-        world_size=info.world_size,
-        micro_batch_size=cfg.train.micro_batch_size,
-        grad_accum_steps=accum,
-        device=info.device,
+
+
+def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: DistInfo) -> Run:
+    accum = resolve_grad_accum(cfg.train, info.world_size)
+    seed_everything(cfg.seed)  # same initial weights on every rank
+    model, model_extras = build_model(cfg.model, info)
+    data, data_extras = build_data(cfg.data)
+    check_fits(model, data, cfg.model)
+    task = build_task(cfg.task)
+    wrapped = parallelize(model, model_extras, cfg.train, cfg.dist, info)
+    optimizer = build_optimizer(cfg.optim, model)  # after wrapping: FSDP shards the parameters
+    scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.train.max_steps)
+    precision = Precision(cfg.train.precision, info.device.type)
+    callbacks = build_callbacks(cfg.callbacks, cfg.train)
+    step_fn = build_step(cfg.step)
+    ctx = StepContext(
+        model=wrapped,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        task=task,
+        precision=precision,
+        dist=info,
+        clip_grad_norm=cfg.train.clip_grad_norm,
+        callbacks=callbacks,
+        sync_every_micro_batch=cfg.dist.fsdp_sync_every_micro_batch,
     )
-    val = build_val_batches(cfg, splits, info)
+    batches, val_batches = build_batches(data, data_extras, cfg, info, accum)
+    fmt = checkpoint_format(cfg.checkpoint, cfg.dist, info)
+    check_checkpoint_format(fmt, cfg.dist, info, callbacks)
+    callbacks.setup(ctx)  # before a checkpoint is restored into their state
     run = Run(
         cfg=cfg,
         dist=info,
         run_dir=run_dir,
         run_id="",
         ctx=ctx,
-        step_fn=build_step(cfg.step),
+        step_fn=step_fn,
         batches=batches,
-        val_batches=val,
-        sinks=[],
-        meter=TrainMeter(info, model.flops_per_token(cfg.data.block_size)),
+        val_batches=val_batches,
+        meter=TrainMeter(info, flops_per_token(model, data.seq_len)),
+        checkpointer=build_checkpointer(
+            cfg.checkpoint, run_dir / "checkpoints", info, fmt, cfg.dist.timeout_s
+        ),
         config_dict=config_dict,
+        decode=data.decode,
     )
-    if info.is_main:
-        remove_stale_tmp(run.checkpoint_dir)
-    run.checkpointer = CheckpointWriter(
-        run.checkpoint_dir,
-        info,
-        session=broadcast_object(new_run_id(), info),
-        keep_last=cfg.checkpoint.keep_last,
-        background=cfg.checkpoint.async_save,
-        sharded=fmt == "sharded",
-        timeout_s=cfg.dist.timeout_s,
-    )
-    if len(splits.val):
-        run.sample_prompt = splits.val[0][:32].unsqueeze(0).to(info.device)  # same on all ranks
+    register_state(run, task=task, data=data, step_fn=step_fn)
     resume = find_resume(cfg, run.checkpoint_dir, info)
     if resume is not None:
         try:
-            ckpt = load_checkpoint(resume, info, checksums=False)  # rank 0 verified them
+            ckpt = load_checkpoint(resume, info, checksums=False)  # verified by find_resume
         except CheckpointError as exc:
             raise UserError(f"checkpoint.resume: {exc}", all_ranks=True) from None
         restore(run, ckpt)
@@ -255,15 +370,30 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         seed_everything(cfg.seed + 1 + info.rank)
 
     if info.is_main:
-        run.sinks = build_sinks(cfg, run, model, splits, resume, accum)
+        run.sinks = build_sinks(cfg, run, model, data, resume, accum)
     if cfg.train.detect_anomaly:
         torch.autograd.set_detect_anomaly(True)  # slow: for debugging NaNs only
     run.stop = StopRequest(info)
     return run
 
 
+def register_state(run: Run, *, task: Any, data: DataSplits, step_fn: Any) -> None:
+    """Name everything a checkpoint saves besides the model and optimizer; user components
+    (task, datasets, step strategy) join when they have `state_dict`/`load_state_dict`."""
+    ctx = run.ctx
+    run.state.add("progress", TrainingProgress(run))
+    run.state.add("scheduler", ctx.scheduler)
+    run.state.add("precision", ctx.precision)
+    run.state.add("callbacks", ctx.callbacks)
+    run.state.add("meter", run.meter)
+    run.state.add("task", task)
+    run.state.add("step", step_fn)
+    run.state.add("train_data", data.train)
+    run.state.add("val_data", data.val)
+
+
 def build_sinks(
-    cfg: Config, run: Run, model: torch.nn.Module, splits: Splits, resume: Path | None, accum: int
+    cfg: Config, run: Run, model: nn.Module, data: DataSplits, resume: Path | None, accum: int
 ) -> list[RecordSink]:
     """Rank 0's outputs: the resolved config, metrics.jsonl, the console, W&B."""
     (run.run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
@@ -271,8 +401,9 @@ def build_sinks(
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"cumulus | run dir {run.run_dir} | run id {run.run_id}\n"
-        f"  model {n_params / 1e6:.2f}M params | data {splits.description}: "
-        f"{len(splits.train)} train / {len(splits.val)} val samples\n"
+        f"  model {type(model).__name__} {n_params / 1e6:.2f}M params | data "
+        f"{data.description or cfg.data.get('_target_')}: "
+        f"{len(data.train)} train / {len(data.val)} val samples\n"
         f"  world {run.dist.world_size} x micro {cfg.train.micro_batch_size} x accum {accum} = "
         f"global batch {run.batches.sampler.global_batch_size} | precision "
         f"{cfg.train.precision} | device {run.dist.device}"

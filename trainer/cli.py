@@ -99,6 +99,9 @@ def to_config(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
         if cause is not None:
             raise cause from None
         raise UserError(f"invalid config: {exc}".replace("\n", " ")) from None
+    from trainer.build import check_config
+
+    check_config(obj)  # type: ignore[arg-type]
     return obj, plain  # type: ignore[return-value]
 
 

@@ -1,8 +1,11 @@
-"""The config schema: one dataclass per group, registered in Hydra's ConfigStore.
+"""The config schema, registered in Hydra's ConfigStore.
 
-Hydra checks names and types against these dataclasses while composing (unknown keys and
-ill-typed values fail there); `__post_init__` checks values when `OmegaConf.to_object` builds
-them, before any work starts. Each component receives only its own sub-config.
+The trainer's own settings (`train`, `eval`, `checkpoint`, `dist`, `logger`) are dataclasses:
+Hydra checks names and types against them while composing, and `__post_init__` checks values
+when `OmegaConf.to_object` builds them, before any work starts. The components a user can
+swap (`model`, `task`, `data`, `optim`, `scheduler`, `step`, `callbacks.*`) are open nodes of
+`_target_` plus arguments, checked against their target's signature instead
+(`trainer/components.py`). Each builder receives only its own sub-config.
 """
 
 from __future__ import annotations
@@ -66,107 +69,29 @@ class TrainCfg:
         )
 
 
+# Keys of the `model` and `data` groups that the trainer reads itself; every other key of
+# those groups is an argument of their `_target_` (trainer/components.py).
 @dataclass
-class ModelCfg:
-    """A byte-level (or token-level) GPT."""
-
-    vocab_size: int = 256
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True
+class ModelExtras:
+    # Recompute each block in backward instead of keeping its activations.
     activation_checkpointing: bool = False
-    # Train the blocks' linear layers with STE fake-quantized weights of this many bits.
-    fake_quant_bits: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            _positive(getattr(self, name), f"model.{name}")
-        require(
-            self.n_embd % self.n_head == 0,
-            "model.n_embd",
-            f"must be divisible by model.n_head={self.n_head}, got {self.n_embd}",
-        )
-        require(
-            0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}"
-        )
-        if self.fake_quant_bits is not None:
-            require(
-                2 <= self.fake_quant_bits <= 16,
-                "model.fake_quant_bits",
-                f"must be null or in [2, 16], got {self.fake_quant_bits}",
-            )
+    # Class names of the blocks FSDP shards and activation checkpointing wraps, for models
+    # that do not declare them (`block_modules()`, or Hugging Face's `_no_split_modules`).
+    block_classes: list[str] | None = None
 
 
 @dataclass
-class DataCfg:
-    # `stdlib` trains on this Python's own standard-library sources (no download). Otherwise a
-    # text file, a directory of text files (matched by `glob`), or a nanoGPT-style uint16
-    # token `.bin` file (or a directory holding train.bin and val.bin).
-    path: str = "stdlib"
-    glob: str = "*.py"
-    # true: fixed-length blocks of block_size+1 tokens. false: one variable-length sample per
-    # paragraph, padded per micro-batch with ignored targets.
-    packed: bool = True
-    block_size: int = 128
-    # Every n-th file (text) goes to the validation split; for a single .bin/.txt file the
-    # last 1/n of it.
-    val_every_nth: int = 10
-    min_sample_len: int = 8
+class DataExtras:
+    # DataLoader worker processes per rank; null: 4 with CUDA (capped by the CPUs per local
+    # rank), 0 on CPU (workers would compete with training for the same cores).
+    num_workers: int | None = None
 
     def __post_init__(self) -> None:
-        require(bool(self.path), "data.path", "must name a file or directory, or be `stdlib`")
-        require(
-            self.path != "required",
-            "data.path",
-            "this experiment needs a token dataset: pass data.path=DIR holding train.bin and "
-            "val.bin (uint16 token ids; `python scripts/prepare_bin.py DIR` writes them)",
-        )
-        _positive(self.block_size, "data.block_size")
-        require(self.val_every_nth >= 2, "data.val_every_nth", "must be at least 2")
-        require(
-            2 <= self.min_sample_len <= self.block_size + 1,
-            "data.min_sample_len",
-            f"must be in [2, data.block_size + 1], got {self.min_sample_len}",
-        )
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 or null, got {self.num_workers}")
 
 
-@dataclass
-class OptimCfg:
-    name: str = "adamw"
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    momentum: float = 0.9  # sgd only
-    # AdamW: the fused kernel skips a non-finite update on the device, with no host sync.
-    # (SGD is never fused; its skip decision reads one flag on the host.)
-    fused: bool = True
-
-    def __post_init__(self) -> None:
-        require(
-            self.name in ("adamw", "sgd"), "optim.name", f"must be adamw or sgd, got {self.name!r}"
-        )
-        _positive(self.lr, "optim.lr")
-        require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-
-
-@dataclass
-class SchedulerCfg:
-    name: str = "cosine"
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1
-
-    def __post_init__(self) -> None:
-        require(
-            self.name in ("cosine", "constant"),
-            "scheduler.name",
-            f"must be cosine or constant, got {self.name!r}",
-        )
-        require(self.warmup_steps >= 0, "scheduler.warmup_steps", "must be >= 0")
-        require(0 <= self.min_lr_ratio <= 1, "scheduler.min_lr_ratio", "must be in [0, 1]")
+EXTRAS = {"model": ModelExtras, "data": DataExtras}
 
 
 @dataclass
@@ -256,28 +181,36 @@ class DistCfg:
         )
 
 
+def _component(**defaults: Any) -> Any:
+    """A component node: `_target_` plus arguments, open to any key (its target's signature
+    decides which are valid, checked by trainer/components.py)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(defaults, flags={"struct": False})
+
+
 @dataclass
 class Config:
     seed: int = 1337
     train: TrainCfg = field(default_factory=TrainCfg)
-    model: ModelCfg = field(default_factory=ModelCfg)
-    data: DataCfg = field(default_factory=DataCfg)
-    optim: OptimCfg = field(default_factory=OptimCfg)
-    scheduler: SchedulerCfg = field(default_factory=SchedulerCfg)
+    # Components: `_target_` + keyword arguments (configs/<group>/*.yaml, or a user's own).
+    model: Any = field(default_factory=_component)
+    task: Any = field(default_factory=_component)
+    data: Any = field(default_factory=_component)
+    optim: Any = field(default_factory=_component)
+    scheduler: Any = field(default_factory=_component)
     logger: LoggerCfg = field(default_factory=LoggerCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
     checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
     dist: DistCfg = field(default_factory=DistCfg)
-    # A step strategy: `_target_` plus its keyword arguments (untyped so user classes fit).
-    step: Any = field(default_factory=lambda: {"_target_": "engine.accumulate.AccumulateStep"})
+    # A step strategy: `_target_` plus its keyword arguments.
+    step: Any = field(
+        default_factory=lambda: _component(_target_="engine.accumulate.AccumulateStep")
+    )
     callbacks: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        require(
-            self.data.block_size <= self.model.block_size,
-            "data.block_size",
-            f"must be <= model.block_size={self.model.block_size}, got {self.data.block_size}",
-        )
+
+COMPONENTS = ("model", "task", "data", "optim", "scheduler", "step")
 
 
 def register_configs() -> None:

@@ -1,45 +1,45 @@
-"""`python -m trainer.evaluate checkpoint=PATH [key=value ...]` (also under torchrun).
+"""`python -m trainer.evaluate checkpoint=PATH [overrides]` (also under torchrun).
 
-Rebuilds model and data from the checkpoint's own config, applies the overrides (e.g.
-`eval.max_batches=null` for the whole validation split, `data.path=...`), evaluates, and
-prints the metrics as one JSON object on the last line of stdout. Writes nothing.
-`weights=ema` evaluates the EMA callback's averaged weights instead of the trained ones.
+Rebuilds the run's model, task and data from the checkpoint's own config with the overrides
+on top, exactly as training takes them (`eval.max_batches=null` for the whole validation
+split, `data.path=...`, group selections such as `data=...` or `model=gpt_tiny`,
+`hydra.searchpath=[file://DIR]` for a user's config folder), evaluates, and prints the
+metrics as one JSON object on the last line of stdout. Writes nothing.
+`weights=NAME` evaluates the weights an averaging callback (`ema`) kept instead.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from engine.checkpoint import (
-    SHARDS,
-    SHARED,
-    CheckpointError,
-    LoadedCheckpoint,
-    load_checkpoint,
-    load_sharded,
-    safe_load,
-    verify,
-)
+from engine.callbacks import AveragedWeights, CallbackList
+from engine.checkpoint import SHARED, CheckpointError, load_checkpoint, safe_load, verify
 from engine.distributed import DistInfo
-from engine.evaluate import evaluate_loss
+from engine.evaluate import evaluate
 from engine.precision import Precision
-from engine.sharded_checkpoint import saved_keys
-from trainer.build import build_model, build_val_batches
-from trainer.cli import run_command
-from trainer.config import Config
-from trainer.data import load_splits
+from engine.rng import seed_everything
+from trainer.build import (
+    CONFIG_DIR,
+    build_batches,
+    build_data,
+    build_model,
+    build_task,
+    check_fits,
+    instantiate_callback,
+)
+from trainer.cli import check_overrides, run_command
+from trainer.config import Config, register_configs
 from trainer.errors import UserError
 from trainer.fit import summarize, val_metrics
-from trainer.gpt import LanguageModelTask
+from trainer.identity import register_resolvers
+from trainer.state import RunState, load_payload
 
-USAGE = "usage: python -m trainer.evaluate checkpoint=PATH [weights=model|ema] [key=value ...]"
+USAGE = "usage: python -m trainer.evaluate checkpoint=PATH [weights=model|NAME] [key=value ...]"
 
 
 def parse_args(argv: list[str]) -> tuple[Path, str, list[str]]:
@@ -56,46 +56,46 @@ def parse_args(argv: list[str]) -> tuple[Path, str, list[str]]:
     return Path(ckpt[0]).expanduser(), (weights or ["model"])[-1], rest
 
 
-def averaged_weights(ckpt: LoadedCheckpoint) -> dict[str, bool]:
-    """Callbacks whose averaged weights (`shadow`) the checkpoint holds, and whether they were
-    saved shard by shard (FSDP's) rather than as plain tensors."""
-    out = {}
-    for name, state in ckpt.shared.get("callbacks", {}).items():
-        shadow = state.get("shadow") if isinstance(state, dict) else None
-        if shadow is not None and all(t is not None for t in shadow):
-            out[name] = False
-    if ckpt.layout == "sharded":
-        for key in saved_keys(ckpt.path / SHARDS, "callbacks"):
-            match = re.fullmatch(r"([^/]+)/shadow/\d+", key)
-            if match:
-                out[match.group(1)] = True
-    return out
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
 
 
-def load_weights(model: torch.nn.Module, ckpt: LoadedCheckpoint, weights: str) -> None:
-    """The trained weights, or those a callback averaged (its `shadow`, in parameter order)."""
-    averages = averaged_weights(ckpt)
-    if weights != "model" and weights not in averages:
+def compose_config(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
+    """The checkpoint's config with `overrides` applied as training applies them: the
+    overrides are composed by Hydra (from this repository's configs and any
+    `hydra.searchpath`), then a group selection (`data=NAME`) replaces that whole node of the
+    saved config and a key (`eval.max_batches=...`) that one value."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        fresh = compose("train", overrides=overrides)
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), saved)
+    for override in overrides:
+        key = _key(override)
+        if key.startswith("hydra.") or key == "hydra":
+            continue
+        if override.lstrip("+").startswith("~"):
+            OmegaConf.update(cfg, key, None, force_add=True)  # deleted: back to no value
+            continue
+        OmegaConf.update(cfg, key, OmegaConf.select(fresh, key), merge=False, force_add=True)
+    return cfg
+
+
+def averaged_weights(cfg: Config, weights: str) -> AveragedWeights | None:
+    """The callback whose averaged weights `weights=NAME` asks for (None for `model`)."""
+    if weights == "model":
+        return None
+    valid = [
+        name
+        for name, spec in cfg.callbacks.items()
+        if isinstance(instantiate_callback(name, spec), AveragedWeights)
+    ]
+    if weights not in valid:
         raise UserError(
-            f"weights={weights}: the checkpoint holds no averaged weights of that name; valid: "
-            f"model{''.join(', ' + n for n in sorted(averages))}"
+            f"weights={weights}: the checkpoint's run has no weight-averaging callback of that "
+            f"name; valid: model{''.join(', ' + n for n in valid)}"
         )
-    params = [p for p in model.parameters() if p.requires_grad]
-    averaged: list[torch.Tensor] = []
-    extra = None
-    if averages.get(weights):  # saved shard by shard: load into copies of the parameters
-        averaged = [p.detach().clone() for p in params]
-        extra = {"callbacks": {f"{weights}/shadow/{i}": t for i, t in enumerate(averaged)}}
-    elif weights != "model":
-        averaged = ckpt.shared["callbacks"][weights]["shadow"]
-    if ckpt.layout == "sharded":  # collective under torchrun
-        load_sharded(ckpt.path, model, optimizer=None, extra=extra)
-    else:
-        model.load_state_dict(ckpt.shared["model"])
-    if averaged:
-        with torch.no_grad():
-            for p, avg in zip(params, averaged, strict=True):
-                p.copy_(avg)
+    return instantiate_callback(weights, cfg.callbacks[weights])  # type: ignore[return-value]
 
 
 def evaluate_checkpoint(
@@ -105,27 +105,42 @@ def evaluate_checkpoint(
         ckpt = load_checkpoint(path, info, checksums=False)  # main() verified them
     except CheckpointError as exc:
         raise UserError(f"checkpoint: {exc}") from None
-    splits = load_splits(cfg.data)
-    model = build_model(cfg, splits, info)
-    try:
-        load_weights(model, ckpt, weights)
+    seed_everything(cfg.seed)
+    model, _ = build_model(cfg.model, info)
+    data, data_extras = build_data(cfg.data)
+    check_fits(model, data, cfg.model)
+    task = build_task(cfg.task)
+    averaged = averaged_weights(cfg, weights)
+    components = RunState()
+    if averaged is not None:
+        averaged.attach(model)
+        components.add("callbacks", CallbackList({weights: averaged}))
+    try:  # collective under torchrun for a sharded checkpoint
+        load_payload(ckpt, model, None, components)
     except CheckpointError as exc:
         raise UserError(f"checkpoint: {exc}") from None
-    except (RuntimeError, KeyError, ValueError) as exc:  # the overrides changed the model
+    except (RuntimeError, KeyError, ValueError, TypeError) as exc:  # overrides changed the model
         raise UserError(
             f"checkpoint: {path} does not fit the model its config builds with these overrides: "
             f"{summarize(exc)}. Drop the model.* overrides."
         ) from None
-    batches = build_val_batches(cfg, splits, info)
+    _, val = build_batches(data, data_extras, cfg, info, accum=1)
     precision = Precision(cfg.train.precision, info.device.type)
-    loss, count = evaluate_loss(model, LanguageModelTask(), batches, precision, info)
-    return {"step": ckpt.step, **val_metrics(loss, count)}
+    if averaged is None:
+        means, count = evaluate(model, task, val, precision, info)
+    else:
+        with averaged.weights_swapped(model):
+            means, count = evaluate(model, task, val, precision, info)
+    return {"step": ckpt.step, **val_metrics(means, count, task)}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    register_configs()
+    register_resolvers()
     try:
         path, weights, overrides = parse_args(argv)
+        check_overrides(overrides, CONFIG_DIR)
         if not path.exists():
             raise UserError(
                 f"checkpoint: {path} does not exist; expected a checkpoint directory such as "
@@ -133,14 +148,13 @@ def main(argv: list[str] | None = None) -> None:
             )
         verify(path)
         saved = safe_load(path / SHARED)["config"]
-        cfg = OmegaConf.merge(
-            OmegaConf.structured(Config), saved, OmegaConf.from_dotlist(overrides)
-        )
+        cfg = compose_config(saved, overrides)
     except (UserError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except Exception as exc:  # OmegaConf: unknown key or bad type in an override
-        print(f"error: invalid override: {exc}".replace("\n", " "), file=sys.stderr)
+    except Exception as exc:  # Hydra / OmegaConf: unknown key, bad type, unknown group option
+        text = " ".join(str(exc).split("Config search path")[0].split())
+        print(f"error: invalid override: {text}", file=sys.stderr)
         sys.exit(2)
 
     def body(config: Config, plain: dict[str, Any], info: DistInfo) -> None:

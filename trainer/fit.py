@@ -5,33 +5,27 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.checkpoint import (
-    SHARDS,
-    CheckpointError,
-    CheckpointWriter,
-    LoadedCheckpoint,
-    load_model_optimizer_state,
-    load_sharded,
-    model_optimizer_state,
-    sharded_model_optimizer_state,
-)
+from engine.checkpoint import CheckpointError, CheckpointWriter, LoadedCheckpoint
 from engine.distributed import DistInfo, unwrap
-from engine.evaluate import evaluate_loss
+from engine.evaluate import evaluate as evaluate_model
 from engine.grad_stats import missing_gradients
 from engine.rng import rng_state, seed_everything, set_rng_state
-from engine.sharded_checkpoint import get_path, saved_keys, split_dtensors, with_path
 from engine.step import StepContext, StepStrategy
+from engine.tasks import CausalLMTask, TaskOutputError
 from trainer.config import Config
-from trainer.data import Batch, TrainBatches
+from trainer.data.loader import EvalBatches, TrainBatches
 from trainer.errors import UserError
 from trainer.metrics import RecordSink, TrainMeter
+from trainer.optim import horizon_dependent
 from trainer.preemption import StopRequest
+from trainer.state import RunState, load_payload, save_payload
 
 
 class TrainingDiverged(UserError):
@@ -51,19 +45,52 @@ class Run:
     ctx: StepContext
     step_fn: StepStrategy
     batches: TrainBatches
-    val_batches: list[Batch]
-    sinks: list[RecordSink]
+    val_batches: EvalBatches
     meter: TrainMeter
+    checkpointer: CheckpointWriter
     config_dict: dict[str, Any]
-    step: int = 0  # optimizer steps completed
+    state: RunState = field(default_factory=RunState)  # what a checkpoint saves, by name
+    sinks: list[RecordSink] = field(default_factory=list)
     last_saved_step: int = -1
-    sample_prompt: torch.Tensor | None = None  # (1, T) opening of a validation sample
+    # Token ids -> text, for the samples written at each evaluation (None: no samples).
+    decode: Callable[[list[int]], str] | None = None
     stop: StopRequest | None = field(default=None, repr=False)
-    checkpointer: CheckpointWriter | None = field(default=None, repr=False)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (the engine counts them)."""
+        return self.ctx.step
 
     @property
     def checkpoint_dir(self) -> Path:
         return self.run_dir / "checkpoints"
+
+
+class TrainingProgress:
+    """Where a run stands, as a stateful component: steps done, the run id, and what the data
+    order and the LR schedule depend on (global batch size, train.max_steps)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.saved: dict[str, Any] = {}  # as loaded from a checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        run = self.run
+        return {
+            "step": run.step,
+            "run_id": run.run_id,
+            "global_batch_size": run.batches.sampler.global_batch_size,
+            "max_steps": run.cfg.train.max_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saved = {
+            "step": int(state["step"]),
+            "run_id": str(state["run_id"]),
+            "global_batch_size": int(state["global_batch_size"]),
+            "max_steps": state.get("max_steps"),
+        }
+        self.run.ctx.step = self.saved["step"]
 
 
 def fit(run: Run) -> None:
@@ -71,31 +98,35 @@ def fit(run: Run) -> None:
     train, eval_cfg, ckpt = run.cfg.train, run.cfg.eval, run.cfg.checkpoint
     run.meter.restart_clock()
     first_step, started = run.step, time.perf_counter()
-    while run.step < train.max_steps:
-        window = run.batches.window(run.step)
-        result = run.step_fn(run.ctx, window)
-        run.step += 1
-        run.meter.update(result)
-        run.ctx.callbacks.after_optimizer_step(run.ctx, run.step)
-        if run.step == first_step + 1:
-            report_first_step(run, started)
+    windows = run.batches.windows(run.step)  # loader workers prefetch the next windows
+    try:
+        while run.step < train.max_steps:
+            try:
+                result = run.step_fn(run.ctx, next(windows))  # advances run.step
+            except TaskOutputError as exc:  # the same on every rank: the model does not fit
+                raise UserError(f"invalid config `task`: {exc}", all_ranks=True) from None
+            run.meter.update(result)
+            if run.step == first_step + 1:
+                report_first_step(run, started)
 
-        if run.step % train.log_every == 0 or run.step == train.max_steps:
-            write(run, run.meter.record(run.step, result, extra_train_metrics(run)))
-            check_divergence(run)
-        if _due(run.step, eval_cfg.every_steps) and run.step < train.max_steps:
-            evaluate(run)
-        if _due(run.step, ckpt.every_steps):
-            save(run)
-        if run.stop is not None and run.stop.agreed():
-            print(f"stop requested: saving step {run.step} and exiting", file=sys.stderr)
-            save(run)
-            break
-    else:
-        if eval_cfg.every_steps:
-            evaluate(run)
-        if ckpt.every_steps:
-            save(run)
+            if run.step % train.log_every == 0 or run.step == train.max_steps:
+                write(run, run.meter.record(run.step, result, extra_train_metrics(run)))
+                check_divergence(run)
+            if _due(run.step, eval_cfg.every_steps) and run.step < train.max_steps:
+                evaluate(run)
+            if _due(run.step, ckpt.every_steps):
+                save(run)
+            if run.stop is not None and run.stop.agreed():
+                print(f"stop requested: saving step {run.step} and exiting", file=sys.stderr)
+                save(run)
+                break
+        else:
+            if eval_cfg.every_steps:
+                evaluate(run)
+            if ckpt.every_steps:
+                save(run)
+    finally:
+        windows.close()
     run.checkpointer.wait()
 
 
@@ -150,7 +181,8 @@ def check_divergence(run: Run) -> None:
 
 
 def divergence_hints(cfg: Config) -> str:
-    hints = [f"lower optim.lr (now {cfg.optim.lr:g})"]
+    lr = cfg.optim.get("lr")
+    hints = [f"lower optim.lr (now {lr:g})" if isinstance(lr, int | float) else "lower optim.lr"]
     if cfg.train.clip_grad_norm is None:
         hints.append("set train.clip_grad_norm (e.g. 1.0)")
     if cfg.train.precision != "fp32":
@@ -165,39 +197,63 @@ def write(run: Run, record: dict[str, Any]) -> None:
 
 
 def evaluate(run: Run) -> dict[str, Any]:
-    """Validation loss over the fixed validation set; consumes no training RNG or data."""
+    """Validation metrics over the fixed validation set; consumes no training RNG or data."""
     model, ctx = unwrap(run.ctx.model), run.ctx
-    loss, count = evaluate_loss(model, ctx.task, run.val_batches, ctx.precision, run.dist)
-    if not math.isfinite(loss):
-        print(f"WARNING: validation loss is {loss} at step {run.step}", file=sys.stderr)
-    metrics = val_metrics(loss, count)
+    means, count = evaluate_model(model, ctx.task, run.val_batches, ctx.precision, run.dist)
+    if not math.isfinite(means.get("loss", math.nan)):
+        print(
+            f"WARNING: validation loss is {means.get('loss')} at step {run.step}", file=sys.stderr
+        )
+    metrics = val_metrics(means, count, ctx.task)
     # Callbacks that keep other weights (EMA) get their own validation loss.
-    for name, cb in ctx.callbacks.named.items():
-        if getattr(cb, "evaluate", False) and hasattr(cb, "weights_swapped"):
-            with cb.weights_swapped(model):
-                other, _ = evaluate_loss(model, ctx.task, run.val_batches, ctx.precision, run.dist)
-            metrics[f"val/loss_{name}"] = other
-    if run.cfg.eval.sample_tokens and run.sample_prompt is not None:
+    for name, averaged in ctx.callbacks.averaged_weights().items():
+        if averaged.evaluate:
+            with averaged.weights_swapped(model):
+                other, _ = evaluate_model(model, ctx.task, run.val_batches, ctx.precision, run.dist)
+            metrics[f"val/loss_{name}"] = other["loss"]
+    if run.cfg.eval.sample_tokens:
         # Every rank generates (a sharded model's forward is collective); rank 0 records.
-        metrics["val/sample"] = sample_text(run, run.sample_prompt, run.cfg.eval.sample_tokens)
+        text = sample_text(run, run.cfg.eval.sample_tokens)
+        if text is not None:
+            metrics["val/sample"] = text
     write(run, {"step": run.step, **metrics})
     ctx.callbacks.evaluate(run.step, metrics)
     run.meter.restart_clock()
     return metrics
 
 
-def val_metrics(loss: float, count: int) -> dict[str, Any]:
-    return {"val/loss": loss, "val/ppl": math.exp(min(loss, 700.0)), "val/items": count}
+def val_metrics(means: dict[str, float], count: int, task: Any) -> dict[str, Any]:
+    """`val/loss`, `val/ppl` (language models), `val/items`, and the task's other means."""
+    loss = means["loss"]
+    out: dict[str, Any] = {"val/loss": loss}
+    if isinstance(task, CausalLMTask):
+        out["val/ppl"] = math.exp(min(loss, 700.0))
+    out["val/items"] = count
+    out.update({f"val/{k}": v for k, v in means.items() if k != "loss"})
+    return out
 
 
-def sample_text(run: Run, prompt: torch.Tensor, max_new_tokens: int) -> str:
-    """A continuation of `prompt` (1, T) byte ids, decoded as UTF-8.
+def _prompt(batch: Any, length: int = 32) -> torch.Tensor | None:
+    """The token ids (1, T) that open a validation sample, from a causal-LM batch."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0]
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        return None
+    return ids[:1, :length]
+
+
+def sample_text(run: Run, max_new_tokens: int) -> str | None:
+    """A continuation of the validation set's first sample, decoded; None when the model
+    cannot generate or the data has no decoder.
 
     Uses its own seeded generator and eval mode, so training randomness is untouched.
     """
     model = unwrap(run.ctx.model)
-    if not hasattr(model, "generate") or model.cfg.vocab_size != 256:
-        return ""
+    if run.decode is None or not hasattr(model, "generate"):
+        return None
+    first = run.val_batches.first_sample()
+    prompt = None if first is None else _prompt(first)
+    if prompt is None:
+        return None
     gen = torch.Generator(run.dist.device).manual_seed(run.cfg.seed + run.step)
     was_training = model.training
     model.eval()
@@ -206,7 +262,7 @@ def sample_text(run: Run, prompt: torch.Tensor, max_new_tokens: int) -> str:
             out = model.generate(prompt, max_new_tokens, generator=gen)
     finally:
         model.train(was_training)
-    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+    return run.decode(out[0].tolist())
 
 
 def save(run: Run) -> None:
@@ -214,32 +270,8 @@ def save(run: Run) -> None:
     if run.last_saved_step == run.step:
         return
     ctx = run.ctx
-    shards = None
-    callbacks = ctx.callbacks.state_dict()
-    if run.checkpointer.sharded:  # each rank writes its own part
-        shards = sharded_model_optimizer_state(ctx.model, ctx.optimizer)
-        # Callback tensors sharded like the parameters (FSDP's EMA) too; the rest is plain.
-        callbacks, shards["callbacks"] = split_dtensors(callbacks)
-    else:  # gathered to rank 0 (collective)
-        model_state, optimizer_state = model_optimizer_state(ctx.model, ctx.optimizer)
-    shared = None
-    if run.dist.is_main:
-        shared = {
-            "step": run.step,
-            "run_id": run.run_id,
-            "global_batch_size": run.batches.sampler.global_batch_size,
-            "max_steps": run.cfg.train.max_steps,  # the LR schedule's horizon
-            "scheduler": ctx.scheduler.state_dict() if ctx.scheduler is not None else None,
-            "precision": ctx.precision.state_dict(),
-            "meter": {
-                "skipped": run.meter.skipped.cpu(),
-                "consecutive_skips": run.meter.consecutive_skips.cpu(),
-            },
-            "callbacks": callbacks,
-            "config": run.config_dict,
-        }
-        if shards is None:
-            shared |= {"model": model_state, "optimizer": optimizer_state}
+    state, shards = save_payload(ctx.model, ctx.optimizer, run.state, run.checkpointer.sharded)
+    shared = {"config": run.config_dict, **state} if run.dist.is_main else None
     run.checkpointer.save(run.step, shared, {"rng": rng_state()}, shards)
     run.last_saved_step = run.step
     run.meter.restart_clock()
@@ -255,66 +287,39 @@ def summarize(exc: BaseException) -> str:
     return f"{lines[0].rstrip(':.')}{': ' + detail[0] if detail else ''}{more}"
 
 
-def sharded_callback_state(ckpt: LoadedCheckpoint, live: dict[str, Any]) -> dict[str, Any]:
-    """Where to load the callback tensors the checkpoint saved shard by shard: this run's own
-    tensors at the same places (sharded or not: loading reshards). State of callbacks this run
-    does not have is left unread, as in the full layout."""
-    out = {}
-    for key in saved_keys(ckpt.path / SHARDS, "callbacks"):
-        if key.split("/", 1)[0] not in live:
-            continue
-        try:
-            out[key] = get_path(live, key)
-        except (KeyError, IndexError, TypeError):
-            out[key] = None
-        if not isinstance(out[key], torch.Tensor):
-            raise KeyError(f"callback state {key} is in the checkpoint but not in this run")
-    return out
-
-
 def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
     """Put the run exactly where checkpoint `ckpt` left it. Anything missing is an error."""
-    s, ctx = ckpt.shared, run.ctx
+    ctx = run.ctx
     try:
-        callbacks = s["callbacks"]
-        if ckpt.layout == "sharded":  # collective; reshards to this run's ranks and strategy
-            sharded = sharded_callback_state(ckpt, ctx.callbacks.state_dict())
-            load_sharded(ckpt.path, ctx.model, ctx.optimizer, {"callbacks": sharded})
-            for key, tensor in sharded.items():
-                callbacks = with_path(callbacks, key, tensor)
-        else:
-            load_model_optimizer_state(ctx.model, ctx.optimizer, s["model"], s["optimizer"])
-        if ctx.scheduler is not None:
-            ctx.scheduler.load_state_dict(s["scheduler"])
-        ctx.precision.load_state_dict(s["precision"])
-        ctx.callbacks.load_state_dict(callbacks)
-        run.meter.skipped.copy_(s["meter"]["skipped"])
-        run.meter.consecutive_skips.copy_(s["meter"]["consecutive_skips"])
-        saved_batch, saved_id = int(s["global_batch_size"]), str(s["run_id"])
-        saved_horizon = s.get("max_steps")
+        load_payload(ckpt, ctx.model, ctx.optimizer, run.state)
         rng = None if ckpt.per_rank is None else ckpt.per_rank["rng"]
     except CheckpointError as exc:  # unsafe or unreadable shards: every rank got the same
         raise UserError(f"checkpoint.resume: {exc}", all_ranks=True) from None
     except (KeyError, RuntimeError, ValueError, TypeError, AttributeError) as exc:
         raise UserError(
             f"checkpoint {ckpt.path} does not fit this run: {summarize(exc)}. Resume with the "
-            "model, optimizer and callbacks it was saved with, or pass checkpoint.resume=never.",
+            "model, optimizer, callbacks and other components it was saved with, or pass "
+            "checkpoint.resume=never.",
             all_ranks=True,
         ) from None
-    run.step = run.last_saved_step = run.checkpointer.committed = ckpt.step
+    run.last_saved_step = run.checkpointer.committed = ckpt.step
+    saved = run.state.components["progress"].saved
     # The same W&B run only when continuing this run directory; a branch gets its own id.
     if ckpt.path.resolve().parent == run.checkpoint_dir.resolve():
-        run.run_id = saved_id
+        run.run_id = saved["run_id"]
     warn = run.dist.is_main
-    if saved_batch != run.batches.sampler.global_batch_size and warn:
+    batch = run.batches.sampler.global_batch_size
+    if saved["global_batch_size"] != batch and warn:
         print(
-            f"WARNING: {ckpt.path} was trained with global batch {saved_batch}, this run uses "
-            f"{run.batches.sampler.global_batch_size}: the data order from here on differs",
+            f"WARNING: {ckpt.path} was trained with global batch {saved['global_batch_size']}, "
+            f"this run uses {batch}: the data order from here on differs",
             file=sys.stderr,
         )
-    if saved_horizon is not None and saved_horizon != run.cfg.train.max_steps and warn:
+    horizon = saved["max_steps"]
+    changed = horizon is not None and horizon != run.cfg.train.max_steps
+    if changed and warn and horizon_dependent(run.cfg.scheduler):
         print(
-            f"WARNING: the LR schedule decays over train.max_steps; it was {saved_horizon} when "
+            f"WARNING: the LR schedule decays over train.max_steps; it was {horizon} when "
             f"{ckpt.path} was saved and is {run.cfg.train.max_steps} now, so the learning rate "
             "from here on follows the new schedule",
             file=sys.stderr,

@@ -178,6 +178,13 @@ class TrainMeter:
         self.restart_clock()
         return record
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped": self.skipped.cpu(), "consecutive_skips": self.consecutive_skips.cpu()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped.copy_(state["skipped"])
+        self.consecutive_skips.copy_(state["consecutive_skips"])
+
     def restart_clock(self) -> None:
         """Exclude time spent outside training steps (evaluation, checkpoints) from tokens/s."""
         self.window_items.zero_()

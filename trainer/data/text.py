@@ -1,9 +1,9 @@
-"""Language-modelling data: text or token files -> samples -> the micro-batches of each step.
+"""Language-modelling data from text or token files: `data=stdlib` (the default), or
+`data._target_=trainer.data.text.text_data` with `path=` a text file, a directory of text
+files, or uint16 token `.bin` files.
 
-The samples of optimizer step `s` are a pure function of (seed, s, global batch size): an
-epoch-wise permutation of all samples, read as one endless stream, global batch after global
-batch. Any split into ranks x micro-batches x accumulation therefore sees the same global
-batch, and resuming at step `s` needs no loader state at all.
+Samples are token spans; `collate` pads them into `(inputs, targets)` pairs for
+`task=causal_lm`, padding targets with -100 (not loss items).
 """
 
 from __future__ import annotations
@@ -15,11 +15,49 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.config import DataCfg
+from engine.tasks import IGNORE_INDEX
+from trainer.data import DataSplits
 from trainer.errors import UserError
-from trainer.gpt import IGNORE_INDEX
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class TextCfg:
+    """Where the text comes from and how it is cut into samples.
+
+    `path`: `stdlib` (this Python's standard-library sources, no download), a text file, a
+    directory of text files matched by `glob`, or a uint16 token `.bin` file (or a directory
+    holding train.bin and val.bin). `packed`: fixed blocks of block_size+1 tokens; false:
+    one variable-length sample per paragraph (or random-length chunks of tokens), padded per
+    micro-batch. `val_every_nth`: every n-th file is held out (for one file: its last 1/n).
+    """
+
+    path: str = "stdlib"
+    glob: str = "*.py"
+    packed: bool = True
+    block_size: int = 128
+    val_every_nth: int = 10
+    min_sample_len: int = 8
+
+    def __post_init__(self) -> None:
+        # Messages start with the argument's name: the trainer names the config key from it.
+        if not self.path:
+            raise ValueError("path must name a file or directory, or be `stdlib`")
+        if self.path == "required":
+            raise ValueError(
+                "path: this experiment needs a token dataset: pass data.path=DIR holding "
+                "train.bin and val.bin (uint16 token ids; `python scripts/prepare_bin.py DIR` "
+                "writes them)"
+            )
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive number, got {self.block_size}")
+        if self.val_every_nth < 2:
+            raise ValueError("val_every_nth must be at least 2")
+        if not 2 <= self.min_sample_len <= self.block_size + 1:
+            raise ValueError(
+                f"min_sample_len must be in [2, data.block_size + 1], got {self.min_sample_len}"
+            )
 
 
 class Samples:
@@ -71,7 +109,7 @@ def chunk_spans(n_tokens: int, block_size: int, min_len: int, seed: int = 0) -> 
     return torch.tensor(spans, dtype=torch.int64).reshape(-1, 2)
 
 
-def _read_text_files(files: list[Path], cfg: DataCfg) -> Samples:
+def _read_text_files(files: list[Path], cfg: TextCfg) -> Samples:
     blobs = [f.read_bytes() for f in files]
     tokens = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
     if cfg.packed:
@@ -83,7 +121,7 @@ def _read_text_files(files: list[Path], cfg: DataCfg) -> Samples:
     return Samples(tokens, torch.tensor(spans, dtype=torch.int64).reshape(-1, 2))
 
 
-def _token_samples(tokens: torch.Tensor, cfg: DataCfg) -> Samples:
+def _token_samples(tokens: torch.Tensor, cfg: TextCfg) -> Samples:
     if cfg.packed:
         return Samples(tokens, packed_spans(len(tokens), cfg.block_size))
     return Samples(tokens, chunk_spans(len(tokens), cfg.block_size, cfg.min_sample_len))
@@ -106,7 +144,7 @@ class Splits:
     description: str
 
 
-def load_splits(cfg: DataCfg) -> Splits:
+def load_splits(cfg: TextCfg) -> Splits:
     """Read `cfg.path` into train and validation samples; bad paths are a UserError."""
     if cfg.path == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
@@ -152,7 +190,7 @@ def load_splits(cfg: DataCfg) -> Splits:
     )
 
 
-def _split_files(files: list[Path], cfg: DataCfg, description: str) -> Splits:
+def _split_files(files: list[Path], cfg: TextCfg, description: str) -> Splits:
     val = [f for i, f in enumerate(files) if i % cfg.val_every_nth == 0]
     train = [f for i, f in enumerate(files) if i % cfg.val_every_nth != 0]
     return Splits(_read_text_files(train, cfg), _read_text_files(val, cfg), 256, description)
@@ -169,96 +207,27 @@ def collate(samples: list[torch.Tensor]) -> Batch:
     return inputs, targets
 
 
-class GlobalBatchSampler:
-    """Sample indices of each optimizer step's global batch: a pure function of
-    (seed, step, global_batch_size)."""
-
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int) -> None:
-        if num_samples == 0:
-            raise UserError("data: the training split holds no samples; use more or longer text")
-        self.n = num_samples
-        self.global_batch_size = global_batch_size
-        self.seed = seed
-        self._perms: dict[int, np.ndarray] = {}
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) > 2:
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        return self._perms[epoch]
-
-    def global_indices(self, step: int) -> np.ndarray:
-        positions = np.arange(step * self.global_batch_size, (step + 1) * self.global_batch_size)
-        epochs, offsets = np.divmod(positions, self.n)
-        return np.array([self._perm(int(e))[o] for e, o in zip(epochs, offsets)])
-
-    def epoch(self, step: int) -> float:
-        return step * self.global_batch_size / self.n
+def _decode_bytes(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
 
 
-class TrainBatches:
-    """This rank's micro-batches for a given optimizer step.
-
-    The global batch is laid out rank-major: rank r owns the r-th contiguous share, cut into
-    `grad_accum_steps` micro-batches of `micro_batch_size` samples.
-    """
-
-    def __init__(
-        self,
-        samples: Samples,
-        sampler: GlobalBatchSampler,
-        *,
-        rank: int,
-        world_size: int,
-        micro_batch_size: int,
-        grad_accum_steps: int,
-        device: torch.device,
-    ) -> None:
-        self.samples = samples
-        self.sampler = sampler
-        self.rank = rank
-        self.micro = micro_batch_size
-        self.accum = grad_accum_steps
-        self.device = device
-        assert sampler.global_batch_size == micro_batch_size * grad_accum_steps * world_size
-
-    def window(self, step: int) -> list[Batch]:
-        share = self.micro * self.accum
-        mine = self.sampler.global_indices(step)[self.rank * share : (self.rank + 1) * share]
-        return [
-            self._to_device(collate([self.samples[int(i)] for i in mine[k : k + self.micro]]))
-            for k in range(0, share, self.micro)
-        ]
-
-    def _to_device(self, batch: Batch) -> Batch:
-        pin = self.device.type == "cuda"
-        return tuple(
-            (t.pin_memory() if pin else t).to(self.device, non_blocking=pin) for t in batch
-        )  # type: ignore[return-value]
-
-
-def eval_set_size(n_samples: int, batch_size: int, max_batches: int | None) -> int:
-    """How many validation samples an evaluation covers, over all ranks."""
-    return n_samples if max_batches is None else min(n_samples, max_batches * batch_size)
-
-
-def eval_batches(
-    samples: Samples,
-    *,
-    rank: int,
-    world_size: int,
-    batch_size: int,
-    max_batches: int | None,
-    device: torch.device,
-) -> list[Batch]:
-    """This rank's share of the validation set, the same set for any world size.
-
-    The set is the first `max_batches * batch_size` samples (or all); rank r takes every
-    world_size-th sample from r, so shards differ by at most one sample and none repeats.
-    """
-    mine = list(range(rank, eval_set_size(len(samples), batch_size, max_batches), world_size))
-    return [
-        tuple(t.to(device) for t in collate([samples[i] for i in mine[k : k + batch_size]]))
-        for k in range(0, len(mine), batch_size)
-    ]  # type: ignore[misc]
+def text_data(
+    path: str = "stdlib",
+    glob: str = "*.py",
+    packed: bool = True,
+    block_size: int = 128,
+    val_every_nth: int = 10,
+    min_sample_len: int = 8,
+) -> DataSplits:
+    """The `data._target_` of `data=stdlib`: `TextCfg`'s fields as keyword arguments."""
+    cfg = TextCfg(path, glob, packed, block_size, val_every_nth, min_sample_len)
+    splits = load_splits(cfg)
+    return DataSplits(
+        train=splits.train,
+        val=splits.val,
+        collate_fn=collate,
+        vocab_size=splits.vocab_size,
+        seq_len=cfg.block_size,
+        decode=_decode_bytes if splits.vocab_size <= 256 else None,
+        description=splits.description,
+    )

@@ -1,18 +1,45 @@
-"""A small GPT (nanoGPT-shaped) and its language-modelling task."""
+"""A small GPT (nanoGPT-shaped): `model=gpt_small|gpt_tiny` (`_target_: trainer.models.gpt.GPT`)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from engine.functional import fake_quantize
-from trainer.config import ModelCfg
 
-IGNORE_INDEX = -100
+
+@dataclass
+class GPTConfig:
+    """Shapes of a byte-level (or token-level) GPT; validated on construction."""
+
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    # Train the blocks' linear layers with STE fake-quantized weights of this many bits.
+    fake_quant_bits: int | None = None
+
+    def __post_init__(self) -> None:
+        # Messages start with the field's name: the trainer names the config key from it.
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd must be divisible by n_head={self.n_head}, got {self.n_embd}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.fake_quant_bits is not None and not 2 <= self.fake_quant_bits <= 16:
+            raise ValueError(
+                f"fake_quant_bits must be null or in [2, 16], got {self.fake_quant_bits}"
+            )
 
 
 class FakeQuantLinear(nn.Linear):
@@ -27,14 +54,14 @@ class FakeQuantLinear(nn.Linear):
         return F.linear(x, fake_quantize(self.weight, self.bits), self.bias)
 
 
-def linear(cfg: ModelCfg, n_in: int, n_out: int) -> nn.Linear:
+def linear(cfg: GPTConfig, n_in: int, n_out: int) -> nn.Linear:
     if cfg.fake_quant_bits is None:
         return nn.Linear(n_in, n_out, bias=cfg.bias)
     return FakeQuantLinear(n_in, n_out, cfg.bias, cfg.fake_quant_bits)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelCfg) -> None:
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
@@ -55,7 +82,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelCfg) -> None:
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.fc = linear(cfg, cfg.n_embd, 4 * cfg.n_embd)
         self.proj = linear(cfg, 4 * cfg.n_embd, cfg.n_embd)
@@ -66,7 +93,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelCfg) -> None:
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
@@ -79,10 +106,26 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer with tied input/output embeddings."""
+    """Decoder-only transformer with tied input/output embeddings.
 
-    def __init__(self, cfg: ModelCfg) -> None:
+    Takes `GPTConfig`'s fields as keyword arguments (what `model._target_` passes).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        bias: bool = True,
+        fake_quant_bits: int | None = None,
+    ) -> None:
         super().__init__()
+        cfg = GPTConfig(
+            vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias, fake_quant_bits
+        )
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -96,6 +139,22 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @classmethod
+    def from_config(cls, cfg: GPTConfig) -> GPT:
+        return cls(**asdict(cfg))
+
+    # What the trainer reads besides forward (engine/model.py): blocks, sizes, FLOPs, sampling.
+    def block_modules(self) -> Sequence[nn.Module]:
+        return list(self.blocks)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cfg.block_size
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -112,11 +171,7 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
         for block in self.blocks:
-            if self.cfg.activation_checkpointing and self.training:
-                # Non-reentrant: restores the RNG state, so dropout masks are recomputed exactly.
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = block(x)
         return self.lm_head(self.ln_f(x))
 
     def num_params(self) -> int:
@@ -145,23 +200,3 @@ class GPT(nn.Module):
             nxt = torch.multinomial(probs, 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
-
-
-class LanguageModelTask:
-    """Next-token prediction. A batch is `(inputs, targets)`, both (B, T) int64; targets equal
-    to -100 (padding) are not loss items."""
-
-    def count_items(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return (batch[1] != IGNORE_INDEX).sum()
-
-    def loss_sum(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        inputs, targets = batch
-        logits = model(inputs)  # (B, T, V)
-        if logits.dtype != torch.float64:  # softmax in fp32 even under autocast
-            logits = logits.float()
-        return F.cross_entropy(
-            logits.flatten(0, 1),
-            targets.flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )

@@ -1,0 +1,149 @@
+"""Built-in tasks: what turns a batch and a model into a loss *sum* and a count of loss items.
+
+Both read the model's output as logits: the output tensor itself, or its `.logits` (Hugging
+Face model outputs, dicts). Batches are either tuples `(inputs, targets)` or dicts of model
+inputs plus `labels` (the model is called with every key but `labels`, so it never computes
+a loss of its own). Targets equal to `IGNORE_INDEX` (-100, the PyTorch and Hugging Face
+convention) are not loss items.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+class TaskOutputError(TypeError):
+    """The model's output or the batch does not have the shape a task needs."""
+
+
+def logits_of(output: Any, task: str) -> torch.Tensor:
+    """The logits in a model's output: the tensor itself or its `.logits`."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, Mapping) else None
+    logits = getattr(output, "logits", logits)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    kind = type(output).__name__
+    if isinstance(output, tuple | list):
+        kind += f" of {len(output)} items"
+    raise TaskOutputError(
+        f"{task} reads logits from the model's output, which must be a tensor or have a "
+        f"`.logits` tensor; the model returned a {kind}. Return the logits from forward(), or "
+        "bring a task of your own (task._target_=...) that reads this output"
+    )
+
+
+def _split(batch: Any, task: str) -> tuple[Any, torch.Tensor, bool]:
+    """(model inputs, targets, inputs are keyword arguments) of a tuple or dict batch."""
+    if isinstance(batch, Mapping):
+        if "labels" not in batch:
+            raise TaskOutputError(f"{task}: a dict batch needs `labels`; it has {sorted(batch)}")
+        return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"], True
+    if isinstance(batch, tuple | list) and len(batch) == 2:
+        return batch[0], batch[1], False
+    raise TaskOutputError(
+        f"{task}: a batch must be a pair (inputs, targets) or a dict with `labels`; got a "
+        f"{type(batch).__name__}. Check the dataset's collate_fn"
+    )
+
+
+def _forward(model: nn.Module, inputs: Any, as_kwargs: bool) -> Any:
+    return model(**inputs) if as_kwargs else model(inputs)
+
+
+def _float_logits(logits: torch.Tensor) -> torch.Tensor:
+    # Softmax in fp32 even under autocast; a float64 model keeps float64.
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def _check_shapes(logits: torch.Tensor, targets: torch.Tensor, task: str, what: str) -> None:
+    if logits.shape[:-1] != targets.shape:
+        raise TaskOutputError(
+            f"{task}: the model's logits have shape {tuple(logits.shape)}, which does not fit "
+            f"{what} of shape {tuple(targets.shape)}: logits must be (*targets.shape, classes)"
+        )
+
+
+class CausalLMTask:
+    """Next-token prediction, exact over padding.
+
+    A tuple batch `(inputs, targets)` is already aligned: the logits at position t predict
+    `targets[:, t]` (nanoGPT's layout). A dict batch holds `input_ids` (and anything else the
+    model takes, e.g. `attention_mask`) and optionally `labels`; without `labels` the targets
+    are `input_ids`, with positions where `attention_mask` is 0 ignored. Dict targets are
+    shifted here: the logits at t predict `labels[:, t + 1]`, so the loss items are the
+    non-ignored `labels[:, 1:]` (one fewer per row than the labels).
+    """
+
+    name = "task=causal_lm"
+
+    def _targets(self, batch: Any) -> tuple[Any, torch.Tensor, bool]:
+        if isinstance(batch, Mapping) and "labels" not in batch:
+            if "input_ids" not in batch:
+                raise TaskOutputError(
+                    f"{self.name}: a dict batch needs `input_ids` (and optionally `labels`); it "
+                    f"has {sorted(batch)}"
+                )
+            labels = batch["input_ids"]
+            mask = batch.get("attention_mask")
+            if mask is not None:
+                labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
+            return dict(batch), labels[:, 1:], True
+        inputs, targets, as_kwargs = _split(batch, self.name)
+        return inputs, (targets[:, 1:] if as_kwargs else targets), as_kwargs
+
+    def count_items(self, batch: Any) -> torch.Tensor:
+        _, targets, _ = self._targets(batch)
+        return (targets != IGNORE_INDEX).sum()
+
+    def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        inputs, targets, as_kwargs = self._targets(batch)
+        logits = logits_of(_forward(model, inputs, as_kwargs), self.name)  # (B, T, V)
+        if as_kwargs:
+            logits = logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
+        _check_shapes(logits, targets, self.name, "the targets")
+        return F.cross_entropy(
+            _float_logits(logits).flatten(0, 1),
+            targets.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+
+
+class ClassificationTask:
+    """One label per sample: cross-entropy summed over samples whose label is not -100.
+
+    Evaluation also sums correct predictions, reported as `val/accuracy` (correct / items,
+    over all ranks).
+    """
+
+    name = "task=classification"
+
+    def count_items(self, batch: Any) -> torch.Tensor:
+        _, labels, _ = _split(batch, self.name)
+        return (labels != IGNORE_INDEX).sum()
+
+    def _logits(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, labels, as_kwargs = _split(batch, self.name)
+        logits = logits_of(_forward(model, inputs, as_kwargs), self.name)  # (B, C)
+        _check_shapes(logits, labels, self.name, "the labels")
+        # (N, C) and (N,): also per-position labels (B, T) with logits (B, T, C).
+        return _float_logits(logits).flatten(0, -2), labels.flatten()
+
+    def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        logits, labels = self._logits(model, batch)
+        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        logits, labels = self._logits(model, batch)
+        loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        correct = ((logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
+        return {"loss": loss, "accuracy": correct}

@@ -1,0 +1,60 @@
+"""Training from Python: the same run the command line starts, from a list of overrides.
+
+    from trainer.api import train
+    records = train(["model=tagger", "task=tagging", "data=tagging"], run_dir="runs/a",
+                    config_dir="my_configs")
+
+Errors are raised (a `UserError` for bad input) instead of printed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None) -> Any:
+    """The composed config (a DictConfig), as `python -m trainer.train OVERRIDES` composes it.
+    `config_dir` joins a folder of your own configs, like `hydra.searchpath=[file://DIR]`."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from trainer.build import CONFIG_DIR
+    from trainer.config import register_configs
+    from trainer.identity import register_resolvers
+
+    register_configs()
+    register_resolvers()
+    overrides = list(overrides)
+    if config_dir is not None:
+        overrides.append(f"hydra.searchpath=[file://{Path(config_dir).resolve()}]")
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return hydra_compose("train", overrides=overrides)
+
+
+def train(
+    overrides: Sequence[str] = (),
+    *,
+    run_dir: str | Path,
+    config_dir: str | Path | None = None,
+) -> list[dict[str, Any]]:
+    """Train in this process (one rank, or one rank of a torchrun job) and return the run's
+    records (`metrics.jsonl`). Rerunning with the same `run_dir` resumes, as on the command
+    line."""
+    import json
+
+    from engine.distributed import init_distributed, shutdown_distributed
+    from trainer.cli import to_config
+    from trainer.train import train as train_run
+
+    cfg, plain = to_config(compose(overrides, config_dir))
+    info = init_distributed(cfg.dist.backend, cfg.train.device, cfg.dist.timeout_s)
+    run_dir = Path(run_dir)
+    try:
+        train_run(cfg, plain, info, run_dir)
+    finally:
+        shutdown_distributed(clean=False)
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return [json.loads(line) for line in lines]
