@@ -344,7 +344,6 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         cfg=cfg,
         dist=info,
         run_dir=run_dir,
-        run_id="",
         ctx=ctx,
         step_fn=step_fn,
         batches=batches,
@@ -354,6 +353,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
             cfg.checkpoint, run_dir / "checkpoints", info, fmt, cfg.dist.timeout_s
         ),
         config_dict=config_dict,
+        progress=TrainingProgress(ctx, batches.sampler.global_batch_size, cfg.train.max_steps),
         decode=data.decode,
     )
     register_state(run, task=task, data=data, step_fn=step_fn)
@@ -381,7 +381,7 @@ def register_state(run: Run, *, task: Any, data: DataSplits, step_fn: Any) -> No
     """Name everything a checkpoint saves besides the model and optimizer; user components
     (task, datasets, step strategy) join when they have `state_dict`/`load_state_dict`."""
     ctx = run.ctx
-    run.state.add("progress", TrainingProgress(run))
+    run.state.add("progress", run.progress)
     run.state.add("scheduler", ctx.scheduler)
     run.state.add("precision", ctx.precision)
     run.state.add("callbacks", ctx.callbacks)

@@ -4,6 +4,7 @@ errors into one paragraph and an exit code."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import difflib
 import os
 import sys
@@ -158,5 +159,8 @@ def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInf
         sys.stderr.flush()
         shutdown_distributed(clean=False)
         sys.exit(1)
+    # Free what the run built (DDP's reducer, loader workers) while the process group still
+    # exists: destroyed later, at interpreter exit, gloo's threads can abort the process.
+    gc.collect()
     shutdown_distributed(clean=True)
     return result

@@ -34,14 +34,44 @@ class TrainingDiverged(UserError):
     all_ranks = True
 
 
+class TrainingProgress:
+    """Where a run stands, as a stateful component: steps done, the run id, and what the data
+    order and the LR schedule depend on (global batch size, train.max_steps)."""
+
+    def __init__(self, ctx: StepContext, global_batch_size: int, max_steps: int) -> None:
+        self.ctx = ctx
+        self.run_id = ""
+        self.global_batch_size = global_batch_size
+        self.max_steps = max_steps
+        self.saved: dict[str, Any] = {}  # as loaded from a checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.ctx.step,
+            "run_id": self.run_id,
+            "global_batch_size": self.global_batch_size,
+            "max_steps": self.max_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saved = {
+            "step": int(state["step"]),
+            "run_id": str(state["run_id"]),
+            "global_batch_size": int(state["global_batch_size"]),
+            "max_steps": state.get("max_steps"),
+        }
+        self.ctx.step = self.saved["step"]
+
+
 @dataclass
 class Run:
-    """Everything one training run is made of, assembled by `trainer.build`."""
+    """Everything one training run is made of, assembled by `trainer.build`. Nothing in it
+    refers back to the run, so it is freed (DDP's reducer with it) as soon as it is dropped,
+    while the process group still exists."""
 
     cfg: Config
     dist: DistInfo
     run_dir: Path
-    run_id: str
     ctx: StepContext
     step_fn: StepStrategy
     batches: TrainBatches
@@ -49,6 +79,7 @@ class Run:
     meter: TrainMeter
     checkpointer: CheckpointWriter
     config_dict: dict[str, Any]
+    progress: TrainingProgress
     state: RunState = field(default_factory=RunState)  # what a checkpoint saves, by name
     sinks: list[RecordSink] = field(default_factory=list)
     last_saved_step: int = -1
@@ -62,35 +93,16 @@ class Run:
         return self.ctx.step
 
     @property
+    def run_id(self) -> str:
+        return self.progress.run_id
+
+    @run_id.setter
+    def run_id(self, value: str) -> None:
+        self.progress.run_id = value
+
+    @property
     def checkpoint_dir(self) -> Path:
         return self.run_dir / "checkpoints"
-
-
-class TrainingProgress:
-    """Where a run stands, as a stateful component: steps done, the run id, and what the data
-    order and the LR schedule depend on (global batch size, train.max_steps)."""
-
-    def __init__(self, run: Run) -> None:
-        self.run = run
-        self.saved: dict[str, Any] = {}  # as loaded from a checkpoint
-
-    def state_dict(self) -> dict[str, Any]:
-        run = self.run
-        return {
-            "step": run.step,
-            "run_id": run.run_id,
-            "global_batch_size": run.batches.sampler.global_batch_size,
-            "max_steps": run.cfg.train.max_steps,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.saved = {
-            "step": int(state["step"]),
-            "run_id": str(state["run_id"]),
-            "global_batch_size": int(state["global_batch_size"]),
-            "max_steps": state.get("max_steps"),
-        }
-        self.run.ctx.step = self.saved["step"]
 
 
 def fit(run: Run) -> None:
@@ -303,7 +315,7 @@ def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
             all_ranks=True,
         ) from None
     run.last_saved_step = run.checkpointer.committed = ckpt.step
-    saved = run.state.components["progress"].saved
+    saved = run.progress.saved
     # The same W&B run only when continuing this run directory; a branch gets its own id.
     if ckpt.path.resolve().parent == run.checkpoint_dir.resolve():
         run.run_id = saved["run_id"]
