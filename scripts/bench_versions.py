@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,11 +42,13 @@ def _env() -> dict[str, str]:
     return env
 
 
-def start_up(tree: Path) -> tuple[float, float]:
-    """(seconds to the first record, seconds to exit) of a 1-step run from `tree`."""
+def start_up(tree: Path) -> tuple[float, float, float]:
+    """(seconds to the first record, seconds to exit, CPU seconds) of a 1-step run from
+    `tree`. CPU time (user + sys) is steadier than wall time on a shared machine."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
         cmd = [sys.executable, "-m", "trainer.train", *QUIET, "train.max_steps=1"]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         proc = subprocess.Popen(
             [*cmd, f"hydra.run.dir={tmp}"], cwd=tree, env=_env(),
@@ -59,7 +62,9 @@ def start_up(tree: Path) -> tuple[float, float]:
         total = time.perf_counter() - t0
         if proc.returncode:
             raise RuntimeError(f"{tree}: exit {proc.returncode}\n{proc.stderr.read()}")
-        return (first if first is not None else total), total
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        return (first if first is not None else total), total, cpu
 
 
 def throughput(tree: Path, steps: int) -> float:
@@ -91,9 +96,10 @@ def main() -> None:
     for r in range(args.rounds):
         names = list(trees) if r % 2 == 0 else list(trees)[::-1]
         for name in names:
-            first, total = start_up(trees[name])
+            first, total, cpu = start_up(trees[name])
             res[name]["first"].append(first)
             res[name]["exit"].append(total)
+            res[name]["cpu"].append(cpu)
             res[name]["tok"].append(throughput(trees[name], args.steps))
             print(name, {k: round(v[-1], 2) for k, v in res[name].items()}, flush=True)
 
@@ -108,12 +114,12 @@ def main() -> None:
         f"{args.rounds} interleaved rounds, medians (min-max). Command:\n",
         f"    python scripts/bench_versions.py --before {args.before} --after {args.after} "
         f"--rounds {args.rounds} --steps {args.steps}\n",
-        "| checkout | launch to first step, s | launch to exit (1 step), s | tokens/s "
-        f"({args.steps} steps) |",
-        "|---|---|---|---|",
+        "| checkout | launch to first step, s | launch to exit (1 step), s | CPU s (1 step) | "
+        f"tokens/s ({args.steps} steps) |",
+        "|---|---|---|---|---|",
         *(
             f"| {name} ({trees[name].name}) | {cell(v['first'], '.2f')} | {cell(v['exit'], '.2f')} "
-            f"| {cell(v['tok'], ',.0f')} |"
+            f"| {cell(v['cpu'], '.2f')} | {cell(v['tok'], ',.0f')} |"
             for name, v in res.items()
         ),
         f"\nThroughput after / before: {statistics.median(ratios):.3f} "

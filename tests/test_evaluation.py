@@ -159,7 +159,7 @@ def cli(eval_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
                 "data=stdlib",
                 "data.packed=false",
             ]
-        ),  # fmt: skip
+        ),
         "unknown_group": evaluate_cmd([f"checkpoint={ckpt}", "data=nope"]),
     }
     return launch_all(cmds, CLI_TIMEOUT)

@@ -4,8 +4,8 @@ errors into one paragraph and an exit code."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import difflib
+import gc
 import os
 import sys
 import traceback
