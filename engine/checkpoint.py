@@ -142,26 +142,26 @@ def write_sharded_checkpoint(
     from engine.sharded_checkpoint import save_shards
 
     tmp = _tmp_dir(root, step, session)
-    # An I/O error is reported through the gather below, so no rank is left waiting for it.
+    # Every failure is reported through the gather below, so no rank is left waiting for it.
     staged, mine = [], {}
     if info.is_main:
         try:
             staged = [(n, _entry(tmp / n)) for n in _stage(tmp, shared, per_rank)]
         except Exception as exc:  # any failure: the other ranks must hear of it
-            mine = f"rank 0 could not write {tmp}: {exc!r}"
-    names = save_shards(shards, tmp / SHARDS, group)  # returns once every rank's files exist
+            mine = f"rank 0: {describe_write_error(exc)}"
     try:
+        names = save_shards(shards, tmp / SHARDS, group)  # returns once every rank's files exist
         share = names[info.rank :: info.world_size]
         hashed = {f"{SHARDS}/{n}": _entry(tmp / SHARDS / n) for n in share}
         mine = mine or hashed
-    except OSError as exc:
-        mine = f"rank {info.rank} could not hash its share of {tmp / SHARDS}: {exc}"
+    except Exception as exc:  # a rank's write failed: DCP raises it on every rank
+        mine = mine or f"rank {getattr(exc, 'failed_rank', info.rank)}: {describe_write_error(exc)}"
     parts = gather_object(mine, info, group)
     if parts is None:
         return None
     errors = [p for p in parts if isinstance(p, str)]
     if errors:
-        raise CheckpointError("; ".join(errors))
+        raise CheckpointError("; ".join(dict.fromkeys(errors)))
     files = dict(staged)
     for part in parts:
         files.update(part)
@@ -225,16 +225,46 @@ def cpu_copy(obj: Any) -> Any:
     return obj
 
 
+def describe_write_error(exc: BaseException) -> str:
+    """The OS error at the root of a failed write (`torch.save` wraps it in a RuntimeError),
+    else the exception's first line."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.strerror:
+            where = f": {e.filename}" if e.filename else ""
+            return f"[Errno {e.errno}] {e.strerror}{where}"
+        e = e.__cause__ or e.__context__
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+class CheckpointWriteError(Exception):
+    """Checkpoint `step` could not be written. Every rank raises the same one; the temporary
+    directory is gone and `committed` (the newest committed checkpoint, or None) is intact."""
+
+    def __init__(self, step: int, tmp: Path, reasons: list[str], committed: Path | None):
+        self.step, self.tmp, self.reasons, self.committed = step, tmp, reasons, committed
+        super().__init__(
+            f"checkpoint {tmp.parent / checkpoint_name(step)} could not be written "
+            f"({'; '.join(reasons)}); its partial files ({tmp.name}) were removed"
+        )
+
+
 class CheckpointWriter:
     """Saves checkpoints inline, or with `background=True` on a writer thread.
 
     Every rank calls `save`. The per-rank states are gathered to rank 0 (a collective, on the
     calling thread). With `sharded=False` rank 0 alone writes the run directory; with
     `sharded=True` every rank writes its own shards of the model and optimizer. In the
-    background mode `save` snapshots the state to CPU memory (the only stall) and returns; the
-    next `save` or `wait` joins the previous write and re-raises its error. Background sharded
-    writes talk over a process group of their own, so they never interleave with training's
-    collectives.
+    background mode `save` snapshots the state to CPU memory (the only stall) and returns;
+    the next `save` or `settle` joins the previous write. Background sharded writes talk over
+    a process group of their own, so they never interleave with training's collectives.
+
+    A write that fails on any rank fails on all: the ranks agree on the outcome (a small
+    collective on the training thread, once per checkpoint), rank 0 removes the temporary
+    directory, and every rank raises the same `CheckpointWriteError`.
     """
 
     def __init__(
@@ -255,9 +285,14 @@ class CheckpointWriter:
         self.sharded = sharded
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._pending: int | None = None  # the step of a background write not yet settled
         self._group: dist.ProcessGroup | None = None
         self.timeout_s = timeout_s  # of the background writer's collectives
-        self.committed: int | None = None  # the newest step known committed (rank 0)
+        self.committed: Path | None = None  # the newest checkpoint known committed
+
+    @property
+    def committed_step(self) -> int | None:
+        return None if self.committed is None else int(self.committed.name.split("_")[-1])
 
     def save(
         self,
@@ -267,46 +302,38 @@ class CheckpointWriter:
         shards: dict[str, Any] | None = None,
     ) -> None:
         """Collective. `shared` matters on rank 0 only; `per_rank` is this rank's state;
-        `shards` (required when `sharded`) this rank's sharded model and optimizer state."""
-        self.wait()
+        `shards` (required when `sharded`) this rank's sharded model and optimizer state.
+        Raises `CheckpointWriteError` (on every rank) for this write when inline, or for the
+        previous background write."""
+        self.settle()
         if self.sharded != (shards is not None):
             raise ValueError("pass shards exactly when the writer is sharded")
         gathered = gather_object(per_rank, self.info)
         if self.sharded:
-            self._save_sharded(step, shared, gathered, shards)
-            return
-        if not self.info.is_main:
-            return
-        args = (self.root, step, shared, gathered, self.session, self.keep_last)
-        if not self.background:
-            write_checkpoint(*args)
-            self.committed = step
-            return
-        args = (self.root, step, cpu_copy(shared), cpu_copy(gathered), *args[4:])
-        self._start(write_checkpoint, args)
-
-    def _save_sharded(
-        self,
-        step: int,
-        shared: dict[str, Any] | None,
-        gathered: list[dict[str, Any]] | None,
-        shards: dict[str, Any],
-    ) -> None:
-        if not self.background:
-            write_sharded_checkpoint(
-                self.root, step, shared, gathered, shards, self.session, self.info, None,
+            target: Any = write_sharded_checkpoint
+            if self.background and self.info.distributed and self._group is None:
+                timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
+                self._group = dist.new_group(backend="gloo", timeout=timeout)  # all ranks here
+            group = self._group if self.background else None
+            args: tuple[Any, ...] = (
+                self.root, step, shared, gathered, shards, self.session, self.info, group,
                 self.keep_last,
             )  # fmt: skip
-            self.committed = step
+        else:
+            target = write_checkpoint if self.info.is_main else None
+            args = (self.root, step, shared, gathered, self.session, self.keep_last)
+        if self.background:
+            self._pending = step
+            if target is not None:
+                self._start(target, cpu_copy(args))
             return
-        if self.info.distributed and self._group is None:
-            timeout = None if self.timeout_s is None else timedelta(seconds=self.timeout_s)
-            self._group = dist.new_group(backend="gloo", timeout=timeout)  # every rank is here
-        args = (
-            self.root, step, cpu_copy(shared), cpu_copy(gathered), cpu_copy(shards),
-            self.session, self.info, self._group, self.keep_last,
-        )  # fmt: skip
-        self._start(write_sharded_checkpoint, args)
+        error = None
+        if target is not None:
+            try:
+                target(*args)
+            except Exception as exc:  # every rank must hear of it: agreed on below
+                error = exc
+        self._agree(step, error)
 
     def _start(self, target: Any, args: tuple[Any, ...]) -> None:
         self._thread = threading.Thread(
@@ -317,17 +344,39 @@ class CheckpointWriter:
     def _run(self, target: Any, *args: Any) -> None:
         try:
             target(*args)
-            self.committed = args[1]  # every writer's second argument is the step
-        except BaseException as exc:  # re-raised on the training thread by wait()
+        except BaseException as exc:  # agreed on by settle() on the training thread
             self._error = exc
 
-    def wait(self) -> None:
+    def wait(self) -> BaseException | None:
+        """Local, not collective: join this rank's background write; its error, if any. For
+        paths where the other ranks may not be here (a failure elsewhere)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        error, self._error = self._error, None
+        return error
+
+    def settle(self) -> None:
+        """Collective: finish the background write in flight, if any, and agree on whether it
+        committed; raises `CheckpointWriteError` on every rank if it did not."""
+        error = self.wait()
+        if self._pending is not None:
+            step, self._pending = self._pending, None
+            self._agree(step, error)
+
+    def _agree(self, step: int, error: BaseException | None) -> None:
+        mine = None
+        if error is not None:
+            mine = str(error) if isinstance(error, CheckpointError) else describe_write_error(error)
+            mine = mine if mine.startswith("rank ") else f"rank {self.info.rank}: {mine}"
+        reasons = [r for r in all_gather_object(mine, self.info) if r is not None]
+        tmp = _tmp_dir(self.root, step, self.session)
+        if not reasons:
+            self.committed = self.root / checkpoint_name(step)
+            return
+        if self.info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(step, tmp, list(dict.fromkeys(reasons)), self.committed)
 
 
 def list_checkpoints(root: Path) -> list[Path]:

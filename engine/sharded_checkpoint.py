@@ -174,7 +174,8 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 @contextlib.contextmanager
 def _first_failure() -> Iterator[None]:
     """DCP reports failures as a `CheckpointException` (a BaseException) holding every failed
-    rank's error; raise the lowest failed rank's own exception instead."""
+    rank's error; raise the lowest failed rank's own exception instead (every rank raises it;
+    its `failed_rank` says whose it was)."""
     try:
         yield
     except CheckpointException as exc:
@@ -182,6 +183,8 @@ def _first_failure() -> Iterator[None]:
         if not failures:
             raise RuntimeError(str(exc)) from None
         first, _trace = failures[min(failures)]
+        with contextlib.suppress(AttributeError):
+            first.failed_rank = min(failures)
         raise first from None
 
 

@@ -100,7 +100,7 @@ def main() -> None:
         last: dict[str, int] = {}
         for i in range(len(modes) * args.saves):
             fmt, mode = modes[i % len(modes)]
-            run.checkpointer.wait()
+            run.checkpointer.settle()
             run.checkpointer.sharded = fmt == "sharded"
             run.checkpointer.background = mode == "async"
             run.cfg.train.max_steps = run.step + args.steps_between
@@ -110,7 +110,7 @@ def main() -> None:
             save(run)
             stalls[(fmt, mode)].append(time.perf_counter() - t0)
             last[fmt] = run.step
-        run.checkpointer.wait()
+        run.checkpointer.settle()
         synced(info)
         for fmt, step in last.items():
             path = run.checkpoint_dir / checkpoint_name(step)

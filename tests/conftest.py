@@ -83,9 +83,19 @@ def train_in_process(overrides: list[str], run_dir: Path) -> list[dict[str, Any]
     return read_metrics(run_dir)
 
 
+def strict_json(line: str) -> Any:
+    """`json.loads` as strict parsers (jq, JavaScript) read: NaN and Infinity are errors."""
+
+    def reject(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON: {line[:200]}")
+
+    return json.loads(line, parse_constant=reject)
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Every record of `metrics.jsonl`, each line parsed as strict JSON."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [strict_json(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def train_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -343,10 +343,16 @@ def test_sigterm_saves_the_current_step_and_exits_zero(refs: References, tmp_pat
                 proc.wait()
         err.seek(0)
         stderr = err.read()
+        out.seek(0)
+        stdout = out.read()
     assert rc == 0, stderr[-4000:]
     assert "stop requested" in stderr, stderr[-4000:]
     last = train_records(read_metrics(run_dir))[-1]["step"]
     assert ckpt_names(run_dir) == [f"step_{last:08d}"]
+    # The end-of-run summary: how it ended, where, and what it left.
+    summary = stdout[stdout.index("run stopped by request") :]
+    assert f"step {last}/100000" in summary, summary
+    assert f"newest checkpoint {run_dir / 'checkpoints' / f'step_{last:08d}'}" in summary
     assert verify(run_dir / "checkpoints" / f"step_{last:08d}")["step"] == last
 
     rerun = launch(trainer([*args, f"train.max_steps={last + 3}"]))

@@ -83,8 +83,9 @@ def base(text_file: Path) -> list[str]:
     return [*TINY, *SMALL, f"data.path={text_file}"]
 
 
-def finite(x: float) -> bool:
-    return math.isfinite(x)
+def finite(x: float | None) -> bool:
+    """Records write a non-finite value as null (strict JSON)."""
+    return x is not None and math.isfinite(x)
 
 
 def by_step(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -365,6 +366,8 @@ def test_skipped_steps_are_counted_and_training_continues(base: list[str], tmp_p
     for s in range(1, 8):
         assert finite(records[s]["train/loss"]), records[s]
         assert finite(records[s]["train/grad_norm"]) == (s not in (4, 6)), records[s]
+        # read_metrics parsed every line strictly; the record names what was not finite.
+        assert records[s].get("non_finite", []) == ([] if s not in (4, 6) else ["train/grad_norm"])
 
 
 # --------------------------------------------------------------------------- 4. one rank overflows
@@ -454,6 +457,8 @@ def test_consecutive_nonfinite_steps_stop_with_clear_message(
     records = by_step(read_metrics(tmp_path))
     assert max(records) == 4, "the run went on past the limit"
     assert [records[s]["train/skipped_steps"] for s in (1, 2, 3, 4)] == [0, 1, 2, 3]
+    assert "run diverged: step 4/10" in proc.stdout, explain(proc)
+    assert f"train/loss {records[4]['train/loss']:.4f}" in proc.stdout, explain(proc)
 
     states = checkpoint_states(tmp_path)
     assert states, "no checkpoint saved"

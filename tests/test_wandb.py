@@ -138,6 +138,8 @@ def test_offline_without_credentials(first: WandbRun) -> None:
     assert path.name == f"run-{trainer_id.group(1)}.wandb"
     assert first.offline_dirs[0].name.endswith(f"-{trainer_id.group(1)}")
     assert run_id(path) == trainer_id.group(1)
+    # The end-of-run summary says how to upload it.
+    assert f"wandb sync {first.offline_dirs[0]}" in first.proc.stdout, explain(first.proc)
 
 
 def test_history_equals_metrics_jsonl(first: WandbRun) -> None:

@@ -57,4 +57,4 @@ def train(
         shutdown_distributed(clean=False)
     metrics = run_dir / "metrics.jsonl"
     lines = metrics.read_text().splitlines() if metrics.exists() else []
-    return [json.loads(line) for line in lines]
+    return [json.loads(line) for line in lines]  # strict JSON: non-finite values are null

@@ -146,9 +146,17 @@ class CheckpointCfg:
     # dist.strategy=fsdp on several ranks, full otherwise. Both resume on any world size and
     # strategy.
     format: str = "auto"
+    # A checkpoint that cannot be written (disk full, quota): stop with a non-zero exit, or
+    # warn and try again at the next checkpoint step. Either way the last one stays intact.
+    on_write_error: str = "stop"
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 disables)")
+        require(
+            self.on_write_error in ("stop", "warn"),
+            "checkpoint.on_write_error",
+            f"must be stop or warn, got {self.on_write_error!r}",
+        )
         _positive(self.keep_last, "checkpoint.keep_last")
         require(bool(self.resume), "checkpoint.resume", "must be auto, never or a path")
         require(

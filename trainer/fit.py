@@ -12,7 +12,12 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint import CheckpointError, CheckpointWriter, LoadedCheckpoint
+from engine.checkpoint import (
+    CheckpointError,
+    CheckpointWriteError,
+    CheckpointWriter,
+    LoadedCheckpoint,
+)
 from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate as evaluate_model
 from engine.grad_stats import missing_gradients
@@ -28,10 +33,24 @@ from trainer.preemption import StopRequest
 from trainer.state import RunState, load_payload, save_payload
 
 
-class TrainingDiverged(UserError):
-    """Too many consecutive optimizer steps had non-finite gradients (on every rank alike)."""
+class RunEnded(UserError):
+    """The run stopped early for a reason every rank shares; `outcome` names it in the
+    end-of-run summary."""
 
     all_ranks = True
+    outcome = "stopped"
+
+
+class TrainingDiverged(RunEnded):
+    """Too many consecutive optimizer steps had non-finite gradients (on every rank alike)."""
+
+    outcome = "diverged"
+
+
+class CheckpointWriteFailed(RunEnded):
+    """A checkpoint could not be written and `checkpoint.on_write_error=stop`."""
+
+    outcome = "stopped: checkpoint write failed"
 
 
 class TrainingProgress:
@@ -86,6 +105,7 @@ class Run:
     # Token ids -> text, for the samples written at each evaluation (None: no samples).
     decode: Callable[[list[int]], str] | None = None
     stop: StopRequest | None = field(default=None, repr=False)
+    latest: dict[str, Any] = field(default_factory=dict)  # the last train and val loss
 
     @property
     def step(self) -> int:
@@ -105,8 +125,9 @@ class Run:
         return self.run_dir / "checkpoints"
 
 
-def fit(run: Run) -> None:
-    """Train until `train.max_steps`, a stop request, or divergence."""
+def fit(run: Run) -> str:
+    """Train until `train.max_steps` ("finished"), a stop request ("stopped by request"), or
+    divergence or a failed checkpoint write (`RunEnded`)."""
     train, eval_cfg, ckpt = run.cfg.train, run.cfg.eval, run.cfg.checkpoint
     run.meter.restart_clock()
     first_step, started = run.step, time.perf_counter()
@@ -131,7 +152,8 @@ def fit(run: Run) -> None:
             if run.stop is not None and run.stop.agreed():
                 print(f"stop requested: saving step {run.step} and exiting", file=sys.stderr)
                 save(run)
-                break
+                settle(run)
+                return "stopped by request"
         else:
             if eval_cfg.every_steps:
                 evaluate(run)
@@ -139,7 +161,8 @@ def fit(run: Run) -> None:
                 save(run)
     finally:
         windows.close()
-    run.checkpointer.wait()
+    settle(run)
+    return "finished"
 
 
 def _due(step: int, every: int) -> bool:
@@ -180,8 +203,8 @@ def report_first_step(run: Run, started: float) -> None:
 def check_divergence(run: Run) -> None:
     consecutive = int(run.meter.consecutive_skips.item())
     if consecutive >= run.cfg.train.max_consecutive_skips:
-        run.checkpointer.wait()  # a save in flight commits first (every rank is here)
-        last = run.checkpointer.committed
+        settle(run, next_checkpoint_step(run))  # a save in flight commits first (all ranks)
+        last = run.checkpointer.committed_step
         raise TrainingDiverged(
             f"{consecutive} consecutive optimizer steps up to step {run.step} had non-finite "
             f"gradients and were skipped (train.max_consecutive_skips="
@@ -204,8 +227,31 @@ def divergence_hints(cfg: Config) -> str:
 
 
 def write(run: Run, record: dict[str, Any]) -> None:
+    run.latest.update({k: record[k] for k in ("train/loss", "val/loss") if k in record})
     for sink in run.sinks:
         sink.write(record)
+
+
+def summary(run: Run, outcome: str, seconds: float) -> str:
+    """The closing lines of a run: how it ended, where it got, and what it left."""
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    losses = " | ".join(
+        f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in run.latest.items()
+    )
+    newest = run.checkpointer.committed
+    lines = [
+        f"run {outcome}: step {run.step}/{run.cfg.train.max_steps} in "
+        + (f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}")
+        + (f" | {losses}" if losses else ""),
+        f"  run dir {run.run_dir}",
+        f"  newest checkpoint {newest if newest is not None else '(none)'}",
+    ]
+    for sink in run.sinks:
+        sync = getattr(sink, "sync_command", None)
+        if callable(sync) and sync():
+            lines.append(f"  W&B logged offline; upload with: {sync()}")
+    return "\n".join(lines)
 
 
 def evaluate(run: Run) -> dict[str, Any]:
@@ -282,11 +328,59 @@ def save(run: Run) -> None:
     if run.last_saved_step == run.step:
         return
     ctx = run.ctx
+    settle(run, retry_at=run.step)  # the previous background save, if one is in flight
     state, shards = save_payload(ctx.model, ctx.optimizer, run.state, run.checkpointer.sharded)
     shared = {"config": run.config_dict, **state} if run.dist.is_main else None
-    run.checkpointer.save(run.step, shared, {"rng": rng_state()}, shards)
-    run.last_saved_step = run.step
+    try:
+        run.checkpointer.save(run.step, shared, {"rng": rng_state()}, shards)
+        run.last_saved_step = run.step
+    except CheckpointWriteError as exc:
+        write_failed(run, exc, next_checkpoint_step(run))
     run.meter.restart_clock()
+
+
+def next_checkpoint_step(run: Run) -> int | None:
+    every, last = run.cfg.checkpoint.every_steps, run.cfg.train.max_steps
+    step = (run.step // every + 1) * every if every else None
+    return step if step is not None and step <= last else None
+
+
+def settle(run: Run, retry_at: int | None = None) -> None:
+    """Collective: wait for a background save in flight and act on its outcome."""
+    try:
+        run.checkpointer.settle()
+    except CheckpointWriteError as exc:
+        write_failed(run, exc, retry_at)
+
+
+def write_failed(run: Run, exc: CheckpointWriteError, retry_at: int | None) -> None:
+    """Every rank alike: stop with one paragraph (`checkpoint.on_write_error=stop`) or warn
+    and go on to the checkpoint step `retry_at` (`warn`)."""
+    newest = (
+        f"The newest committed checkpoint is {exc.committed}; rerunning the same command "
+        "resumes from it."
+        if exc.committed is not None
+        else "No checkpoint of this run has been committed yet."
+    )
+    if run.cfg.checkpoint.on_write_error == "warn":
+        if run.dist.is_main:
+            retry = (
+                "has no checkpoint step left"
+                if retry_at is None
+                else f"tries again at step {retry_at}"
+            )
+            print(
+                f"WARNING: {exc}. Training goes on (checkpoint.on_write_error=warn) and {retry}. "
+                f"{newest}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return
+    raise CheckpointWriteFailed(
+        f"{exc}. {newest} Free space or raise the quota (`df -h`, `ulimit -f`) and rerun, or "
+        "set checkpoint.on_write_error=warn to keep training when a checkpoint cannot be "
+        "written and try again at the next checkpoint step."
+    )
 
 
 def summarize(exc: BaseException) -> str:
@@ -314,7 +408,8 @@ def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
             "checkpoint.resume=never.",
             all_ranks=True,
         ) from None
-    run.last_saved_step = run.checkpointer.committed = ckpt.step
+    run.last_saved_step = ckpt.step
+    run.checkpointer.committed = ckpt.path
     saved = run.progress.saved
     # The same W&B run only when continuing this run directory; a branch gets its own id.
     if ckpt.path.resolve().parent == run.checkpoint_dir.resolve():

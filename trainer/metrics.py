@@ -23,17 +23,25 @@ class RecordSink(Protocol):
     def close(self) -> None: ...
 
 
-class JsonlWriter:
-    """Appends one JSON object per line and flushes it, so a crash loses at most one line.
+def strict_json(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with every non-finite float (NaN, ±inf: not JSON) as `null`, and a
+    `non_finite` list naming those keys, so a strict parser reads every line."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {**{k: None if k in bad else v for k, v in record.items()}, "non_finite": bad}
 
-    Python's float repr round-trips exactly, so values are written at full precision.
+
+class JsonlWriter:
+    """Appends one strict-JSON object per line and flushes it, so a crash loses at most one
+    line. Python's float repr round-trips exactly, so values are written at full precision.
     """
 
     def __init__(self, path: Path) -> None:
         self.file = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         self.file.flush()
 
     def close(self) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,30 +17,40 @@ from trainer.build import build_run
 from trainer.cli import check_overrides, exit_with, run_command
 from trainer.config import Config, register_configs
 from trainer.errors import UserError
-from trainer.fit import fit
+from trainer.fit import RunEnded, fit, summary
 from trainer.identity import register_resolvers
+from trainer.run_lock import run_dir_lock
 
 register_configs()
 register_resolvers()
 
 
 def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> None:
-    """Build the run in `run_dir` (resuming from its checkpoints) and fit it."""
-    run = build_run(cfg, plain, run_dir, info)
-    try:
-        fit(run)
-    except BaseException:
-        # A save in flight still commits: a sharded one needs the process group, which is
-        # torn down after this. Its own error would only hide the one being raised.
-        with contextlib.suppress(Exception):
+    """Build the run in `run_dir` (resuming from its checkpoints) and fit it, holding the run
+    directory's lock throughout; a summary closes every run that ends on its own terms."""
+    started = time.perf_counter()
+    with run_dir_lock(run_dir, info):
+        run = build_run(cfg, plain, run_dir, info)
+        outcome = None
+        try:
+            outcome = fit(run)
+        except RunEnded as exc:  # diverged, or a checkpoint could not be written
+            outcome = exc.outcome
+            raise
+        except BaseException:
+            # A save in flight still commits: a sharded one needs the process group, which is
+            # torn down after this. Only this rank's own write is waited for: the other ranks
+            # may not be here.
             run.checkpointer.wait()
-        raise
-    finally:
-        torch.autograd.set_detect_anomaly(False)  # process-wide; don't leak into later runs
-        for sink in run.sinks:
-            sink.close()
-        if run.stop is not None:
-            run.stop.close()
+            raise
+        finally:
+            torch.autograd.set_detect_anomaly(False)  # process-wide; don't leak into later runs
+            for sink in run.sinks:
+                sink.close()
+            if run.stop is not None:
+                run.stop.close()
+            if outcome is not None and info.is_main:
+                print(summary(run, outcome, time.perf_counter() - started), flush=True)
 
 
 @hydra.main(config_path="../configs", config_name="train", version_base=None)

@@ -72,5 +72,11 @@ class WandbSink:
         }
         self.run.log(data, step=record["step"])
 
+    def sync_command(self) -> str | None:
+        """How to upload an offline run, or None when it is online."""
+        if self.run.settings.mode not in ("offline", "dryrun"):
+            return None
+        return f"wandb sync {self.run.settings.sync_dir}"
+
     def close(self) -> None:
         self.run.finish()
