@@ -1,9 +1,11 @@
 """Write nanoGPT-style token files: OUT/train.bin and OUT/val.bin, little-endian uint16.
 
-    python scripts/prepare_bin.py OUT [--source stdlib|PATH] [--tiktoken gpt2]
+    python scripts/prepare_bin.py OUT [--source stdlib|PATH] [--tokenizer PATH | --tiktoken gpt2]
 
-Tokens are the text's bytes (ids 0-255) unless `--tiktoken ENCODING` is given and tiktoken
-has that encoding available offline. Every tenth file goes to val.bin, as in `data.path=stdlib`.
+Tokens are the text's bytes (ids 0-255) unless `--tokenizer` names a tokenizer.json (or a
+tokenizer directory; scripts/train_tokenizer.py writes one), each file then ending with its
+end-of-text token, or `--tiktoken ENCODING` is given and tiktoken has that encoding offline.
+Every tenth file goes to val.bin, as in `data.path=stdlib`.
 """
 
 from __future__ import annotations
@@ -27,9 +29,25 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--source", default="stdlib")
     ap.add_argument("--tiktoken", default=None, help="encoding name, e.g. gpt2")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer.json or tokenizer directory")
     args = ap.parse_args()
     encode = lambda b: np.frombuffer(b, dtype=np.uint8)  # noqa: E731
-    if args.tiktoken:
+    if args.tokenizer:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from trainer.data.tokenize import eos_id, load_tokenizer
+        from trainer.errors import UserError
+
+        try:
+            tok = load_tokenizer(args.tokenizer, key="--tokenizer")
+        except UserError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        tail = [] if eos_id(tok) is None else [eos_id(tok)]
+        encode = lambda b: np.array(  # noqa: E731
+            tok.encode(b.decode("utf-8", errors="replace")).ids + tail, dtype=np.int64
+        )
+    elif args.tiktoken:
         import tiktoken
 
         enc = tiktoken.get_encoding(args.tiktoken)

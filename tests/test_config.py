@@ -265,7 +265,11 @@ def test_config_composes_and_instantiates(group: str, name: str, tmp_path: Path)
     if group == "scheduler":
         overrides.append("train.max_steps=120")  # enough for any warmup shipped, still fast
     cfg = _compose(overrides)
-    if cfg.data.get("path") == "required":  # a preset on a token .bin dataset the user provides
+    if cfg.data.get("_target_") == "trainer.data.hf.hf_data":  # the user's dataset file
+        docs = tmp_path / "docs.jsonl"
+        docs.write_text("".join(f'{{"text": "document number {i}"}}\n' for i in range(200)))
+        overrides.append(f"data.path={docs}")
+    elif cfg.data.get("path") == "required":  # a preset on a token .bin dataset the user provides
         for split, n in (("train", 20000), ("val", 3000)):  # > block_size + 1 tokens each
             np.arange(n, dtype="<u2").tofile(tmp_path / f"{split}.bin")
         overrides.append(f"data.path={tmp_path}")

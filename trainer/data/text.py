@@ -39,6 +39,7 @@ class TextCfg:
     block_size: int = 128
     val_every_nth: int = 10
     min_sample_len: int = 8
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         # Messages start with the argument's name: the trainer names the config key from it.
@@ -98,6 +99,29 @@ def paragraph_spans(
     return spans
 
 
+def document_spans(offsets: np.ndarray, block_size: int, min_len: int) -> torch.Tensor:
+    """One sample per document (`offsets` are their boundaries), long ones cut into pieces of
+    block_size+1 tokens; pieces shorter than `min_len` are dropped."""
+    spans = []
+    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        for s in range(start, end, block_size + 1):
+            n = min(block_size + 1, end - s)
+            if n >= min_len:
+                spans.append((s, n))
+    return torch.tensor(spans, dtype=torch.int64).reshape(-1, 2)
+
+
+def token_samples(
+    tokens: np.ndarray, offsets: np.ndarray, packed: bool, block_size: int, min_len: int
+) -> Samples:
+    """Samples of tokenized documents: packed blocks across document boundaries, or one
+    (padded) sample per document."""
+    ids = torch.from_numpy(tokens.astype(np.int32))
+    if packed:
+        return Samples(ids, packed_spans(len(ids), block_size))
+    return Samples(ids, document_spans(offsets, block_size, min_len))
+
+
 def chunk_spans(n_tokens: int, block_size: int, min_len: int, seed: int = 0) -> torch.Tensor:
     """Variable-length chunks for token streams without paragraph structure (deterministic)."""
     rng = np.random.default_rng(seed)
@@ -109,7 +133,18 @@ def chunk_spans(n_tokens: int, block_size: int, min_len: int, seed: int = 0) -> 
     return torch.tensor(spans, dtype=torch.int64).reshape(-1, 2)
 
 
+TOKEN_CACHE = Path("~/.cache/cumulus/tokens")
+
+
 def _read_text_files(files: list[Path], cfg: TextCfg) -> Samples:
+    if cfg.tokenizer:  # one document per file, tokenized once (cached by content)
+        from trainer.data.tokenize import tokenize
+
+        texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+        docs = tokenize(texts, cfg.tokenizer, TOKEN_CACHE.expanduser())
+        return token_samples(
+            docs.tokens, docs.offsets, cfg.packed, cfg.block_size, cfg.min_sample_len
+        )
     blobs = [f.read_bytes() for f in files]
     tokens = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
     if cfg.packed:
@@ -182,6 +217,17 @@ def load_splits(cfg: TextCfg) -> Splits:
             int(tokens.max()) + 1,
             f"tokens from {path}",
         )
+    if cfg.tokenizer:
+        from trainer.data.tokenize import tokenize
+
+        text = path.read_text(encoding="utf-8", errors="replace")
+        tokens = torch.from_numpy(
+            tokenize([text], cfg.tokenizer, TOKEN_CACHE.expanduser()).tokens.astype(np.int32)
+        )
+        cut = len(tokens) - len(tokens) // cfg.val_every_nth
+        return Splits(
+            _token_samples(tokens[:cut], cfg), _token_samples(tokens[cut:], cfg), 256, f"{path}"
+        )
     data = path.read_bytes()
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     cut = len(tokens) - len(tokens) // cfg.val_every_nth
@@ -218,16 +264,26 @@ def text_data(
     block_size: int = 128,
     val_every_nth: int = 10,
     min_sample_len: int = 8,
+    tokenizer: str | None = None,
 ) -> DataSplits:
-    """The `data._target_` of `data=stdlib`: `TextCfg`'s fields as keyword arguments."""
-    cfg = TextCfg(path, glob, packed, block_size, val_every_nth, min_sample_len)
+    """The `data._target_` of `data=stdlib`: `TextCfg`'s fields as keyword arguments.
+    `tokenizer`: a tokenizer.json (or tokenizer directory) for text files; with `.bin` token
+    files it only decodes the text samples."""
+    cfg = TextCfg(path, glob, packed, block_size, val_every_nth, min_sample_len, tokenizer)
     splits = load_splits(cfg)
+    decode = _decode_bytes if splits.vocab_size <= 256 else None
+    vocab = splits.vocab_size
+    if tokenizer:
+        from trainer.data.tokenize import decoder, load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+        decode, vocab = decoder(tok), max(vocab, tok.get_vocab_size())
     return DataSplits(
         train=splits.train,
         val=splits.val,
         collate_fn=collate,
-        vocab_size=splits.vocab_size,
+        vocab_size=vocab,
         seq_len=cfg.block_size,
-        decode=_decode_bytes if splits.vocab_size <= 256 else None,
-        description=splits.description,
+        decode=decode,
+        description=splits.description + (f", tokenizer {tokenizer}" if tokenizer else ""),
     )

@@ -1,0 +1,76 @@
+"""Write a trained checkpoint of a transformers model (`model=hf_*`) as a Hugging Face
+directory that `AutoModelForCausalLM.from_pretrained` loads (safetensors + config.json, with
+the tokenizer when the run used `data.tokenizer`).
+
+    python scripts/export_hf.py checkpoint=RUN_DIR/checkpoints/step_NNNNNNNN out=DIR
+
+Either checkpoint layout (`full` or `sharded`, any world size) is read in this one process.
+Tied weights (GPT-2's input and output embedding) stay tied in the export.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from engine.checkpoint import SHARED, CheckpointError, load_checkpoint, safe_load, verify  # noqa: E402
+from engine.distributed import DistInfo  # noqa: E402
+from engine.rng import seed_everything  # noqa: E402
+from trainer.build import build_model  # noqa: E402
+from trainer.cli import run_command  # noqa: E402
+from trainer.config import Config, register_configs  # noqa: E402
+from trainer.errors import UserError  # noqa: E402
+from trainer.evaluate import compose_config  # noqa: E402
+from trainer.identity import register_resolvers  # noqa: E402
+from trainer.state import RunState, load_payload  # noqa: E402
+
+USAGE = "usage: python scripts/export_hf.py checkpoint=PATH out=DIR"
+
+
+def export(path: Path, cfg: Config, info: DistInfo, out: Path) -> None:
+    try:
+        ckpt = load_checkpoint(path, info, checksums=False)  # verified before
+    except CheckpointError as exc:
+        raise UserError(f"checkpoint: {exc}") from None
+    seed_everything(cfg.seed)
+    model, _ = build_model(cfg.model, info)
+    if not hasattr(model, "save_pretrained"):
+        raise UserError(
+            f"checkpoint: {path} holds a {type(model).__name__}, not a transformers model "
+            "(model=hf_gpt2, model=hf_llama or model._target_=trainer.models.hf.causal_lm); "
+            "only those export to a Hugging Face directory"
+        )
+    load_payload(ckpt, model, None, RunState())
+    model.save_pretrained(out)
+    tokenizer = cfg.data.get("tokenizer")
+    if tokenizer:
+        from trainer.data.tokenize import load_tokenizer
+
+        load_tokenizer(str(tokenizer)).save_pretrained(out)
+    print(f"exported step {ckpt.step} of {path} to {out}", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    register_configs()
+    register_resolvers()
+    args = dict(a.split("=", 1) for a in argv if "=" in a)
+    if set(args) != {"checkpoint", "out"} or len(argv) != 2:
+        print(f"error: {USAGE}", file=sys.stderr)
+        sys.exit(2)
+    path, out = Path(args["checkpoint"]).expanduser(), Path(args["out"]).expanduser()
+    try:
+        if not path.exists():
+            raise UserError(f"checkpoint: {path} does not exist")
+        verify(path)
+        cfg = compose_config(safe_load(path / SHARED)["config"], [])
+    except (UserError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    run_command(cfg, lambda config, plain, info: export(path, config, info, out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,154 @@
+"""Real tokenizers and dataset files, with no download: scripts/train_tokenizer.py,
+`data.tokenizer=`, `scripts/prepare_bin.py --tokenizer`, and `data=hf` over JSON Lines,
+Parquet and `save_to_disk` directories."""
+
+from __future__ import annotations
+
+import json
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY, explain, launch, launch_all, train_in_process, train_records
+
+tokenizers = pytest.importorskip("tokenizers")
+datasets = pytest.importorskip("datasets")
+
+TIMEOUT = 180.0
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+VOCAB = 1024
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tok")
+    proc = launch(
+        [sys.executable, "scripts/train_tokenizer.py", str(out), f"--vocab-size={VOCAB}"], TIMEOUT
+    )
+    assert proc.returncode == 0, explain(proc)
+    assert "round trip exact" in proc.stdout, explain(proc)
+    return out / "tokenizer.json"
+
+
+def test_trained_tokenizer_round_trips_the_stdlib_sources(tokenizer: Path) -> None:
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer))
+    assert tok.get_vocab_size() == VOCAB
+    files = sorted(STDLIB.glob("*.py"))
+    assert len(files) > 50
+    total_bytes = total_tokens = 0
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace")
+        ids = tok.encode(text).ids
+        assert tok.decode(ids) == text, f"{f.name} does not round-trip"
+        total_bytes, total_tokens = total_bytes + len(text.encode()), total_tokens + len(ids)
+    assert total_bytes / total_tokens > 2.0, "BPE should compress source code over bytes"
+
+
+def test_bpe_bin_files_train_the_gpt2_small_preset(tokenizer: Path, tmp_path: Path) -> None:
+    data = tmp_path / "bin"
+    prep = launch(
+        [sys.executable, "scripts/prepare_bin.py", str(data), f"--tokenizer={tokenizer}"], TIMEOUT
+    )
+    assert prep.returncode == 0, explain(prep)
+    shrunk = [
+        "experiment=gpt2_small",
+        f"data.path={data}",
+        f"data.tokenizer={tokenizer}",  # decodes the text samples
+        "model.n_layer=1",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=32",
+        "data.block_size=32",
+        "train.precision=fp32",
+        "train.compile=false",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "train.max_steps=3",
+        "scheduler.warmup_steps=1",
+        "eval.every_steps=3",
+        "eval.max_batches=1",
+        "eval.batch_size=4",
+        "eval.sample_tokens=8",
+        "checkpoint.every_steps=0",
+        "logger=none",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    proc = launch([sys.executable, "-m", "trainer.train", *shrunk], TIMEOUT)
+    assert proc.returncode == 0, explain(proc)
+    assert "run finished: step 3/3" in proc.stdout, explain(proc)
+    assert "--- sample at step 3 ---" in proc.stdout, explain(proc)
+
+
+def corpus(n: int = 40) -> list[dict[str, str]]:
+    return [
+        {"name": f.name, "text": f.read_text(encoding="utf-8", errors="replace")}
+        for f in sorted(STDLIB.glob("*.py"))[:n]
+    ]
+
+
+def test_jsonl_parquet_and_save_to_disk_give_the_same_training(
+    tokenizer: Path, tmp_path: Path
+) -> None:
+    """The same documents in three formats: identical losses step for step (packed=false:
+    one padded sample per document), each tokenized once into a cache next to its data."""
+    records = corpus()
+    files = {
+        "jsonl": tmp_path / "jsonl" / "docs.jsonl",
+        "parquet": tmp_path / "parquet" / "docs.parquet",
+        "saved": tmp_path / "saved" / "docs",
+    }
+    files["jsonl"].parent.mkdir()
+    files["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in records))
+    ds = datasets.Dataset.from_list(records)
+    files["parquet"].parent.mkdir()
+    ds.to_parquet(str(files["parquet"]))
+    ds.save_to_disk(str(files["saved"]))
+    base = [
+        *TINY,
+        "data=hf",
+        f"data.tokenizer={tokenizer}",
+        "data.packed=false",
+        "data.block_size=64",
+        f"model.vocab_size={VOCAB}",
+        "train.max_steps=3",
+    ]
+    losses = {}
+    for name, path in files.items():
+        run = [*base, f"data.path={path}"]
+        got = train_records(train_in_process(run, tmp_path / f"run_{name}"))
+        losses[name] = [r["train/loss"] for r in got]
+        cache = (path if path.is_dir() else path.parent) / ".cumulus-cache"
+        assert len(list(cache.glob("tokens-*.npz"))) == 2, f"{name}: train and val, cached once"
+    assert losses["jsonl"] == losses["parquet"] == losses["saved"], losses
+
+    # Changed contents are a new cache entry, never a stale read.
+    files["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in records[1:]))
+    train_in_process([*base, f"data.path={files['jsonl']}"], tmp_path / "run_changed")
+    assert len(list((files["jsonl"].parent / ".cumulus-cache").glob("tokens-*.npz"))) == 4
+
+
+def test_bad_tokenizer_and_missing_field_are_one_paragraph(tmp_path: Path) -> None:
+    garbage = tmp_path / "tokenizer.json"
+    garbage.write_text('{"this is": "not a tokenizer"}')
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"body": r["text"]}) + "\n" for r in corpus(12)))
+    common = [sys.executable, "-m", "trainer.train", *TINY]
+    procs = launch_all(
+        {
+            "tokenizer": [*common, f"data.tokenizer={garbage}", f"hydra.run.dir={tmp_path / 'a'}"],
+            "field": [*common, "data=hf", f"data.path={docs}", f"hydra.run.dir={tmp_path / 'b'}"],
+        },
+        TIMEOUT,
+    )
+    expect = {
+        "tokenizer": [f"data.tokenizer: {garbage} does not parse", "train_tokenizer.py"],
+        "field": ["data.text_field", "no field 'text'", "'body'"],
+    }
+    for name, proc in procs.items():
+        assert proc.returncode == 2, explain(proc)
+        assert "Traceback" not in proc.stderr, explain(proc)
+        (error,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+        for part in expect[name]:
+            assert part in error, (name, error)

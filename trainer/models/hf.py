@@ -1,0 +1,138 @@
+"""Hugging Face `transformers` causal language models as cumulus models (`model=hf_gpt2`,
+`model=hf_llama`, or `model.family=` any `model_type` transformers knows).
+
+Built from a config with random initialization (no download), or loaded from a local
+`save_pretrained` directory with `model.pretrained=DIR`. The model is the transformers class
+itself, subclassed only to add what the trainer may ask beyond `forward` (engine/model.py):
+its blocks come from transformers' own `_no_split_modules`, `flops_per_token` from the
+config's shapes, and `generate(ids, max_new_tokens, generator=)` samples reproducibly with
+transformers' generation. Parameter names are transformers' own, so a checkpoint's weights
+are a `state_dict` that `from_pretrained` reads (scripts/export_hf.py writes the directory).
+The loss is never computed by the model: `task=causal_lm` reads `.logits` and divides the
+summed loss by the global count of targets, exact for every model.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.errors import UserError
+
+EXTRA = "hf"
+# Config fields that do not change the architecture: applied to a pretrained model too.
+RUNTIME = {"use_cache", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"}
+
+
+def require_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(
+            "model=hf_*: Hugging Face transformers is not installed; install the extra: "
+            f"pip install 'cumulus[{EXTRA}]'"
+        ) from None
+    return transformers
+
+
+class CumulusHooks:
+    """What cumulus asks of a model beyond `forward`, for any transformers causal LM."""
+
+    config: Any
+
+    @property
+    def max_seq_len(self) -> int | None:
+        for name in ("n_positions", "max_position_embeddings"):
+            value = getattr(self.config, name, None)
+            if isinstance(value, int):
+                return value
+        return None
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 x (non-embedding) parameters + attention's 12 x layers x width x sequence
+        (the PaLM / nanoGPT count), from the config's shapes."""
+        c = self.config
+        layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", 0)
+        width = getattr(c, "hidden_size", None) or getattr(c, "n_embd", 0)
+        params = sum(p.numel() for p in self.parameters())  # type: ignore[attr-defined]
+        embedding = self.get_input_embeddings().weight.numel()  # type: ignore[attr-defined]
+        return 6.0 * (params - embedding) + 12.0 * layers * width * seq_len
+
+    def generate(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int | None = None,
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """transformers' `generate`; with `generator`, sampled from a seed drawn from it,
+        with the global RNG forked so training's random streams are untouched."""
+        parent = super().generate  # type: ignore[misc]
+        if generator is None:
+            return parent(input_ids, max_new_tokens=max_new_tokens, **kwargs)
+        seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+        devices = [input_ids.device] if input_ids.device.type == "cuda" else []
+        kwargs.setdefault("do_sample", True)
+        kwargs.setdefault("top_k", 50)
+        kwargs.setdefault("pad_token_id", 0)
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return parent(input_ids, max_new_tokens=max_new_tokens, **kwargs)
+
+
+@functools.cache
+def _with_hooks(cls: type) -> type:
+    """`cls` with cumulus's hooks; a module-level name so pickling and FSDP see a real class."""
+    sub = type(f"Cumulus{cls.__name__}", (CumulusHooks, cls), {"__module__": __name__})
+    globals()[sub.__name__] = sub
+    return sub
+
+
+def causal_lm(
+    family: str = "gpt2",
+    config: dict[str, Any] | None = None,
+    pretrained: str | None = None,
+) -> nn.Module:
+    """A transformers causal LM: `family` is a `model_type` (gpt2, llama, ...) and `config`
+    its config fields (random init), or `pretrained` a local `save_pretrained` directory
+    (its architecture; of `config` only runtime fields such as dropout and use_cache)."""
+    transformers = require_transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = dict(config or {})
+    if pretrained is not None:
+        # The architecture is the directory's; only runtime settings come from `config`.
+        config = {k: v for k, v in config.items() if k in RUNTIME or k.endswith("dropout")}
+        path = Path(pretrained).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"pretrained: {path} is not a local save_pretrained directory (no config.json "
+                f"{'in it' if path.is_dir() else 'there: it does not exist'}); cumulus never "
+                "downloads from the hub. Save one with model.save_pretrained(DIR) or "
+                "scripts/export_hf.py, or leave model.pretrained=null for random init"
+            )
+        hf_config = transformers.AutoConfig.from_pretrained(path, **config)
+    else:
+        try:
+            hf_config = transformers.AutoConfig.for_model(family, **config)
+        except ValueError as exc:
+            raise ValueError(f"family: {exc}".splitlines()[0]) from None
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except KeyError:
+        raise ValueError(
+            f"family: transformers has no causal LM for model_type {hf_config.model_type!r}"
+        ) from None
+    model_cls = _with_hooks(cls)
+    if pretrained is not None:
+        model = model_cls.from_pretrained(path, config=hf_config)
+    else:
+        model = model_cls(hf_config)
+    model.config.architectures = [cls.__name__]  # what save_pretrained records
+    if not isinstance(getattr(model, "vocab_size", None), int):  # Llama sets it, GPT-2 not
+        model.vocab_size = int(hf_config.vocab_size)  # what the trainer checks the data against
+    return model
