@@ -269,3 +269,20 @@ def test_activation_checkpointing_keeps_the_trajectory_with_dropout(tmp_path: Pa
     assert [r["train/loss"] for r in plain] == [r["train/loss"] for r in recomputed]
     bf16 = train_in_process([*args, "train.precision=bf16"], tmp_path / "bf16")
     assert all(abs(a["train/loss"] - b["train/loss"]) < 0.05 for a, b in zip(plain, bf16))
+
+
+def test_hooks_generate_reproducibly_and_count_flops() -> None:
+    """Samples come from transformers' generate, seeded by the generator passed in, with the
+    global RNG untouched (training's dropout stream); MFU counts the config's shapes."""
+    from trainer.models.hf import causal_lm
+
+    model = causal_lm("gpt2", GPT2).eval()
+    prompt = torch.randint(0, 256, (1, 8))
+    before = torch.get_rng_state()
+    outs = [model.generate(prompt, 6, generator=torch.Generator().manual_seed(3)) for _ in "ab"]
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(outs[0], outs[1]) and outs[0].shape == (1, 14)
+    # Position lookups cost nothing; the token embedding is also the output layer: it counts.
+    body = sum(p.numel() for p in model.parameters()) - 128 * 64
+    assert model.flops_per_token(32) == 6.0 * body + 12.0 * 2 * 64 * 32
+    assert model.max_seq_len == 128 and model.vocab_size == 256

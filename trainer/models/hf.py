@@ -53,14 +53,21 @@ class CumulusHooks:
         return None
 
     def flops_per_token(self, seq_len: int) -> float:
-        """6 x (non-embedding) parameters + attention's 12 x layers x width x sequence
-        (the PaLM / nanoGPT count), from the config's shapes."""
+        """6 x the parameters that do matrix products + attention's 12 x layers x width x
+        sequence (the PaLM / nanoGPT count), from the config's shapes. Embedding lookups cost
+        nothing, except a token embedding tied to the output layer (GPT-2), which does."""
         c = self.config
         layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", 0)
         width = getattr(c, "hidden_size", None) or getattr(c, "n_embd", 0)
+        output = self.get_output_embeddings()  # type: ignore[attr-defined]
+        tied = None if output is None else output.weight
+        lookups = sum(
+            m.weight.numel()
+            for m in self.modules()  # type: ignore[attr-defined]
+            if isinstance(m, nn.Embedding) and m.weight is not tied
+        )
         params = sum(p.numel() for p in self.parameters())  # type: ignore[attr-defined]
-        embedding = self.get_input_embeddings().weight.numel()  # type: ignore[attr-defined]
-        return 6.0 * (params - embedding) + 12.0 * layers * width * seq_len
+        return 6.0 * (params - lookups) + 12.0 * layers * width * seq_len
 
     def generate(  # type: ignore[override]
         self,
