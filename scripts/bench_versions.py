@@ -91,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     res: dict[str, dict[str, list[float]]] = {
-        n: {"first": [], "exit": [], "tok": []} for n in trees
+        n: {"first": [], "exit": [], "cpu": [], "tok": []} for n in trees
     }
     for r in range(args.rounds):
         names = list(trees) if r % 2 == 0 else list(trees)[::-1]

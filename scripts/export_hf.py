@@ -44,12 +44,21 @@ def export(path: Path, cfg: Config, info: DistInfo, out: Path) -> None:
             "only those export to a Hugging Face directory"
         )
     load_payload(ckpt, model, None, RunState())
-    model.save_pretrained(out)
     tokenizer = cfg.data.get("tokenizer")
-    if tokenizer:
-        from trainer.data.tokenize import load_tokenizer
+    fast = None
+    if tokenizer:  # loaded first: a bad tokenizer leaves no half-written export
+        from transformers import PreTrainedTokenizerFast
 
-        load_tokenizer(str(tokenizer)).save_pretrained(out)
+        from trainer.data.tokenize import eos_id, load_tokenizer
+
+        tok = load_tokenizer(str(tokenizer))
+        eos = eos_id(tok)
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token=None if eos is None else tok.id_to_token(eos)
+        )
+    model.save_pretrained(out)
+    if fast is not None:
+        fast.save_pretrained(out)
     print(f"exported step {ckpt.step} of {path} to {out}", flush=True)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, TINY, env, explain, launch, launch_all, read_metrics, torchrun_cmd
+from trainer import run_lock
 from trainer.run_lock import LOCK_NAME, STALE_AFTER_S, RunDirInUse, RunLock
 
 TIMEOUT = 240.0
@@ -219,7 +220,7 @@ def test_second_launch_on_a_live_run_directory_is_refused(tmp_path: Path) -> Non
     resume = [*args, f"train.max_steps={last + 2}"]
     rerun = launch([sys.executable, "-m", "trainer.train", *resume], 120)
     assert rerun.returncode == 0, explain(rerun)
-    assert "taking over the lock" in rerun.stderr and f"pid {live.pid}" in rerun.stderr
+    assert "took over the lock" in rerun.stderr and f"pid {live.pid}" in rerun.stderr
     assert f"resumed from {run_dir / 'checkpoints'}" in rerun.stdout, explain(rerun)
     assert not (run_dir / LOCK_NAME).exists(), "the lock outlived its run"
 
@@ -261,14 +262,32 @@ def test_an_elastic_restart_of_the_same_job_retakes_the_lock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """torchrun restarting its workers (same job id, restart count > 0) takes the lock of its
-    earlier attempt, even from another host; a fresh launch with the same job id (a requeue
-    that reuses `--rdzv_id`) does not."""
+    earlier attempt once that one's heartbeat has stopped, even from another host; a fresh
+    launch with the same job id (a requeue that reuses `--rdzv_id`) does not."""
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.2)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
     plant(tmp_path, 1.0, host="other-node", pid=7, job="job42")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     with pytest.raises(RunDirInUse, match="torchrun job job42"):
         RunLock(tmp_path).acquire()
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    plant(tmp_path, 0.0, host="other-node", pid=7, job="job42")  # beating until just now
     lock = RunLock(tmp_path)
-    lock.acquire()
+    lock.acquire()  # waits for two missed heartbeats, then takes over
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == lock.token
     lock.release()
+
+
+def test_a_takeover_never_steals_a_fresh_lock(tmp_path: Path) -> None:
+    """Two launches judged the same dead lock stale; the first took it over. The second's
+    takeover finds the lock it moved is not the one it judged, puts it back and refuses."""
+    plant(tmp_path, 1.0, host=socket.gethostname(), pid=999_999_999)  # dead
+    dead = json.loads((tmp_path / LOCK_NAME).read_text())
+    first = RunLock(tmp_path)
+    first.acquire()
+    second = RunLock(tmp_path)
+    assert not second._take_over(dead)  # what it moved was `first`'s live lock: back it goes
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == first.token
+    with pytest.raises(RunDirInUse):
+        second.acquire()
+    first.release()

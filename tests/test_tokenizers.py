@@ -152,3 +152,32 @@ def test_bad_tokenizer_and_missing_field_are_one_paragraph(tmp_path: Path) -> No
         (error,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
         for part in expect[name]:
             assert part in error, (name, error)
+
+
+def test_export_carries_the_tokenizer(tokenizer: Path, tmp_path: Path) -> None:
+    """A transformers model trained on BPE tokens exports as a directory that
+    AutoTokenizer and AutoModelForCausalLM both load."""
+    transformers = pytest.importorskip("transformers")
+    text = tmp_path / "text.py"
+    text.write_text("".join(r["text"] for r in corpus(8)))
+    run = [
+        *[a for a in TINY if not a.startswith("model=")],
+        "model=hf_gpt2",
+        f"model.config.vocab_size={VOCAB}",
+        f"data.path={text}",
+        f"data.tokenizer={tokenizer}",
+        "data.block_size=32",
+        "train.max_steps=2",
+        "checkpoint.every_steps=2",
+    ]
+    train_in_process(run, tmp_path / "run")
+    out = tmp_path / "exported"
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    proc = launch([sys.executable, "scripts/export_hf.py", f"checkpoint={ckpt}", f"out={out}"])
+    assert proc.returncode == 0, explain(proc)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    sample = corpus(1)[0]["text"][:500]
+    assert tok.decode(tok(sample)["input_ids"]) == sample
+    assert tok.eos_token == "<|endoftext|>"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.vocab_size == VOCAB

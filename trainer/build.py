@@ -116,6 +116,8 @@ def check_fits(model: nn.Module, data: DataSplits, spec: dict[str, Any]) -> None
     vocab = getattr(model, "vocab_size", None)
     if isinstance(vocab, int) and data.vocab_size is not None and data.vocab_size > vocab:
         key = "model.vocab_size" if "vocab_size" in spec else "model"
+        if isinstance(spec.get("config"), dict) and "vocab_size" in spec["config"]:
+            key = "model.config.vocab_size"  # a transformers model's config field
         raise ConfigError(
             key,
             f"the data ({data.description or 'data'}) holds token ids up to "
@@ -126,8 +128,8 @@ def check_fits(model: nn.Module, data: DataSplits, spec: dict[str, Any]) -> None
     if isinstance(longest, int) and data.seq_len is not None and data.seq_len > longest:
         raise ConfigError(
             "data.block_size",
-            f"must be <= the model's longest sequence ({longest}, model.block_size), got "
-            f"{data.seq_len}",
+            f"must be <= the model's longest sequence ({longest}: model.block_size, or a "
+            f"transformers model's n_positions / max_position_embeddings), got {data.seq_len}",
         )
 
 

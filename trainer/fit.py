@@ -151,14 +151,14 @@ def fit(run: Run) -> str:
                 save(run)
             if run.stop is not None and run.stop.agreed():
                 print(f"stop requested: saving step {run.step} and exiting", file=sys.stderr)
-                save(run)
+                save(run, final=True)
                 settle(run)
                 return "stopped by request"
         else:
             if eval_cfg.every_steps:
                 evaluate(run)
             if ckpt.every_steps:
-                save(run)
+                save(run, final=True)
     finally:
         windows.close()
     settle(run)
@@ -323,8 +323,9 @@ def sample_text(run: Run, max_new_tokens: int) -> str | None:
     return run.decode(out[0].tolist())
 
 
-def save(run: Run) -> None:
-    """Checkpoint the current step (collective: every rank calls it at the same step)."""
+def save(run: Run, final: bool = False) -> None:
+    """Checkpoint the current step (collective: every rank calls it at the same step);
+    `final`: the run ends after it (no later checkpoint step to retry at)."""
     if run.last_saved_step == run.step:
         return
     ctx = run.ctx
@@ -335,7 +336,7 @@ def save(run: Run) -> None:
         run.checkpointer.save(run.step, shared, {"rng": rng_state()}, shards)
         run.last_saved_step = run.step
     except CheckpointWriteError as exc:
-        write_failed(run, exc, next_checkpoint_step(run))
+        write_failed(run, exc, None if final else next_checkpoint_step(run))
     run.meter.restart_clock()
 
 

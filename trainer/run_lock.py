@@ -58,9 +58,8 @@ def _pid_alive(pid: int, start: str | None) -> bool:
         return False
     except PermissionError:
         pass  # exists, owned by someone else
-    if start is not None and Path("/proc").is_dir():
-        return _proc_start(pid) == start
-    return True
+    now = _proc_start(pid) if start is not None else None
+    return now is None or now == start  # unreadable (hidepid): kill() says it exists
 
 
 def _fs_now(directory: Path) -> float:
@@ -99,7 +98,8 @@ class RunLock:
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(20):
+        deadline = time.monotonic() + 3 * HEARTBEAT_S  # for an elastic restart's predecessor
+        while True:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
@@ -107,26 +107,55 @@ class RunLock:
                 if age is None:
                     continue  # removed this instant: try again
                 if holder is None and age < STALE_AFTER_S:
-                    time.sleep(0.1)  # being written or removed this instant
+                    time.sleep(0.1)  # being written this instant
                     continue
-                stale = "unreadable" if holder is None else self._stale(holder, age)
+                stale = "unreadable and old" if holder is None else self._stale(holder, age)
                 if stale is None:
-                    raise RunDirInUse(self._in_use(holder, age)) from None
-                print(
-                    f"WARNING: taking over the lock {self.path} of a launch that is gone ({stale})",
-                    file=sys.stderr,
-                )
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
+                    if self._restarting(holder) and time.monotonic() < deadline:
+                        time.sleep(1.0)  # torchrun stopped it; its heartbeat stops soon
+                        continue
+                    raise RunDirInUse(self._in_use(holder or {}, age)) from None
+                if self._take_over(holder):
+                    print(
+                        f"WARNING: took over the lock {self.path} of a launch that is gone "
+                        f"({stale})",
+                        file=sys.stderr,
+                    )
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.describe(), f)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(self.describe(), f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+                raise
             self._thread = threading.Thread(target=self._beat, name="run-lock", daemon=True)
             self._thread.start()
             return
-        raise RunDirInUse(f"could not take the lock {self.path}: it keeps changing hands")
+
+    def _take_over(self, judged: dict[str, Any] | None) -> bool:
+        """Move the stale lock aside, atomically; if what moved is not the lock judged stale
+        (another launch took it over meanwhile and holds it now), put it back."""
+        aside = self.path.with_name(f"{LOCK_NAME}.stale-{self.token}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            moved = json.loads(aside.read_text())
+        except (OSError, ValueError):
+            moved = None
+        same = judged is None or (
+            isinstance(moved, dict) and moved.get("token") == judged.get("token")
+        )
+        if not same:
+            with contextlib.suppress(FileExistsError, OSError):
+                os.link(aside, self.path)  # back, unless a newer lock exists already
+        with contextlib.suppress(OSError):
+            aside.unlink()
+        return same
 
     def _read(self) -> tuple[dict[str, Any] | None, float | None]:
         """The holder's description (None if unreadable) and seconds since its heartbeat."""
@@ -143,19 +172,28 @@ class RunLock:
     @staticmethod
     def _stale(holder: dict[str, Any], age: float | None) -> str | None:
         """Why `holder` is known to be gone, or None if it may be alive."""
-        if age is not None and age > STALE_AFTER_S:
-            return f"no heartbeat for {age:.0f} s"
-        job = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        if job and holder.get("job") == job and restarts > 0:
-            return f"an earlier attempt of this torchrun job {job}"
-        if holder.get("host") == socket.gethostname():
-            pid = int(holder.get("pid", -1))
-            if pid == os.getpid():
-                return "this very process"
+        if holder.get("host") == socket.gethostname():  # the pid says it all
+            try:
+                pid = int(holder.get("pid", -1))
+            except (TypeError, ValueError):
+                pid = -1
             if pid <= 0 or not _pid_alive(pid, holder.get("pid_start")):
                 return f"pid {pid} on this host is no longer running"
+            return None
+        if age is not None and age > STALE_AFTER_S:
+            return f"no heartbeat for {age:.0f} s"
+        if RunLock._restarting(holder) and age is not None and age > 2 * HEARTBEAT_S:
+            return f"an earlier attempt of torchrun job {holder.get('job')}, stopped"
         return None
+
+    @staticmethod
+    def _restarting(holder: dict[str, Any] | None) -> bool:
+        """`holder` is an earlier attempt of this torchrun job, which torchrun has stopped
+        before restarting the workers (its heartbeat stops within HEARTBEAT_S). A fresh
+        launch reusing the job id (a requeue with the same --rdzv_id) has restart count 0."""
+        job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        return bool(holder and job and job != "none" and holder.get("job") == job and restarts > 0)
 
     def _in_use(self, holder: dict[str, Any], age: float | None) -> str:
         beat = f", last heartbeat {age:.0f} s ago" if age is not None else ""
@@ -175,12 +213,19 @@ class RunLock:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 holder = json.loads(self.path.read_text())
-                if holder.get("token") != self.token:
-                    print(f"WARNING: the lock {self.path} was taken over", file=sys.stderr)
-                    return
-                os.utime(self.path)
             except (OSError, ValueError):
+                continue  # a transient error (NFS): beat again next time
+            if holder.get("token") != self.token:
+                print(
+                    f"WARNING: the lock {self.path} is now held by another launch (host "
+                    f"{holder.get('host')}, pid {holder.get('pid')}); two launches are writing "
+                    "this run directory: stop one of them",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
 
     def release(self) -> None:
         self._stop.set()
@@ -203,6 +248,11 @@ def run_dir_lock(run_dir: Path, info: DistInfo) -> Any:
             lock.acquire()
         except RunDirInUse as exc:
             error = str(exc)
+        except Exception as exc:  # no rank may be left waiting in the broadcast below
+            error = (
+                f"could not take the run-directory lock {lock.path}: {exc}. The run directory "
+                "must be writable (hydra.run.dir=...)"
+            )
     error = broadcast_object(error, info)
     if error is not None:
         raise RunDirInUse(error)

@@ -28,20 +28,36 @@ def _missing(path: Path, field: str, where: str, fields: list[str]) -> UserError
     )
 
 
+def _text(value: Any) -> str:
+    return "" if value is None else str(value)  # a null text is an empty document
+
+
 def _jsonl(path: Path, field: str) -> list[str]:
-    texts = []
+    """JSON Lines, or (a `.json` file starting with `[`) one JSON array of records."""
     with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"data.path: line {n} of {path} is not JSON ({exc})") from None
-            if not isinstance(record, dict) or field not in record:
-                fields = list(record) if isinstance(record, dict) else []
-                raise _missing(path, field, f"line {n}", fields)
-            texts.append(str(record[field]))
+        head = f.read(1024).lstrip()
+    if path.suffix == ".json" and head.startswith("["):
+        try:
+            records = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise UserError(f"data.path: {path} is not JSON ({exc})") from None
+        where = [f"record {n}" for n in range(1, len(records) + 1)]
+    else:
+        records, where = [], []
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"data.path: line {n} of {path} is not JSON ({exc})") from None
+                where.append(f"line {n}")
+    texts = []
+    for record, at in zip(records, where):
+        if not isinstance(record, dict) or field not in record:
+            raise _missing(path, field, at, list(record) if isinstance(record, dict) else [])
+        texts.append(_text(record[field]))
     return texts
 
 
@@ -55,7 +71,7 @@ def _parquet(path: Path, field: str) -> list[str]:
     names = pq.read_schema(path).names
     if field not in names:
         raise _missing(path, field, "the schema", names)
-    return [str(t) for t in pq.read_table(path, columns=[field]).column(field).to_pylist()]
+    return [_text(t) for t in pq.read_table(path, columns=[field]).column(field).to_pylist()]
 
 
 def _saved(path: Path, field: str) -> tuple[list[str], list[str] | None]:
@@ -84,8 +100,8 @@ def _saved(path: Path, field: str) -> tuple[list[str], list[str] | None]:
     for split in (train, val):
         if split is not None and field not in split.column_names:
             raise _missing(path, field, "the dataset", split.column_names)
-    texts = [str(t) for t in train[field]]
-    return texts, None if val is None else [str(t) for t in val[field]]
+    texts = [_text(t) for t in train[field]]
+    return texts, None if val is None else [_text(t) for t in val[field]]
 
 
 def read_texts(path: Path, field: str) -> tuple[list[str], list[str] | None]:

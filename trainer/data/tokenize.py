@@ -8,6 +8,7 @@ temporary name and renamed, so ranks that tokenize at the same time never see ha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import uuid
@@ -103,9 +104,14 @@ def tokenize(
     cached = None
     if cache_dir is not None:
         cached = cache_dir / f"tokens-{_digest(texts, file)}.npz"
-        if cached.is_file():
+        try:
             with np.load(cached) as z:
                 return Tokenized(z["tokens"], z["offsets"])
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError):  # damaged: tokenize again and rewrite it
+            with contextlib.suppress(OSError):
+                cached.unlink()
     if file is None:
         parts = [np.frombuffer(t.encode("utf-8", errors="replace"), dtype=np.uint8) for t in texts]
     else:
@@ -118,12 +124,15 @@ def tokenize(
     dtype = np.uint16 if biggest < 2**16 else np.int32
     tokens = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
     out = Tokenized(tokens, np.cumsum(lengths))
-    if cached is not None:
+    if cached is not None and not cached.exists():  # another rank may have written it
+        tmp = cached.with_name(f".{cached.name}.{uuid.uuid4().hex[:8]}.npz")
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_name(f".{cached.name}.{uuid.uuid4().hex[:8]}.npz")
             np.savez(tmp, tokens=out.tokens, offsets=out.offsets)
-            os.replace(tmp, cached)
+            os.link(tmp, cached)  # never replaces a file another rank may be reading
         except OSError:
-            pass  # a read-only data directory: tokenize again next time
+            pass  # exists already, or a read-only data directory: nothing to do
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
     return out

@@ -136,7 +136,9 @@ def causal_lm(
         ) from None
     model_cls = _with_hooks(cls)
     if pretrained is not None:
-        model = model_cls.from_pretrained(path, config=hf_config)
+        # float32 parameters whatever the directory was saved in (transformers 5 would keep a
+        # bf16 save in bf16): precision is train.precision's autocast, on fp32 master weights.
+        model = model_cls.from_pretrained(path, config=hf_config, dtype=torch.float32)
     else:
         model = model_cls(hf_config)
     model.config.architectures = [cls.__name__]  # what save_pretrained records
