@@ -2,15 +2,20 @@
 
 Two launches on one run directory (a SLURM requeue while the old job still runs, a command
 submitted twice) would append to the same `metrics.jsonl` and write into the same
-`checkpoints/`. The lock is a file created with `O_EXCL` (atomic on local filesystems and
-NFSv3+), holding who took it; a heartbeat thread touches it every `HEARTBEAT_S`. A lock is
-stale, and taken over, when its holder is known to be gone:
+`checkpoints/`. The lock is a file created exclusively, holding who took it; a heartbeat
+thread touches it every `HEARTBEAT_S`. A lock is stale, and taken over, when its holder is
+known to be gone:
 
 - same host, and that pid no longer runs (or runs another program: its start time differs);
 - the same torchrun job restarting its workers (`TORCHELASTIC_RUN_ID` equal and
-  `TORCHELASTIC_RESTART_COUNT` > 0: the agent stopped the old workers first);
-- no heartbeat for `STALE_AFTER_S` (the holder's node is lost). Ages are measured against a
-  file written just now on the same filesystem, so clocks of different nodes never compare.
+  `TORCHELASTIC_RESTART_COUNT` > 0: the agent stopped the old workers, whose heartbeat
+  stops within `HEARTBEAT_S`);
+- another host, and no heartbeat for `STALE_AFTER_S` (the holder's node is lost). Ages are
+  measured against a file written just now on the same filesystem, so clocks of different
+  nodes never compare.
+
+The lock is written complete under a name of its own and hard-linked into place (exclusive
+and atomic on local filesystems and NFS), so it is never seen half-written.
 """
 
 from __future__ import annotations
@@ -100,40 +105,48 @@ class RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + 3 * HEARTBEAT_S  # for an elastic restart's predecessor
         while True:
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder, age = self._read()
-                if age is None:
-                    continue  # removed this instant: try again
-                if holder is None and age < STALE_AFTER_S:
-                    time.sleep(0.1)  # being written this instant
+            if self._create():
+                self._thread = threading.Thread(target=self._beat, name="run-lock", daemon=True)
+                self._thread.start()
+                return
+            holder, age = self._read()
+            if age is None:
+                continue  # removed this instant: try again
+            stale = "unreadable and old" if holder is None else self._stale(holder, age)
+            if holder is None and age < STALE_AFTER_S:
+                stale = None  # damaged: only its age can tell
+            if stale is None:
+                if self._restarting(holder) and time.monotonic() < deadline:
+                    time.sleep(1.0)  # torchrun stopped it; its heartbeat stops soon
                     continue
-                stale = "unreadable and old" if holder is None else self._stale(holder, age)
-                if stale is None:
-                    if self._restarting(holder) and time.monotonic() < deadline:
-                        time.sleep(1.0)  # torchrun stopped it; its heartbeat stops soon
-                        continue
-                    raise RunDirInUse(self._in_use(holder or {}, age)) from None
-                if self._take_over(holder):
-                    print(
-                        f"WARNING: took over the lock {self.path} of a launch that is gone "
-                        f"({stale})",
-                        file=sys.stderr,
-                    )
-                continue
+                raise RunDirInUse(self._in_use(holder or {}, age)) from None
+            if self._take_over(holder):
+                print(
+                    f"WARNING: took over the lock {self.path} of a launch that is gone ({stale})",
+                    file=sys.stderr,
+                )
+
+    def _create(self) -> bool:
+        """Create the lock, complete, if there is none: written under a name of its own, then
+        hard-linked into place (atomic and exclusive, NFS included), so no launch ever reads
+        a half-written lock. False if a lock exists."""
+        tmp = self.path.with_name(f"{LOCK_NAME}.new-{self.token}")
+        try:
+            with tmp.open("w") as f:
+                json.dump(self.describe(), f)
+                f.flush()
+                os.fsync(f.fileno())
             try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(self.describe(), f)
-                    f.flush()
-                    os.fsync(f.fileno())
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    self.path.unlink()
-                raise
-            self._thread = threading.Thread(target=self._beat, name="run-lock", daemon=True)
-            self._thread.start()
-            return
+                os.link(tmp, self.path)
+            except FileExistsError:
+                return False
+            except OSError:  # NFS may report failure for a link it made: count the links
+                if tmp.stat().st_nlink != 2:
+                    raise
+            return True
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
     def _take_over(self, judged: dict[str, Any] | None) -> bool:
         """Move the stale lock aside, atomically; if what moved is not the lock judged stale
