@@ -32,10 +32,7 @@ def _decay(progress: float, min_ratio: float, shape: str) -> float:
     return min_ratio + (1 - min_ratio) * left
 
 
-def warmup_cosine(warmup_steps: int, decay_steps: int, min_ratio: float = 0.1) -> Factor:
-    """Linear warmup to 1 over `warmup_steps`, then cosine decay to `min_ratio` at
-    `decay_steps` (and `min_ratio` after)."""
-
+def _warmup_then_decay(warmup_steps: int, decay_steps: int, min_ratio: float, shape: str) -> Factor:
     def factor(step: int) -> float:
         warm = _warmup(step, warmup_steps)
         if warm is not None:
@@ -43,9 +40,15 @@ def warmup_cosine(warmup_steps: int, decay_steps: int, min_ratio: float = 0.1) -
         if step >= decay_steps:
             return min_ratio
         progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
-        return _decay(progress, min_ratio, "cosine")
+        return _decay(progress, min_ratio, shape)
 
     return factor
+
+
+def warmup_cosine(warmup_steps: int, decay_steps: int, min_ratio: float = 0.1) -> Factor:
+    """Linear warmup to 1 over `warmup_steps`, then cosine decay to `min_ratio` at
+    `decay_steps` (and `min_ratio` after)."""
+    return _warmup_then_decay(warmup_steps, decay_steps, min_ratio, "cosine")
 
 
 def warmup_constant(warmup_steps: int) -> Factor:
@@ -60,17 +63,7 @@ def warmup_constant(warmup_steps: int) -> Factor:
 
 def warmup_linear(warmup_steps: int, decay_steps: int, min_ratio: float = 0.0) -> Factor:
     """Linear warmup to 1, then linear decay to `min_ratio` at `decay_steps`."""
-
-    def factor(step: int) -> float:
-        warm = _warmup(step, warmup_steps)
-        if warm is not None:
-            return warm
-        if step >= decay_steps:
-            return min_ratio
-        progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
-        return _decay(progress, min_ratio, "linear")
-
-    return factor
+    return _warmup_then_decay(warmup_steps, decay_steps, min_ratio, "linear")
 
 
 def warmup_stable_decay(

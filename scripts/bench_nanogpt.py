@@ -46,12 +46,8 @@ def nanogpt(work: Path, iters: int) -> tuple[dict[int, float], float]:
         f"--eval_interval={EVAL_EVERY}", f"--max_iters={iters}", f"--lr_decay_iters={iters}",
         "--dropout=0.0", *[f"--{k}={v}" for k, v in SHAPES.items()],
     ]  # fmt: skip
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=_env())
-    seconds = time.perf_counter() - start
-    if proc.returncode:
-        raise RuntimeError(f"nanoGPT failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    found = re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", proc.stdout)
+    stdout, seconds = timed(cmd, work, "nanoGPT")
+    found = re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", stdout)
     return {int(s): float(v) for s, v in found}, seconds
 
 
@@ -72,13 +68,19 @@ def cumulus(data: Path, iters: int, run_dir: Path) -> tuple[dict[int, float], fl
         f"eval.batch_size={SHAPES['batch_size']}", "eval.sample_tokens=0",
         "checkpoint.every_steps=0", "logger=none", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=_env())
-    seconds = time.perf_counter() - start
-    if proc.returncode:
-        raise RuntimeError(f"cumulus failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    _, seconds = timed(cmd, REPO, "cumulus")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["val/loss"] for r in records if "val/loss" in r}, seconds
+
+
+def timed(cmd: list[str], cwd: Path, name: str) -> tuple[str, float]:
+    """Run `cmd`: its stdout and wall seconds, command to exit."""
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=_env())
+    seconds = time.perf_counter() - start
+    if proc.returncode:
+        raise RuntimeError(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout, seconds
 
 
 def _env() -> dict[str, str]:
