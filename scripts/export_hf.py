@@ -16,14 +16,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from engine.checkpoint import SHARED, CheckpointError, load_checkpoint, safe_load, verify  # noqa: E402
+from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.distributed import DistInfo  # noqa: E402
 from engine.rng import seed_everything  # noqa: E402
 from trainer.build import build_model  # noqa: E402
 from trainer.cli import run_command  # noqa: E402
 from trainer.config import Config, register_configs  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
-from trainer.evaluate import compose_config  # noqa: E402
+from trainer.evaluate import checkpoint_config  # noqa: E402
 from trainer.identity import register_resolvers  # noqa: E402
 from trainer.state import RunState, load_payload  # noqa: E402
 
@@ -71,10 +71,7 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     path, out = Path(args["checkpoint"]).expanduser(), Path(args["out"]).expanduser()
     try:
-        if not path.exists():
-            raise UserError(f"checkpoint: {path} does not exist")
-        verify(path)
-        cfg = compose_config(safe_load(path / SHARED)["config"], [])
+        cfg = checkpoint_config(path, [])
     except (UserError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

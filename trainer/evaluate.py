@@ -81,6 +81,18 @@ def compose_config(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
     return cfg
 
 
+def checkpoint_config(path: Path, overrides: list[str]) -> DictConfig:
+    """The config checkpoint `path` was saved with, `overrides` applied; the checkpoint is
+    verified first (UserError / CheckpointError when missing or damaged)."""
+    if not path.exists():
+        raise UserError(
+            f"checkpoint: {path} does not exist; expected a checkpoint directory such as "
+            "RUN_DIR/checkpoints/step_NNNNNNNN"
+        )
+    verify(path)
+    return compose_config(safe_load(path / SHARED)["config"], overrides)
+
+
 def averaged_weights(cfg: Config, weights: str) -> AveragedWeights | None:
     """The callback whose averaged weights `weights=NAME` asks for (None for `model`)."""
     if weights == "model":
@@ -141,14 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         path, weights, overrides = parse_args(argv)
         check_overrides(overrides, CONFIG_DIR)
-        if not path.exists():
-            raise UserError(
-                f"checkpoint: {path} does not exist; expected a checkpoint directory such as "
-                "RUN_DIR/checkpoints/step_NNNNNNNN"
-            )
-        verify(path)
-        saved = safe_load(path / SHARED)["config"]
-        cfg = compose_config(saved, overrides)
+        cfg = checkpoint_config(path, overrides)
     except (UserError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.data import DataSplits
-from trainer.data.text import collate, token_samples
+from trainer.data.text import collate, decode_bytes, token_samples
 from trainer.data.tokenize import EXTRA, Tokenized, decoder, load_tokenizer, tokenize
 from trainer.errors import UserError
 
@@ -158,13 +158,10 @@ def hf_data(
     train, val = (
         token_samples(d.tokens, d.offsets, packed, block_size, min_sample_len) for d in docs
     )
-    vocab = 256
-    decode = None
+    vocab, decode = 256, decode_bytes
     if tokenizer:
         tok = load_tokenizer(tokenizer)
         vocab, decode = tok.get_vocab_size(), decoder(tok)
-    else:
-        decode = _bytes_decoder()
     biggest = max((int(d.tokens.max()) + 1 for d in docs if len(d.tokens)), default=vocab)
     return DataSplits(
         train=train,
@@ -175,7 +172,3 @@ def hf_data(
         decode=decode,
         description=f"{len(texts)} train / {len(val_texts)} val documents from {source}",
     )
-
-
-def _bytes_decoder() -> Any:
-    return lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")

@@ -253,8 +253,9 @@ def collate(samples: list[torch.Tensor]) -> Batch:
     return inputs, targets
 
 
-def _decode_bytes(ids: list[int]) -> str:
-    return bytes(ids).decode("utf-8", errors="replace")
+def decode_bytes(ids: list[int]) -> str:
+    """Byte tokens (0-255) as text; special ids above 255 are dropped."""
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 def text_data(
@@ -271,7 +272,7 @@ def text_data(
     files it only decodes the text samples."""
     cfg = TextCfg(path, glob, packed, block_size, val_every_nth, min_sample_len, tokenizer)
     splits = load_splits(cfg)
-    decode = _decode_bytes if splits.vocab_size <= 256 else None
+    decode = decode_bytes if splits.vocab_size <= 256 else None
     vocab = splits.vocab_size
     if tokenizer:
         from trainer.data.tokenize import decoder, load_tokenizer
