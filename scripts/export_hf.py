@@ -3,6 +3,10 @@ directory that `AutoModelForCausalLM.from_pretrained` loads (safetensors + confi
 the tokenizer when the run used `data.tokenizer`).
 
     python scripts/export_hf.py checkpoint=RUN_DIR/checkpoints/step_NNNNNNNN out=DIR
+    python scripts/export_hf.py checkpoint=RUN_DIR out=DIR trust=[mypkg]
+
+A run directory means its newest valid checkpoint. The checkpoint's saved config is untrusted
+input: only targets cumulus ships are built from it, others only under `trust=[PKG,...]`.
 
 Either checkpoint layout (`full` or `sharded`, any world size) is read in this one process.
 Tied weights (GPT-2's input and output embedding) stay tied in the export.
@@ -23,11 +27,12 @@ from trainer.build import build_model  # noqa: E402
 from trainer.cli import run_command  # noqa: E402
 from trainer.config import Config, register_configs  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
-from trainer.evaluate import checkpoint_config  # noqa: E402
+from trainer.evaluate import checkpoint_config, resolve_checkpoint  # noqa: E402
 from trainer.identity import register_resolvers  # noqa: E402
 from trainer.state import RunState, load_payload  # noqa: E402
+from trainer.trust import parse_trust  # noqa: E402
 
-USAGE = "usage: python scripts/export_hf.py checkpoint=PATH out=DIR"
+USAGE = "usage: python scripts/export_hf.py checkpoint=PATH|RUN_DIR out=DIR [trust=[PKG,...]]"
 
 
 def export(path: Path, cfg: Config, info: DistInfo, out: Path) -> None:
@@ -65,13 +70,19 @@ def export(path: Path, cfg: Config, info: DistInfo, out: Path) -> None:
 def main(argv: list[str]) -> None:
     register_configs()
     register_resolvers()
+    try:
+        trust, argv = parse_trust(argv)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     args = dict(a.split("=", 1) for a in argv if "=" in a)
     if set(args) != {"checkpoint", "out"} or len(argv) != 2:
         print(f"error: {USAGE}", file=sys.stderr)
         sys.exit(2)
     path, out = Path(args["checkpoint"]).expanduser(), Path(args["out"]).expanduser()
     try:
-        cfg = checkpoint_config(path, [])
+        path = resolve_checkpoint(path)
+        cfg = checkpoint_config(path, [], trust, command="python scripts/export_hf.py")
     except (UserError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -4,6 +4,8 @@
     records = train(["model=tagger", "task=tagging", "data=tagging"], run_dir="runs/a",
                     config_dir="my_configs")
 
+    metrics = evaluate("runs/a", ["eval.max_batches=null"], config_dir="my_configs")
+
 Errors are raised (a `UserError` for bad input) instead of printed.
 """
 
@@ -58,3 +60,39 @@ def train(
     metrics = run_dir / "metrics.jsonl"
     lines = metrics.read_text().splitlines() if metrics.exists() else []
     return [json.loads(line) for line in lines]  # strict JSON: non-finite values are null
+
+
+def evaluate(
+    checkpoint: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    weights: str = "model",
+    trust: Sequence[str] = (),
+    config_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Evaluate a checkpoint (or a run directory's newest valid one) in this process and
+    return its metrics, as `python -m trainer.evaluate checkpoint=... OVERRIDES` prints them.
+
+    The checkpoint's saved config is untrusted input: targets it names outside what cumulus
+    ships must be under a `trust` prefix (`trust=["mypkg"]`) or in `config_dir`.
+    """
+    from engine.distributed import init_distributed, shutdown_distributed
+    from trainer.build import CONFIG_DIR
+    from trainer.cli import check_overrides, to_config
+    from trainer.config import register_configs
+    from trainer.evaluate import checkpoint_config, evaluate_checkpoint, resolve_checkpoint
+    from trainer.identity import register_resolvers
+
+    register_configs()
+    register_resolvers()
+    overrides = list(overrides)
+    if config_dir is not None:
+        overrides.append(f"hydra.searchpath=[file://{Path(config_dir).resolve()}]")
+    check_overrides(overrides, CONFIG_DIR)
+    path = resolve_checkpoint(Path(checkpoint).expanduser())
+    cfg, _ = to_config(checkpoint_config(path, overrides, list(trust)))
+    info = init_distributed(cfg.dist.backend, cfg.train.device, cfg.dist.timeout_s)
+    try:
+        return evaluate_checkpoint(path, cfg, info, weights)
+    finally:
+        shutdown_distributed(clean=False)

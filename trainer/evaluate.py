@@ -1,24 +1,38 @@
 """`python -m trainer.evaluate checkpoint=PATH [overrides]` (also under torchrun).
 
-Rebuilds the run's model, task and data from the checkpoint's own config with the overrides
-on top, exactly as training takes them (`eval.max_batches=null` for the whole validation
-split, `data.path=...`, group selections such as `data=...` or `model=gpt_tiny`,
+PATH is a checkpoint directory or a run directory (its newest valid checkpoint). Rebuilds the
+run's model, task and data from the checkpoint's own config with the overrides on top,
+exactly as training takes them (`eval.max_batches=null` for the whole validation split,
+`data.path=...`, group selections such as `data=...` or `model=gpt_tiny`,
 `hydra.searchpath=[file://DIR]` for a user's config folder), evaluates, and prints the
 metrics as one JSON object on the last line of stdout. Writes nothing.
 `weights=NAME` evaluates the weights an averaging callback (`ema`) kept instead.
+
+The saved config is untrusted input (trainer/trust.py): only targets cumulus ships, targets
+the user restates and those under `trust=[PKG,...]` are built.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from engine.callbacks import AveragedWeights, CallbackList
-from engine.checkpoint import SHARED, CheckpointError, load_checkpoint, safe_load, verify
+from engine.checkpoint import (
+    MANIFEST,
+    SHARED,
+    CheckpointError,
+    latest_valid,
+    load_checkpoint,
+    safe_load,
+    verify,
+)
 from engine.distributed import DistInfo
 from engine.evaluate import evaluate
 from engine.precision import Precision
@@ -38,13 +52,19 @@ from trainer.errors import UserError
 from trainer.fit import summarize, val_metrics
 from trainer.identity import register_resolvers
 from trainer.state import RunState, load_payload
+from trainer.trust import check_saved, check_targets, parse_trust
 
-USAGE = "usage: python -m trainer.evaluate checkpoint=PATH [weights=model|NAME] [key=value ...]"
+USAGE = (
+    "usage: python -m trainer.evaluate checkpoint=PATH|RUN_DIR [weights=model|NAME] "
+    "[trust=[PKG,...]] [key=value ...]"
+)
 
 
-def parse_args(argv: list[str]) -> tuple[Path, str, list[str]]:
+def parse_args(argv: list[str]) -> tuple[Path, str, list[str], list[str]]:
     """`checkpoint=PATH`, `weights=model|NAME` (a weight-averaging callback such as `ema`),
-    and the config overrides."""
+    `trust=[PKG,...]` (module prefixes whose targets the checkpoint's config may name), and
+    the config overrides."""
+    trust, argv = parse_trust(argv)
     ckpt = [a.split("=", 1)[1] for a in argv if a.startswith("checkpoint=")]
     weights = [a.split("=", 1)[1] for a in argv if a.startswith("weights=")]
     rest = [a for a in argv if not a.startswith(("checkpoint=", "weights="))]
@@ -53,7 +73,7 @@ def parse_args(argv: list[str]) -> tuple[Path, str, list[str]]:
     bad = [a for a in rest if "=" not in a]
     if bad:
         raise UserError(f"overrides must look like key=value, got {bad}. {USAGE}")
-    return Path(ckpt[0]).expanduser(), (weights or ["model"])[-1], rest
+    return Path(ckpt[0]).expanduser(), (weights or ["model"])[-1], trust, rest
 
 
 def _key(override: str) -> str:
@@ -81,16 +101,58 @@ def compose_config(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def checkpoint_config(path: Path, overrides: list[str]) -> DictConfig:
-    """The config checkpoint `path` was saved with, `overrides` applied; the checkpoint is
-    verified first (UserError / CheckpointError when missing or damaged)."""
+def resolve_checkpoint(path: Path) -> Path:
+    """`path` itself when it is a checkpoint; for a run directory (or its `checkpoints/`),
+    its newest checkpoint that verifies."""
     if not path.exists():
         raise UserError(
             f"checkpoint: {path} does not exist; expected a checkpoint directory such as "
-            "RUN_DIR/checkpoints/step_NNNNNNNN"
+            "RUN_DIR/checkpoints/step_NNNNNNNN, or a run directory"
         )
+    if (path / MANIFEST).exists() or not path.is_dir():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    newest, skipped = latest_valid(root)
+    if newest is None:
+        why = f" ({'; '.join(skipped)})" if skipped else ""
+        raise UserError(
+            f"checkpoint: {path} is neither a checkpoint nor a run directory with a valid "
+            f"checkpoint under {root}{why}; pass a checkpoint directory "
+            "(RUN_DIR/checkpoints/step_NNNNNNNN) or a run directory that has one"
+        )
+    for warning in skipped:
+        print(f"warning: {warning}", file=sys.stderr)
+    return newest
+
+
+def checkpoint_config(
+    path: Path,
+    overrides: list[str],
+    trust: Sequence[str] = (),
+    command: str = "python -m trainer.evaluate",
+) -> DictConfig:
+    """The config checkpoint `path` was saved with, `overrides` applied. The checkpoint is
+    verified first (UserError / CheckpointError when missing or damaged), and the saved config
+    is untrusted input: a target it names that is neither shipped, restated by the user, nor
+    under a `trust` prefix is refused before anything is imported (trainer/trust.py)."""
     verify(path)
-    return compose_config(safe_load(path / SHARED)["config"], overrides)
+    saved = safe_load(path / SHARED).get("config")
+    check_saved(saved, path)
+    try:
+        cfg = compose_config(saved, overrides)
+    except OmegaConfBaseException as exc:
+        if any(_key(o) in str(exc) for o in overrides):
+            raise  # the user's override, reported as one by the caller
+        first = " ".join(str(exc).split("\n")[0].split())
+        raise UserError(
+            f"checkpoint: the config saved in {path} does not fit this version's schema "
+            f"({first}); it was written by another version of cumulus or altered"
+        ) from None
+    composed = OmegaConf.to_container(cfg, resolve=False)
+    check_targets(
+        composed, path, config_dir=CONFIG_DIR, overrides=overrides, trust=trust, command=command
+    )
+    return cfg
 
 
 def averaged_weights(cfg: Config, weights: str) -> AveragedWeights | None:
@@ -151,9 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     register_configs()
     register_resolvers()
     try:
-        path, weights, overrides = parse_args(argv)
+        path, weights, trust, overrides = parse_args(argv)
         check_overrides(overrides, CONFIG_DIR)
-        cfg = checkpoint_config(path, overrides)
+        path = resolve_checkpoint(path)
+        cfg = checkpoint_config(path, overrides, trust)
     except (UserError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

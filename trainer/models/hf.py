@@ -15,6 +15,7 @@ summed loss by the global count of targets, exact for every model.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,33 @@ class CumulusHooks:
             return parent(input_ids, max_new_tokens=max_new_tokens, **kwargs)
 
 
+def refuse_custom_code(path: Path) -> None:
+    """A pretrained directory is data: one whose config.json asks for its own Python code
+    (`auto_map`, transformers' `trust_remote_code` models) is refused, never run. transformers
+    itself would ask on an interactive terminal; cumulus never offers to run it."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"pretrained: {path / 'config.json'} is not readable JSON: {exc}"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"pretrained: {path / 'config.json'} is not a JSON object")
+    if "auto_map" in raw:
+        classes = (
+            ", ".join(sorted(map(str, raw["auto_map"])))
+            if isinstance(raw["auto_map"], dict)
+            else ""
+        )
+        raise ValueError(
+            f"pretrained: {path} asks to run its own Python code (config.json has an auto_map"
+            f"{': ' + classes if classes else ''}); cumulus never runs code from a model "
+            "directory (trust_remote_code stays off). Use a directory of an architecture "
+            "transformers itself implements (model_type gpt2, llama, ...), or bring the model "
+            "as your own class with model._target_=yourpkg.YourModel"
+        )
+
+
 @functools.cache
 def _with_hooks(cls: type) -> type:
     """`cls` with cumulus's hooks; a module-level name so pickling and FSDP see a real class."""
@@ -122,7 +150,8 @@ def causal_lm(
                 "downloads from the hub. Save one with model.save_pretrained(DIR) or "
                 "scripts/export_hf.py, or leave model.pretrained=null for random init"
             )
-        hf_config = transformers.AutoConfig.from_pretrained(path, **config)
+        refuse_custom_code(path)
+        hf_config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False, **config)
     else:
         try:
             hf_config = transformers.AutoConfig.for_model(family, **config)
@@ -138,7 +167,9 @@ def causal_lm(
     if pretrained is not None:
         # float32 parameters whatever the directory was saved in (transformers 5 would keep a
         # bf16 save in bf16): precision is train.precision's autocast, on fp32 master weights.
-        model = model_cls.from_pretrained(path, config=hf_config, dtype=torch.float32)
+        model = model_cls.from_pretrained(
+            path, config=hf_config, dtype=torch.float32, trust_remote_code=False
+        )
     else:
         model = model_cls(hf_config)
     model.config.architectures = [cls.__name__]  # what save_pretrained records

@@ -1,0 +1,387 @@
+"""The trust boundary: a checkpoint's saved config is data, never a choice of code.
+
+Crafted checkpoints are real checkpoints of a tiny run whose `state.pt` config was rewritten
+and whose manifest was brought back in line with the files (sizes and SHA-256), so only the
+trust check stands between them and the code they name. The code they name lives in a
+package written into the test's directory and put on PYTHONPATH: it is importable, and a
+control run with `trust=[...]` shows that it would run (the sentinel appears) when trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import (
+    REPO,
+    TINY,
+    explain,
+    launch,
+    launch_all,
+    read_metrics,
+    stdlib_text,
+    train_records,
+)
+
+STEPS = 4
+# A package outside cumulus. Importing any part of it leaves IMPORTED behind; each function
+# does one thing a crafted config would want done, to a path the config gives it.
+EVIL = {
+    "evilpkg/__init__.py": "import os\nopen(os.environ['EVIL_DIR'] + '/IMPORTED', 'a').close()\n",
+    "evilpkg/payload.py": """
+import os, pickle
+open(os.environ["EVIL_DIR"] + "/IMPORTED", "a").close()
+
+def write_sentinel(path: str = "", **kwargs):
+    open(path, "w").write("ran")
+    return None
+
+def unpickle(path: str = "", **kwargs):
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+def truncate(path: str = "", **kwargs):
+    open(path, "w").close()
+""",
+    # A model of the user's own, outside cumulus: trusted with trust=[extpkg].
+    "extpkg/__init__.py": "",
+    "extpkg/models.py": """
+from torch import nn
+
+class BigramLM(nn.Module):
+    def __init__(self, vocab_size: int = 256, width: int = 16):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.emb = nn.Embedding(vocab_size, width)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx))  # (B, T, V)
+""",
+}
+
+
+class Boom:
+    """What the pickle next to the checkpoint would build: touching a file when loaded."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A trained tiny run (checkpoints at steps 2 and 4), the packages, and a bait file."""
+    root = tmp_path_factory.mktemp("trust")
+    for name, text in EVIL.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    text = stdlib_text(root / "text.txt", 60_000)
+    base = [*TINY, f"data.path={text}", f"train.max_steps={STEPS}", "checkpoint.every_steps=2"]
+    run = root / "run"
+    ext_run = root / "ext_run"
+    results = launch_all(
+        {
+            "gpt": [sys.executable, "-m", "trainer.train", *base, f"hydra.run.dir={run}"],
+            "ext": [
+                sys.executable, "-m", "trainer.train", *base,
+                "model._target_=extpkg.models.BigramLM", "~model.n_layer", "~model.n_head",
+                "~model.n_embd", "~model.block_size", "~model.dropout",
+                "eval.every_steps=4", "eval.sample_tokens=0", f"hydra.run.dir={ext_run}",
+            ],
+        },
+        180,
+        PYTHONPATH=f"{root}:{REPO}",
+    )  # fmt: skip
+    for name, proc in results.items():
+        assert proc.returncode == 0, f"{name}\n{explain(proc)}"
+    return {"root": root, "run": run, "ext_run": ext_run, "text": text, "base": base}
+
+
+def craft(src: Path, dst: Path, mutate: Any) -> Path:
+    """A copy of checkpoint `src` at `dst` whose saved config `mutate` rewrote, with a manifest
+    consistent with its files (as a careful attacker would leave it)."""
+    shutil.copytree(src, dst)
+    state = torch.load(dst / "state.pt", weights_only=True)
+    mutate(state["config"])
+    torch.save(state, dst / "state.pt")
+    manifest = json.loads((dst / "manifest.json").read_text())
+    data = (dst / "state.pt").read_bytes()
+    manifest["files"]["state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def place(where: str, spec: dict[str, Any]) -> Any:
+    """A config mutation that puts `spec` (a `_target_` node) at `where`."""
+
+    def mutate(cfg: dict[str, Any]) -> None:
+        if where == "callbacks":
+            cfg["callbacks"] = {"evil": spec}
+        elif where == "nested":  # inside a shipped component's argument
+            cfg["optim"]["betas"] = [spec, 0.95]
+        elif where == "scheduler":
+            cfg["scheduler"] = {**spec, "_partial_": True}
+        else:
+            cfg[where] = spec
+
+    return mutate
+
+
+PLACES = ["model", "task", "data", "optim", "scheduler", "step", "callbacks", "nested"]
+PAYLOADS = ["write_sentinel", "unpickle", "truncate"]
+
+
+def test_crafted_configs_are_refused_before_import(world: dict[str, Any], tmp_path: Path) -> None:
+    """In every component, and nested in an argument, each payload: `trainer.evaluate` and
+    `scripts/export_hf.py` exit 2 with one paragraph, the payload does not run, nothing of
+    its module is imported."""
+    ckpt = world["run"] / "checkpoints" / "step_00000004"
+    evil_dir = tmp_path / "evil"
+    evil_dir.mkdir()
+    bait = tmp_path / "bait.txt"
+    bait.write_text("precious")
+    pickled = tmp_path / "next_to_ckpt.pkl"
+    pickled.write_bytes(pickle.dumps(Boom(str(evil_dir / "UNPICKLED"))))
+    cmds, expect = {}, {}
+    for i, where in enumerate(PLACES):
+        payload = PAYLOADS[i % len(PAYLOADS)]
+        arg = {
+            "write_sentinel": str(evil_dir / "SENTINEL"),
+            "unpickle": str(pickled),
+            "truncate": str(bait),
+        }[payload]
+        target = f"evilpkg.payload.{payload}"
+        crafted = craft(
+            ckpt, tmp_path / f"ckpt_{where}", place(where, {"_target_": target, "path": arg})
+        )
+        key = {"nested": "optim.betas[0]._target_"}.get(where, f"{where}._target_")
+        if where == "callbacks":
+            key = "callbacks.evil._target_"
+        expect[where] = (key, target)
+        cmds[f"eval_{where}"] = [sys.executable, "-m", "trainer.evaluate", f"checkpoint={crafted}"]
+        cmds[f"export_{where}"] = [
+            sys.executable, "scripts/export_hf.py", f"checkpoint={crafted}",
+            f"out={tmp_path / f'out_{where}'}",
+        ]  # fmt: skip
+    results = launch_all(cmds, 240, PYTHONPATH=f"{world['root']}:{REPO}", EVIL_DIR=str(evil_dir))
+    for name, proc in results.items():
+        where = name.split("_", 1)[1]
+        key, target = expect[where]
+        assert proc.returncode == 2, f"{name}\n{explain(proc)}"
+        err = proc.stderr.strip()
+        assert "Traceback" not in err and len(err.splitlines()) == 1, f"{name}\n{explain(proc)}"
+        assert f"`{key}: '{target}'`" in err and "trust=[evilpkg]" in err, err
+        assert not (tmp_path / f"out_{where}").exists()
+    assert sorted(p.name for p in evil_dir.iterdir()) == []  # no sentinel, no import
+    assert bait.read_text() == "precious"
+
+
+def test_trusted_payload_would_run(world: dict[str, Any], tmp_path: Path) -> None:
+    """The control: the same crafted checkpoint with `trust=[evilpkg]` does run the code, so
+    the refusals above are the boundary's doing, not a broken payload."""
+    evil_dir = tmp_path / "evil"
+    evil_dir.mkdir()
+    ckpt = world["run"] / "checkpoints" / "step_00000004"
+    spec = {"_target_": "evilpkg.payload.write_sentinel", "path": str(evil_dir / "SENTINEL")}
+    crafted = craft(ckpt, tmp_path / "ckpt", place("model", spec))
+    proc = launch(
+        [sys.executable, "-m", "trainer.evaluate", f"checkpoint={crafted}", "trust=[evilpkg]"],
+        120,
+        PYTHONPATH=f"{world['root']}:{REPO}",
+        EVIL_DIR=str(evil_dir),
+    )
+    assert (evil_dir / "IMPORTED").exists(), explain(proc)
+    assert (evil_dir / "SENTINEL").read_text() == "ran"
+
+
+def test_interpolations_in_a_saved_config_are_refused(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    """A resolver could hide what a target names: a saved config is resolved, so `${...}` in
+    one was put there by hand."""
+
+    def mutate(cfg: dict[str, Any]) -> None:
+        cfg["model"]["_target_"] = "${oc.env:EVIL_TARGET}"
+
+    crafted = craft(world["run"] / "checkpoints" / "step_00000004", tmp_path / "ckpt", mutate)
+    proc = launch(
+        [sys.executable, "-m", "trainer.evaluate", f"checkpoint={crafted}"],
+        120,
+        EVIL_TARGET="evilpkg.payload.write_sentinel",
+    )
+    assert proc.returncode == 2, explain(proc)
+    assert "interpolation at `model._target_`" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_users_own_model_needs_trust(world: dict[str, Any]) -> None:
+    """A checkpoint of a model from a package outside cumulus: refused without trust, naming
+    `trust=[extpkg]`; with it, or with the target restated, evaluated to the metrics the run
+    logged at that step."""
+    run = world["ext_run"]
+    logged = [r for r in read_metrics(run) if "val/loss" in r][-1]
+    py = f"{world['root']}:{REPO}"
+    base = [sys.executable, "-m", "trainer.evaluate", f"checkpoint={run}"]
+    results = launch_all(
+        {
+            "refused": base,
+            "trusted": [*base, "trust=[extpkg]"],
+            "restated": [*base, "model._target_=extpkg.models.BigramLM"],
+        },
+        180,
+        PYTHONPATH=py,
+    )
+    refused = results["refused"]
+    assert refused.returncode == 2, explain(refused)
+    assert "trust=[extpkg]" in refused.stderr and "model._target_" in refused.stderr
+    for name in ("trusted", "restated"):
+        proc = results[name]
+        assert proc.returncode == 0, f"{name}\n{explain(proc)}"
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert got["step"] == STEPS
+        assert got["val/loss"] == pytest.approx(logged["val/loss"], rel=1e-12)
+
+
+def test_resume_builds_nothing_from_a_checkpoints_config(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    """Training's own resume takes tensors and plain state only: a checkpoint whose config
+    names foreign code resumes (auto and checkpoint.resume=PATH) without importing it, on
+    the uninterrupted trajectory."""
+    evil_dir = tmp_path / "evil"
+    evil_dir.mkdir()
+    spec = {"_target_": "evilpkg.payload.write_sentinel", "path": str(evil_dir / "SENTINEL")}
+
+    def mutate(cfg: dict[str, Any]) -> None:
+        for where in PLACES:
+            place(where, dict(spec))(cfg)
+
+    auto = tmp_path / "auto"
+    craft(
+        world["run"] / "checkpoints" / "step_00000002",
+        auto / "checkpoints" / "step_00000002",
+        mutate,
+    )
+    explicit = craft(world["run"] / "checkpoints" / "step_00000002", tmp_path / "ckpt", mutate)
+    cmd = [sys.executable, "-m", "trainer.train", *world["base"]]
+    results = launch_all(
+        {
+            "auto": [*cmd, f"hydra.run.dir={auto}"],
+            "path": [*cmd, f"checkpoint.resume={explicit}", f"hydra.run.dir={tmp_path / 'path'}"],
+        },
+        180,
+        PYTHONPATH=f"{world['root']}:{REPO}",
+        EVIL_DIR=str(evil_dir),
+    )
+    reference = {r["step"]: r["train/loss"] for r in train_records(read_metrics(world["run"]))}
+    for name, proc in results.items():
+        assert proc.returncode == 0, f"{name}\n{explain(proc)}"
+        got = {r["step"]: r["train/loss"] for r in train_records(read_metrics(tmp_path / name))}
+        assert got == {s: reference[s] for s in (3, 4)}, name
+    assert list(evil_dir.iterdir()) == []
+
+
+def test_pretrained_dir_asking_for_custom_code_is_refused(tmp_path: Path) -> None:
+    """`model.pretrained=DIR` never runs code from DIR: a config.json with an `auto_map`
+    is refused with one paragraph, and the module it names is never imported."""
+    pytest.importorskip("transformers")
+    pretrained = tmp_path / "model"
+    pretrained.mkdir()
+    (pretrained / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "architectures": ["EvilLM"],
+                "auto_map": {"AutoModelForCausalLM": "modeling_evil.EvilLM"},
+                "n_layer": 1, "n_head": 2, "n_embd": 8, "vocab_size": 256, "n_positions": 64,
+            }
+        )
+    )  # fmt: skip
+    (pretrained / "modeling_evil.py").write_text(f"open({str(tmp_path / 'RAN')!r}, 'w').close()\n")
+    text = stdlib_text(tmp_path / "text.txt", 20_000)
+    proc = launch(
+        [
+            sys.executable, "-m", "trainer.train", *TINY, "model=hf_gpt2",
+            f"model.pretrained={pretrained}", f"data.path={text}", "train.max_steps=1",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        120,
+    )  # fmt: skip
+    assert proc.returncode == 2, explain(proc)
+    err = proc.stderr.strip()
+    assert "model.pretrained" in err and "auto_map" in err and "Traceback" not in err, err
+    assert not (tmp_path / "RAN").exists()
+
+
+def test_run_directory_means_its_newest_valid_checkpoint(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    """`checkpoint=RUN_DIR` evaluates the newest checkpoint that verifies (a damaged newest
+    one is skipped with a warning), and `trainer.api.evaluate` returns what the CLI prints."""
+    from trainer.api import evaluate
+
+    run = tmp_path / "run"
+    shutil.copytree(world["run"] / "checkpoints", run / "checkpoints")
+    explicit = evaluate(run / "checkpoints" / "step_00000004")
+    assert evaluate(run) == explicit and explicit["step"] == STEPS
+    state = run / "checkpoints" / "step_00000004" / "state.pt"
+    state.write_bytes(state.read_bytes()[:-10])  # damaged: skipped, step 2 is evaluated
+    proc = launch([sys.executable, "-m", "trainer.evaluate", f"checkpoint={run}"], 120)
+    assert proc.returncode == 0, explain(proc)
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == evaluate(run / "checkpoints" / "step_00000002") and got["step"] == 2
+    assert "skipping checkpoint" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        f"{group.name}={option.stem}"
+        for group in sorted((REPO / "configs").iterdir())
+        if group.is_dir() and group.name != "logger"
+        for option in sorted(group.glob("*.yaml"))
+    ],
+)
+def test_every_shipped_configuration_is_trusted(choice: str) -> None:
+    """Checkpoints of every built-in configuration (and combinations: ema with sam) carry
+    only shipped targets, so they evaluate and export with no flag."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import compose_config
+    from trainer.build import CONFIG_DIR
+    from trainer.trust import check_targets, targets
+
+    extra = ["callbacks=[ema,grad_stats]"] if choice.startswith("step=") else []
+    saved = OmegaConf.to_container(compose_config([choice, *extra]), resolve=False)
+    assert any(True for _ in targets(saved))
+    check_targets(saved, Path("ckpt"), config_dir=CONFIG_DIR)
+    with pytest.raises(Exception, match=r"trust=\[elsewhere\]"):
+        saved["task"]["_target_"] = "elsewhere.Task"
+        check_targets(saved, Path("ckpt"), config_dir=CONFIG_DIR)
+
+
+def test_trust_prefixes_match_whole_module_names() -> None:
+    from trainer.build import CONFIG_DIR
+    from trainer.trust import UntrustedConfigError, check_targets, parse_trust
+
+    prefixes, rest = parse_trust(["trust=[mypkg, other.sub]", "eval.max_batches=2"])
+    assert prefixes == ["mypkg", "other.sub"] and rest == ["eval.max_batches=2"]
+    cfg = {"model": {"_target_": "mypkg.models.Net"}, "task": {"_target_": "other.sub.T"}}
+    check_targets(cfg, Path("c"), config_dir=CONFIG_DIR, trust=prefixes)
+    for bad in ("mypkgx.Net", "other.subtle.T", "other.T"):
+        with pytest.raises(UntrustedConfigError):
+            check_targets(
+                {"m": {"_target_": bad}}, Path("c"), config_dir=CONFIG_DIR, trust=prefixes
+            )
+    with pytest.raises(Exception, match="not a module prefix"):
+        parse_trust(["trust=[os;rm]"])

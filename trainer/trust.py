@@ -1,0 +1,178 @@
+"""The trust boundary for configs read from files: a checkpoint's saved config is data.
+
+A checkpoint received from elsewhere carries the config of the run that wrote it, and
+rebuilding that run (`trainer.evaluate`, `scripts/export_hf.py`) instantiates its `_target_`s.
+Any importable callable with arguments taken from the file would be reachable, and importing
+a module already runs its code. So before anything of a file's config is imported or built,
+every `_target_` in it, nested ones inside a component's arguments included, must be one of:
+
+- a target cumulus itself ships: the exact dotted paths in `configs/` and the schema defaults;
+- a target the user states themselves: on the command line (`model._target_=mypkg.Net`) or
+  in a config folder given by `hydra.searchpath`;
+- under a module prefix the user trusts with `trust=[mypkg,...]` (`mypkg` trusts
+  `mypkg.models.Net`, not `mypkgx.Net`).
+
+Anything else is refused with one paragraph naming the key, the target and the `trust=[...]`
+that would allow it. The check reads strings only: nothing is imported to decide.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer.errors import UserError
+
+TARGET = "_target_"
+_PREFIX = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class UntrustedConfigError(UserError):
+    """A config read from a file names code the user has not trusted."""
+
+    all_ranks = True
+
+
+def targets(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
+    """Every `(config key, _target_ value)` in `node`, nested mappings and lists included."""
+    if isinstance(node, dict):
+        for name, value in node.items():
+            sub = f"{key}.{name}" if key else str(name)
+            if name == TARGET:
+                yield sub, value
+            else:
+                yield from targets(value, sub)
+    elif isinstance(node, list | tuple):
+        for i, value in enumerate(node):
+            yield from targets(value, f"{key}[{i}]")
+
+
+def _interpolations(node: Any, key: str = "") -> Iterator[str]:
+    """Keys whose value is an OmegaConf interpolation (`${...}`): a saved config is resolved,
+    so one there was put by hand, and resolving it could hide what a `_target_` names."""
+    if isinstance(node, dict):
+        for name, value in node.items():
+            yield from _interpolations(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(node, list | tuple):
+        for i, value in enumerate(node):
+            yield from _interpolations(value, f"{key}[{i}]")
+    elif isinstance(node, str) and "${" in node:
+        yield key
+
+
+def _yaml_targets(folder: Path) -> set[str]:
+    """The `_target_` values written in the YAML files under `folder` (read as plain YAML)."""
+    found: set[str] = set()
+    for path in sorted(folder.rglob("*.yaml")):
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            continue  # Hydra reports a broken config file of the user's itself
+        found.update(v for _, v in targets(doc) if isinstance(v, str))
+    return found
+
+
+def shipped_targets(config_dir: Path) -> set[str]:
+    """What cumulus ships: every `_target_` in its `configs/` and in the schema's defaults."""
+    from omegaconf import OmegaConf
+
+    from trainer.config import Config
+
+    defaults = OmegaConf.to_container(OmegaConf.structured(Config))
+    return _yaml_targets(config_dir) | {v for _, v in targets(defaults) if isinstance(v, str)}
+
+
+def parse_trust(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split `trust=[a,b]` (also `trust=a`) off the command line: (prefixes, the rest)."""
+    prefixes: list[str] = []
+    rest = []
+    for arg in args:
+        if not arg.startswith("trust="):
+            rest.append(arg)
+            continue
+        value = arg.split("=", 1)[1].strip()
+        if value.startswith("[") and value.endswith("]"):
+            value = value[1:-1]
+        for item in (v.strip().strip("'\"") for v in value.split(",")):
+            if not item:
+                continue
+            if not _PREFIX.match(item):
+                raise UserError(
+                    f"trust: {item!r} is not a module prefix; expected dotted Python names "
+                    "such as trust=[mypkg] or trust=[mypkg.models,otherpkg]"
+                )
+            prefixes.append(item)
+    return prefixes, rest
+
+
+def user_targets(overrides: Sequence[str]) -> set[str]:
+    """Targets the user states: `..._target_=X` overrides and those in the config folders
+    `hydra.searchpath=[file://DIR,...]` joins."""
+    stated: set[str] = set()
+    for override in overrides:
+        if "=" not in override:
+            continue
+        key, value = override.split("=", 1)
+        key = key.lstrip("+~")
+        if key.split(".")[-1] == TARGET:
+            stated.add(value.strip().strip("'\""))
+        elif key == "hydra.searchpath":
+            for entry in value.strip("[]").split(","):
+                entry = entry.strip().strip("'\"")
+                if entry.startswith("file://"):
+                    entry = entry[len("file://") :]
+                if entry and Path(entry).expanduser().is_dir():
+                    stated |= _yaml_targets(Path(entry).expanduser())
+    return stated
+
+
+def _trusted_by(target: str, prefixes: Sequence[str]) -> bool:
+    return any(target == p or target.startswith(p + ".") for p in prefixes)
+
+
+def check_saved(saved: Any, source: Path) -> None:
+    """A config read from `source` must be a plain resolved mapping, as cumulus writes it."""
+    if not isinstance(saved, dict):
+        raise UntrustedConfigError(
+            f"checkpoint: {source} holds no config mapping (got {type(saved).__name__}); "
+            "it was not written by cumulus or was altered"
+        )
+    hidden = list(_interpolations(saved))
+    if hidden:
+        raise UntrustedConfigError(
+            f"checkpoint: the config saved in {source} has an interpolation at `{hidden[0]}`; "
+            "cumulus saves configs resolved, so this one was altered and is not used. Nothing "
+            "from it was imported or run."
+        )
+
+
+def check_targets(
+    config: Any,
+    source: Path,
+    *,
+    config_dir: Path,
+    overrides: Sequence[str] = (),
+    trust: Sequence[str] = (),
+    command: str = "python -m trainer.evaluate",
+) -> None:
+    """Refuse `config` (read from `source`, the user's overrides on top, unresolved) if it
+    names a target that is not trusted. The composed config is what is checked, so a node
+    the user replaces (`model=gpt_tiny`) is not held against the file. Nothing is imported."""
+    allowed = shipped_targets(config_dir) | user_targets(overrides)
+    for key, target in targets(config):
+        if isinstance(target, str) and (target in allowed or _trusted_by(target, trust)):
+            continue
+        # The prefix to trust: the target's top-level package.
+        top = target.split(".")[0] if isinstance(target, str) and target else "PKG"
+        raise UntrustedConfigError(
+            f"checkpoint: the config saved in {source} names `{key}: {target!r}`, which is "
+            "not a target cumulus ships, and a checkpoint's config is untrusted input: "
+            "building it would import and run that code. Nothing was imported, built or "
+            "written. If you trust the code the checkpoint came with, say so: "
+            f"`{command} ... trust=[{top}]` (module prefixes), or restate it yourself "
+            f"(`{key}={target}`, or a config folder given by hydra.searchpath)."
+        )
