@@ -1,4 +1,5 @@
-"""Sharded model and optimizer state through `torch.distributed.checkpoint` (DCP).
+"""The `sharded` checkpoint layout: model and optimizer state through
+`torch.distributed.checkpoint` (DCP).
 
 Every rank writes only the shards it owns (FSDP) or its share of the replicated tensors (DDP:
 DCP writes each replicated tensor once), and loading reshards: a checkpoint saved on N ranks
@@ -7,7 +8,9 @@ loads on M ranks, under either strategy or in one plain process.
 DCP stores its `.metadata` (and the non-tensor values, e.g. optimizer hyper-parameters) as
 pickles, and its stock reader unpickles them with no restriction: a crafted checkpoint could
 run code on load. `SafeReader` unpickles `.metadata` with an allow-list of DCP's own metadata
-classes, and `SafeLoadPlanner` reads the values with `torch.load(weights_only=True)`.
+classes, and `SafeLoadPlanner` reads the values with `torch.load(weights_only=True)`; this
+module registers that check with `verify` (`engine.checkpoint_manifest.register_layout`).
+Writing goes through `CheckpointWriter(write_shards=write_sharded_checkpoint)`.
 """
 
 from __future__ import annotations
@@ -33,7 +36,16 @@ from torch.distributed.checkpoint.filesystem import (
 )
 from torch.distributed.tensor import DTensor
 
-from engine.checkpoint import METADATA, UnsafeCheckpoint
+from engine.checkpoint_manifest import (
+    METADATA,
+    SHARDS,
+    CheckpointError,
+    UnsafeCheckpoint,
+    file_entry,
+    register_layout,
+)
+from engine.checkpoint_writer import commit, describe_write_error, fsync_dir, stage, tmp_dir
+from engine.distributed import DistInfo, gather_object
 
 # One process with no process group is a supported case here, not a mistake to warn about.
 warnings.filterwarnings(
@@ -284,3 +296,111 @@ def load_shards(state: dict[str, Any], path: Path, group: dist.ProcessGroup | No
             process_group=group,
             no_dist=_no_dist(group),
         )
+
+
+def write_sharded_checkpoint(
+    root: Path,
+    step: int,
+    shared: dict[str, Any] | None,
+    per_rank: list[dict[str, Any]] | None,
+    shards: dict[str, Any],
+    session: str,
+    info: DistInfo,
+    group: dist.ProcessGroup | None = None,
+    keep_last: int | None = None,
+) -> Path | None:
+    """Collective over `group` (all ranks): write checkpoint `step` in the `sharded` layout.
+
+    Every rank writes its own `shards` (DCP) and hashes an equal share of the files; rank 0
+    also writes `shared` and `per_rank` (gathered), then commits. Returns the path on rank 0.
+    """
+    tmp = tmp_dir(root, step, session)
+    # Every failure is reported through the gather below, so no rank is left waiting for it.
+    staged, mine = [], {}
+    if info.is_main:
+        try:
+            staged = [(n, file_entry(tmp / n)) for n in stage(tmp, shared, per_rank)]
+        except Exception as exc:  # any failure: the other ranks must hear of it
+            mine = f"rank 0: {describe_write_error(exc)}"
+    try:
+        names = save_shards(shards, tmp / SHARDS, group)  # returns once every rank's files exist
+        share = names[info.rank :: info.world_size]
+        hashed = {f"{SHARDS}/{n}": file_entry(tmp / SHARDS / n) for n in share}
+        mine = mine or hashed
+    except Exception as exc:  # a rank's write failed: DCP raises it on every rank
+        mine = mine or f"rank {getattr(exc, 'failed_rank', info.rank)}: {describe_write_error(exc)}"
+    parts = gather_object(mine, info, group)
+    if parts is None:
+        return None
+    errors = [p for p in parts if isinstance(p, str)]
+    if errors:
+        raise CheckpointError("; ".join(dict.fromkeys(errors)))
+    files = dict(staged)
+    for part in parts:
+        files.update(part)
+    fsync_dir(tmp / SHARDS)
+    return commit(root, tmp, step, len(per_rank), "sharded", files, keep_last)
+
+
+def sharded_model_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """This rank's model and optimizer state keyed by parameter name, no communication: FSDP's
+    shards as DTensors, DDP's (replicated) tensors as they are. For `CheckpointWriter` with
+    `sharded=True`, and as the template `load_sharded` fills in place."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def load_sharded(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Collective: load the `sharded` checkpoint `path` into `model` (and `optimizer`, and the
+    tensors of `extra` in place, e.g. callbacks' state), resharding from whatever world size
+    and strategy saved it. Unsafe or unreadable files raise CheckpointError; state that does
+    not fit raises RuntimeError."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        state = sharded_model_optimizer_state(model, optimizer)
+    state |= extra or {}
+    try:
+        load_shards(state, path / SHARDS)
+    except UnsafeCheckpoint as exc:
+        raise CheckpointError(
+            f"refused to load {path / SHARDS}: {exc}. Nothing from it was executed."
+        ) from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path / SHARDS}: {exc}") from None
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+
+
+def _verify_shards(path: Path, manifest: dict[str, Any], checksums: bool, mine: Any) -> None:
+    """`verify`'s check of this layout: the DCP metadata must be safe to read (once its bytes
+    are known: checksummed by this process, or sizes only were asked for)."""
+    if f"{SHARDS}/{METADATA}" in mine or not checksums:
+        try:
+            read_metadata(path / SHARDS)
+        except UnsafeCheckpoint as exc:
+            raise CheckpointError(
+                f"{path} is unsafe: {exc}; nothing from it was executed"
+            ) from None
+
+
+register_layout("sharded", _verify_shards)

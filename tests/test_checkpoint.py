@@ -457,3 +457,20 @@ def test_resume_on_another_world_size(tmp_path: Path) -> None:
     for r in got:  # step 7+ depend on the restored AdamW moments too
         w = want[r["step"]]["train/loss"]
         assert math.isclose(r["train/loss"], w, rel_tol=0, abs_tol=1e-4), (r["step"], w)
+
+
+def test_checkpoint_modules_import_one_way() -> None:
+    """manifest <- writer <- DCP layout: the manifest and the writer import no layout, and
+    nothing of DCP is imported until a sharded checkpoint is written or read."""
+    code = (
+        "import sys, engine.checkpoint, trainer.state, trainer.build\n"
+        "bad = [m for m in ('engine.sharded_checkpoint', 'torch.distributed.checkpoint')"
+        " if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    for module in ("checkpoint_manifest", "checkpoint_writer"):
+        source = (REPO / "engine" / f"{module}.py").read_text()
+        assert "sharded_checkpoint import" not in source, module
+    assert "checkpoint_writer import" not in (REPO / "engine/checkpoint_manifest.py").read_text()

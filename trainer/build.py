@@ -253,13 +253,16 @@ def build_checkpointer(
 ) -> CheckpointWriter:
     if info.is_main:
         remove_stale_tmp(checkpoint_dir)
+    write_shards = None
+    if fmt == "sharded":
+        from engine.sharded_checkpoint import write_sharded_checkpoint as write_shards
     return CheckpointWriter(
         checkpoint_dir,
         info,
         session=broadcast_object(new_run_id(), info),
         keep_last=cfg.keep_last,
         background=cfg.async_save,
-        sharded=fmt == "sharded",
+        write_shards=write_shards,
         timeout_s=timeout_s,
     )
 

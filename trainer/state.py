@@ -17,11 +17,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from engine.checkpoint import (
+    SHARDS,
     LoadedCheckpoint,
     load_model_optimizer_state,
-    load_sharded,
     model_optimizer_state,
-    sharded_model_optimizer_state,
 )
 
 RESERVED = ("config", "model", "optimizer")
@@ -82,7 +81,7 @@ def save_payload(
     if not sharded:
         model_state, optimizer_state = model_optimizer_state(model, optimizer)
         return {**state, "model": model_state, "optimizer": optimizer_state}, None
-    from engine.sharded_checkpoint import split_dtensors
+    from engine.sharded_checkpoint import sharded_model_optimizer_state, split_dtensors
 
     shards = sharded_model_optimizer_state(model, optimizer)
     state, shards[SHARDED_STATE] = split_dtensors(state)
@@ -93,7 +92,6 @@ def _sharded_targets(ckpt: LoadedCheckpoint, live: dict[str, Any]) -> dict[str, 
     """Where to load the component tensors the checkpoint saved shard by shard: the live
     components' own tensors at the same paths (sharded or not: loading reshards). State of a
     component, or of a callback, that this run does not have is left unread."""
-    from engine.checkpoint import SHARDS
     from engine.sharded_checkpoint import get_path, saved_keys
 
     out = {}
@@ -123,7 +121,7 @@ def load_payload(
     component from `ckpt`, resharding to this run's ranks and strategy."""
     saved = {k: v for k, v in ckpt.shared.items() if k not in RESERVED}
     if ckpt.layout == "sharded":
-        from engine.sharded_checkpoint import with_path
+        from engine.sharded_checkpoint import load_sharded, with_path
 
         targets = _sharded_targets(ckpt, components.state_dict())
         load_sharded(ckpt.path, model, optimizer, {SHARDED_STATE: targets})
