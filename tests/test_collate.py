@@ -59,6 +59,9 @@ def test_single_field_samples_and_multiple_of() -> None:
     assert mask.tolist() == [[1] * 5 + [0] * 3, [1] + [0] * 7]
     same = pad_collate(0)([torch.arange(3), torch.arange(3)])
     assert torch.equal(same, torch.stack([torch.arange(3)] * 2))
+    # A micro-batch of empty sequences (no loss item at all) still has integer labels.
+    empty = pad_collate({"labels": -100})([{"labels": []}, {"labels": []}])["labels"]
+    assert empty.shape == (2, 0) and empty.dtype == torch.int64
 
 
 def test_mistakes_name_the_field_and_the_fix() -> None:

@@ -112,9 +112,14 @@ class PadCollate:
             return values, None  # strings, ids, nested objects: kept as a list
         shapes = {tuple(t.shape) for t in tensors}
         sizes = [t.shape[0] if t.dim() else 1 for t in tensors]
+        # Empty values (a sequence of length 0) do not decide the dtype of the field.
+        nonempty = [t for t in tensors if t.numel()] or tensors
+        dtype = nonempty[0].dtype
+        for t in nonempty[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
         pad = self._pad_value(key)
         if len(shapes) == 1 and (pad is None or self.multiple == 1 or not tensors[0].dim()):
-            return torch.stack(tensors), sizes
+            return torch.stack([t.to(dtype) for t in tensors]), sizes
         if pad is None:
             example = "pad=0" if self._single else f"pad={{{key!r}: 0}}"
             raise ValueError(
@@ -128,11 +133,6 @@ class PadCollate:
             )
         longest = [max(s[d] for s in shapes) for d in range(tensors[0].dim())]
         longest[0] = _round_up(longest[0], self.multiple)
-        # An empty Python list reads as float32: it must not turn a field of ids into floats.
-        nonempty = [t for t in tensors if t.numel()] or tensors
-        dtype = nonempty[0].dtype
-        for t in nonempty[1:]:
-            dtype = torch.promote_types(dtype, t.dtype)
         out = torch.full((len(tensors), *longest), pad, dtype=dtype)  # (B, L, ...)
         for row, t in zip(out, tensors):
             row[tuple(slice(0, n) for n in t.shape)] = t
@@ -220,6 +220,9 @@ def _as_tensor(value: Any) -> torch.Tensor | None:
         return value
     if isinstance(value, str | bytes) or value is None:
         return None
+    if isinstance(value, list) and not value:
+        # torch reads [] as float32; an empty list is far more often ids or labels.
+        return torch.zeros(0, dtype=torch.int64)
     try:
         return torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError):
