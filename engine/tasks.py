@@ -1,6 +1,6 @@
 """Built-in tasks: what turns a batch and a model into a loss *sum* and a count of loss items.
 
-Both read the model's output as logits: the output tensor itself, or its `.logits` (Hugging
+All read the model's output as logits: the output tensor itself, or its `.logits` (Hugging
 Face model outputs, dicts). Batches are either tuples `(inputs, targets)` or dicts of model
 inputs plus `labels` (the model is called with every key but `labels`, so it never computes
 a loss of its own). Targets equal to `IGNORE_INDEX` (-100, the PyTorch and Hugging Face
