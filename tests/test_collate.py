@@ -71,6 +71,9 @@ def test_mistakes_name_the_field_and_the_fix() -> None:
         )
     with pytest.raises(ValueError, match=r"pad names \['label'\].*\['ids', 'labels'\]"):
         pad_collate(pad={"label": -100})([{"ids": [1], "labels": [1]}])
+    # The same fields in another order are the same fields.
+    swapped = pad_collate(pad={"a": 0})([{"a": [1, 2], "b": 1}, {"b": 2, "a": [3]}])
+    assert swapped["a"].tolist() == [[1, 2], [3, 0]] and swapped["b"].tolist() == [1, 2]
     with pytest.raises(ValueError, match=r"same fields"):
         pad_collate(pad=0)([{"ids": [1]}, {"ids": [1], "extra": 2}])
     with pytest.raises(ValueError, match=r"pad_collate\(pad=0\)"):

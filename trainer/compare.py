@@ -17,6 +17,7 @@ import argparse
 import fnmatch
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +156,7 @@ def _steps_hint(a: dict[str, Series], b: dict[str, Series]) -> str:
 
 
 def report(diffs: list[Difference], only: dict[str, list[str]], atol: float, rtol: float) -> str:
+    """The table `python -m trainer.compare` prints: one line per metric, then the verdict."""
     width = max(len("metric"), *(len(d.metric) for d in diffs))
     lines = [f"{'metric':<{width}}  steps  {'max |diff|':>10}  at step  {'max rel':>9}"]
     for d in diffs:
@@ -213,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     except CompareError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(report(diffs, only, args.atol, args.rtol))
+    try:
+        print(f"first:  {metrics_file(args.run_a)}\nsecond: {metrics_file(args.run_b)}")
+        print(report(diffs, only, args.atol, args.rtol), flush=True)
+    except BrokenPipeError:  # `| head`: the reader left; the exit code still tells
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if all(d.within for d in diffs) else EXIT_DIFFERENT
 
 

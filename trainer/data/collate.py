@@ -55,7 +55,7 @@ class PadCollate:
         if isinstance(first, Mapping):
             keys: list[Key] = list(first)
             for s in samples:
-                if not isinstance(s, Mapping) or list(s) != keys:
+                if not isinstance(s, Mapping) or s.keys() != first.keys():
                     got = sorted(s) if isinstance(s, Mapping) else type(s).__name__
                     raise ValueError(
                         f"pad_collate: every sample must have the same fields; the first has "
