@@ -1,6 +1,6 @@
 """Built-in tasks: what turns a batch and a model into a loss *sum* and a count of loss items.
 
-Both read the model's output as logits: the output tensor itself, or its `.logits` (Hugging
+All read the model's output as logits: the output tensor itself, or its `.logits` (Hugging
 Face model outputs, dicts). Batches are either tuples `(inputs, targets)` or dicts of model
 inputs plus `labels` (the model is called with every key but `labels`, so it never computes
 a loss of its own). Targets equal to `IGNORE_INDEX` (-100, the PyTorch and Hugging Face
@@ -147,3 +147,50 @@ class ClassificationTask:
         loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
         correct = ((logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
         return {"loss": loss, "accuracy": correct}
+
+
+class TokenClassificationTask:
+    """One label per position (tagging): cross-entropy summed over positions whose label is not
+    `ignore_index`, which are the loss items; evaluation also reports `val/accuracy` over them.
+
+    Batches are `(inputs, labels)` or dicts with `labels` (the model gets the other keys), with
+    labels of shape (B, T) and logits (B, T, classes). Pad labels with `ignore_index`
+    (`trainer.data.pad_collate(pad={"labels": -100})`): padding is then no loss item.
+    """
+
+    name = "task=token_classification"
+    unit = "tokens"
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX) -> None:
+        self.ignore_index = ignore_index
+
+    def _labels(self, batch: Any) -> tuple[Any, torch.Tensor, bool]:
+        inputs, labels, as_kwargs = _split(batch, self.name)
+        if labels.dim() < 2:
+            raise TaskOutputError(
+                f"{self.name}: labels must hold one label per position, shape (batch, positions); "
+                f"got shape {tuple(labels.shape)}. For one label per sample select "
+                "task=classification"
+            )
+        return inputs, labels, as_kwargs
+
+    def count_items(self, batch: Any) -> torch.Tensor:
+        _, labels, _ = self._labels(batch)
+        return (labels != self.ignore_index).sum()
+
+    def _logits(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, labels, as_kwargs = self._labels(batch)
+        logits = logits_of(_forward(model, inputs, as_kwargs), self.name)  # (B, T, C)
+        _check_shapes(logits, labels, self.name, "the labels")
+        return _float_logits(logits).flatten(0, -2), labels.flatten()  # (B*T, C), (B*T,)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, labels, ignore_index=self.ignore_index, reduction="sum")
+
+    def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self._loss(*self._logits(model, batch))
+
+    def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        logits, labels = self._logits(model, batch)
+        correct = ((logits.argmax(-1) == labels) & (labels != self.ignore_index)).sum()
+        return {"loss": self._loss(logits, labels), "accuracy": correct}

@@ -82,12 +82,15 @@ def test_documented_cli_runs(tmp_path: Path) -> None:
 
 def test_your_model_doc_runs(tmp_path: Path) -> None:
     """docs/your-model.md: its package and config folder, written out, train from the
-    command line and from Python as documented; both learn the tagging rule, and
+    command line and from Python as documented; both learn the tagging rule,
+    `trainer.compare` finds the two splits of one global batch on the same trajectory, and
     `trainer.evaluate` on the command-line run's checkpoint reports its accuracy."""
     project = write_project(tmp_path)
-    (bash,) = commands("bash")
+    bash, compare = commands("bash")
     (script,) = commands("python")
     (tmp_path / "from_python.py").write_text(script)
+    # The doc's `PYTHONPATH=.` would hide this checkout behind an installed cumulus.
+    bash = bash.replace("PYTHONPATH=.", f"PYTHONPATH=.:{REPO}")
     cmds = {
         "cli": ["bash", "-c", bash.replace("python -m", f"{sys.executable} -m")],
         "python": [sys.executable, "from_python.py"],
@@ -99,6 +102,14 @@ def test_your_model_doc_runs(tmp_path: Path) -> None:
     evals = [r for r in read_metrics(project / "runs" / "tagger") if "val/accuracy" in r]
     assert [r["step"] for r in evals] == [50, 100, 150]
     assert evals[-1]["val/accuracy"] > 0.8, evals
+    assert compare.startswith("python -m trainer.compare "), compare
+    proc = subprocess.run(
+        ["bash", "-c", compare.replace("python -m", f"{sys.executable} -m")],
+        capture_output=True, text=True, timeout=60, env=env(), cwd=project,
+    )  # fmt: skip
+    assert proc.returncode == 0, explain(proc)
+    loss = [line.split() for line in proc.stdout.splitlines() if line.startswith("train/loss ")]
+    assert loss and loss[0][1] == "15", proc.stdout  # every record (train.log_every=10)
     proc = subprocess.run(
         [
             sys.executable, "-m", "trainer.evaluate",

@@ -3,8 +3,8 @@
 The project is docs/your-model.md's sequence tagger (written out of the doc by
 `tests.user_project`): a package on PYTHONPATH and a config folder joined with
 `hydra.searchpath`, selected on the command line as `model=tagger task=tagging data=tagging`.
-Its sequences keep 0 to 6 of their 6 tags (the rest are -100), so micro-batches hold
-different numbers of loss items and some samples none at all.
+Its sequences have 0 to 6 positions, padded per micro-batch by `pad_collate` (tags with
+-100), so micro-batches hold different numbers of loss items and some samples none at all.
 
 References are computed here, independently of the trainer: full-batch gradient descent in
 float64 with a plain autograd loop over the whole (tiny) training set.
@@ -93,14 +93,15 @@ def reference(root: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(SEED)  # what the trainer seeds before it builds the model
     model = tagger.Tagger(features=5, hidden=32, classes=4, dtype="float64")
     train = tagger.tagging_data(n_train=8, n_val=4, dtype="float64")["train"]
-    x = torch.stack([train[i][0] for i in range(len(train))])  # (8, 6, 5)
-    y = torch.stack([train[i][1] for i in range(len(train))])  # (8, 6)
-    assert (y != -100).sum(1).tolist() == [0, 1, 2, 3, 4, 5, 6, 0]  # uneven, two samples empty
+    # Unpadded: each sample on its own, (T_i, 5) features and T_i tags.
+    xs = [train[i]["features"] for i in range(len(train))]
+    ys = [torch.tensor(train[i]["labels"], dtype=torch.int64) for i in range(len(train))]
+    assert [len(y) for y in ys] == [0, 1, 2, 3, 4, 5, 6, 0]  # uneven, two samples empty
+    items = sum(len(y) for y in ys)
     params = list(model.parameters())
     losses = []
     for _ in range(STEPS):
-        valid = y != -100
-        loss = F.cross_entropy(model(x)[valid], y[valid], reduction="sum") / valid.sum()
+        loss = sum(F.cross_entropy(model(x), y, reduction="sum") for x, y in zip(xs, ys)) / items
         losses.append(loss.item())
         grads = torch.autograd.grad(loss, params)
         with torch.no_grad():
@@ -282,8 +283,8 @@ class TupleOutput(nn.Module):
         super().__init__()
         self.proj = nn.Linear(features, classes)
 
-    def forward(self, x):
-        return self.proj(x), x
+    def forward(self, features):
+        return self.proj(features), features
 
 
 class Stream(IterableDataset):

@@ -3,7 +3,8 @@
 The callable returns `DataSplits` or a dict with the same keys (`train`, `val`, optionally
 `collate_fn`, ...). Any map-style dataset works (`__len__` and `__getitem__`): the samples of
 optimizer step `s` are then a pure function of (seed, s, global batch size), whatever the
-number of ranks, micro-batches or loader workers (`trainer.data.loader`).
+number of ranks, micro-batches or loader workers (`trainer.data.loader`). Samples of
+different lengths need a `collate_fn`: `pad_collate(pad={...})` pads each field.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.data.collate import PadCollate, pad_collate
 from trainer.errors import ConfigError
+
+__all__ = ["FIELDS", "DataSplits", "PadCollate", "as_splits", "pad_collate"]
 
 
 @dataclass

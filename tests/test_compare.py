@@ -1,0 +1,146 @@
+"""`python -m trainer.compare RUN_A RUN_B`: the split-invariance check as a tool.
+
+Real runs: docs/your-model.md's tagger with `task=token_classification`, one process, the
+same global batch of 8 split as micro 4 x accum 2 and micro 8 x accum 1 (exit 0), and a run
+with another learning rate (exit 1). Written records pin down the rest: which metrics are
+compared, nulls, and the one-paragraph refusals (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import explain, launch_all, run_cli
+from tests.test_user_model import trainer
+from tests.user_project import write_project
+
+RUNS = [
+    "task=token_classification",
+    "data.n_train=8",
+    "data.n_val=4",
+    "optim=sgd",
+    "optim.lr=0.5",
+    "scheduler=constant",
+    "train.max_steps=8",
+    "train.log_every=1",
+    "eval.every_steps=4",
+    "checkpoint.every_steps=0",
+    "logger=none",
+]
+
+
+def compare(*args: str | Path) -> tuple[int, str, str]:
+    proc = run_cli([str(a) for a in args], module="trainer.compare", timeout=60)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def row(stdout: str, metric: str) -> list[str]:
+    (line,) = [ln for ln in stdout.splitlines() if ln.split()[:1] == [metric]]
+    return line.split()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("compare")
+    project = write_project(root / "project")
+    splits = {
+        "micro4_accum2": ["train.micro_batch_size=4", "train.grad_accum_steps=2"],
+        "micro8_accum1": ["train.micro_batch_size=8", "train.grad_accum_steps=1"],
+        "other_lr": ["train.micro_batch_size=4", "train.grad_accum_steps=2", "optim.lr=0.4"],
+    }
+    cmds = {name: trainer(project, root / name, *RUNS, *s) for name, s in splits.items()}
+    results = launch_all(cmds, 150, PYTHONPATH=str(project))
+    for name, proc in results.items():
+        assert proc.returncode == 0, f"{name}\n{explain(proc)}"
+    return {name: root / name for name in splits}
+
+
+def test_two_splits_of_one_global_batch_agree(runs: dict[str, Path]) -> None:
+    """Exit 0, every trajectory metric compared over all 8 steps (2 evaluations), throughput
+    and timing left out; a run directory or its metrics.jsonl both work."""
+    code, out, err = compare(runs["micro4_accum2"], runs["micro8_accum1"] / "metrics.jsonl")
+    assert code == 0, out + err
+    for metric in ("train/loss", "train/grad_norm", "train/lr"):
+        assert row(out, metric)[1] == "8", out
+        assert float(row(out, metric)[2]) <= 1e-5, out
+    assert row(out, "val/accuracy")[1] == "2" and row(out, "val/loss")[1] == "2", out
+    for speed in ("train/tokens_per_s", "train/step_time_ms", "train/peak_mem_mb"):
+        assert speed not in out
+    assert out.splitlines()[-1].startswith("SAME")
+
+
+def test_another_learning_rate_differs(runs: dict[str, Path]) -> None:
+    """Exit 1, naming the metrics outside tolerance; step 1's loss (before any update) is
+    the same in both, so the largest loss difference is at a later step."""
+    code, out, err = compare(runs["micro4_accum2"], runs["other_lr"])
+    assert code == 1, out + err
+    last = out.splitlines()[-1]
+    assert last.startswith("DIFFERENT") and "train/loss" in last and "train/lr" in last, out
+    steps, max_diff, at_step = row(out, "train/loss")[1:4]
+    assert steps == "8" and float(max_diff) > 1e-3 and int(at_step) > 1, out
+    # A tolerance that covers the difference accepts it; --keys narrows what is compared.
+    code, out, _ = compare(runs["micro4_accum2"], runs["other_lr"], "--atol", "1", "--rtol", "0")
+    assert code == 0, out
+    code, out, _ = compare(
+        runs["micro4_accum2"], runs["other_lr"], "--keys", "val/items", "train/epoch"
+    )
+    assert code == 0 and "train/loss" not in out, out
+
+
+def write(path: Path, records: list[dict]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_nulls_duplicates_and_one_sided_metrics(tmp_path: Path) -> None:
+    """A null matches only a null; a step recorded twice keeps its last record; a metric in
+    one run only is listed, not compared."""
+    a = write(
+        tmp_path / "a",
+        [
+            {"step": 1, "train/loss": 2.0, "train/grad_norm": None, "non_finite": ["x"]},
+            {"step": 2, "train/loss": 9.0, "train/grad_norm": 1.0},
+            {"step": 2, "train/loss": 1.5, "train/grad_norm": 1.0},  # after a resume
+            {"step": 2, "val/loss": 1.7, "val/sample": "def f():"},
+        ],
+    )
+    b = write(
+        tmp_path / "b",
+        [
+            {"step": 1, "train/loss": 2.0, "train/grad_norm": None, "train/loss_scale": 8.0},
+            {"step": 2, "train/loss": 1.5, "train/grad_norm": 1.0, "train/loss_scale": 8.0},
+            {"step": 2, "val/loss": 1.7, "val/sample": "class A:"},
+        ],
+    )
+    code, out, _ = compare(a, b)
+    assert code == 0, out
+    assert "only in the second run (not compared): train/loss_scale" in out
+    assert "val/sample" not in out
+    c = write(tmp_path / "c", [{"step": 1, "train/loss": 2.0, "train/grad_norm": 3.0}])
+    code, out, _ = compare(a, c)
+    assert code == 1 and row(out, "train/grad_norm")[2] == "inf", out
+
+
+def test_refusals_are_one_paragraph(tmp_path: Path) -> None:
+    """No metrics.jsonl, no common step, a line that is not a record: exit 2 and one
+    paragraph saying what to give."""
+    a = write(tmp_path / "a", [{"step": 1, "train/loss": 2.0}])
+    b = write(tmp_path / "b", [{"step": 5, "train/loss": 2.0}])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.0}\n{"st')
+    cases = {
+        tmp_path / "empty": "has no metrics.jsonl",
+        tmp_path / "missing": "does not exist",
+        b: "share no step of any metric (the first records steps 1-1, the second steps 5-5)",
+        tmp_path / "torn": "line 2, is not a cumulus record",
+    }
+    for other, says in cases.items():
+        code, out, err = compare(a, other)
+        assert code == 2, out + err
+        assert err.count("\n") == 1 and err.startswith("error: ") and says in err, err
+        assert "Traceback" not in err and not out

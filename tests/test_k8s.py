@@ -1,0 +1,233 @@
+"""docker/k8s/: the Kubeflow TrainJob and the JobSet run the README's multi-node command.
+
+The manifests are parsed with `yaml.safe_load`; their torchrun command is compared with the
+one under "Training" in the README (the same flags in the same order, c10d rendezvous,
+`-m trainer.train`) and with the README's "Deploy on Kubernetes" section; the rendezvous
+endpoint is the one the runtime provides; the run directory is on the shared claim. Each
+manifest's script then runs here, on one node, with the variables its runtime would inject.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, explain, launch_all, read_metrics, stdlib_text, train_records
+
+K8S = REPO / "docker" / "k8s"
+README = (REPO / "README.md").read_text()
+# What Kubeflow Trainer's torch plugin sets in the trainer container (and refuses in
+# spec.trainer.env): pkg/runtime/framework/plugins/torch/torch.go.
+PET = {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"}
+
+
+def load(name: str) -> dict[str, Any]:
+    return yaml.safe_load((K8S / name).read_text())
+
+
+def torchrun_commands(text: str) -> list[list[str]]:
+    """The multi-node torchrun commands (with `--nnodes`) of a script or README section,
+    continuation lines joined, comments and a leading `exec` dropped."""
+    joined = re.sub(r"\\\n", " ", text)
+    lines = [ln for ln in joined.splitlines() if re.match(r"\s*(exec\s+)?torchrun .*--nnodes", ln)]
+    commands = [shlex.split(line, comments=True) for line in lines]
+    return [c[1:] if c[0] == "exec" else c for c in commands]
+
+
+def torchrun_tokens(text: str) -> list[str]:
+    (tokens,) = torchrun_commands(text)
+    return tokens
+
+
+def flags(tokens: list[str]) -> list[str]:
+    """Launcher flag names, up to the module."""
+    return [t.split("=")[0] for t in tokens[1 : tokens.index("-m")]]
+
+
+def option(tokens: list[str], name: str) -> str:
+    (value,) = [t.split("=", 1)[1] for t in tokens if t.startswith(f"{name}=")]
+    return value
+
+
+def readme_section(title: str) -> str:
+    return README.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def trainjob_container() -> tuple[dict[str, Any], dict[str, Any]]:
+    job = load("trainjob.yaml")
+    (override,) = job["spec"]["podTemplateOverrides"]
+    return job, override
+
+
+def jobset_container() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    js = load("jobset.yaml")
+    (rjob,) = js["spec"]["replicatedJobs"]
+    pod = rjob["template"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return js, rjob, pod | {"container": container}
+
+
+def script_of(command: list[str]) -> str:
+    """The script of `bash -c SCRIPT NAME`: Hydra overrides come after it, from `args`."""
+    assert command[:2] == ["bash", "-c"] and len(command) == 4, command
+    return command[2]
+
+
+def run_dir_on_claim(tokens: list[str], volumes: list[dict], mounts: list[dict]) -> None:
+    claim = load("pvc.yaml")
+    assert "ReadWriteMany" in claim["spec"]["accessModes"]  # pods on several nodes mount it
+    (volume,) = [v for v in volumes if "persistentVolumeClaim" in v]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    (mount,) = [m for m in mounts if m["name"] == volume["name"]]
+    run_dir = option(tokens, "hydra.run.dir")
+    assert run_dir.startswith(mount["mountPath"].rstrip("/") + "/"), (run_dir, mount)
+
+
+README_COMMAND = torchrun_commands(readme_section("Training"))[0]
+
+
+def test_readme_command_is_the_multi_node_one() -> None:
+    """Guards the reference itself: the README's multi-node line under Training."""
+    assert flags(README_COMMAND) == [
+        "--nnodes",
+        "--nproc_per_node",
+        "--rdzv_backend",
+        "--rdzv_endpoint",
+        "--rdzv_id",
+    ]
+    assert option(README_COMMAND, "--rdzv_backend") == "c10d"
+
+
+@pytest.mark.parametrize("manifest", ["trainjob.yaml", "jobset.yaml"])
+def test_manifest_runs_the_readme_command(manifest: str) -> None:
+    """Same flags in the same order, c10d, `-m trainer.train`, the args appended; the
+    README's deploy section shows exactly this command."""
+    if manifest == "trainjob.yaml":
+        command = trainjob_container()[0]["spec"]["trainer"]["command"]
+    else:
+        command = jobset_container()[2]["container"]["command"]
+    tokens = torchrun_tokens(script_of(command))
+    assert tokens[0] == "torchrun" and flags(tokens) == flags(README_COMMAND), tokens
+    assert option(tokens, "--rdzv_backend") == "c10d"
+    assert tokens[tokens.index("-m") + 1] == "trainer.train" and tokens[-1] == "$@", tokens
+    shown = torchrun_commands(readme_section("Deploy on Kubernetes"))
+    assert tokens in shown, (tokens, shown)
+
+
+def test_trainjob_reads_what_kubeflow_trainer_injects() -> None:
+    """Every variable the command reads is one the torch plugin sets (none is set by hand:
+    the webhook refuses them); the endpoint is the first pod's address; the run dir is on
+    the claim mounted into the runtime's `node` container."""
+    job, override = trainjob_container()
+    assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["kind"] == "TrainJob"
+    assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    trainer = job["spec"]["trainer"]
+    script = script_of(trainer["command"])
+    assert set(re.findall(r"\$\{?(\w+)", script)) == PET - {"PET_NODE_RANK"}  # c10d ranks
+    assert not PET & {e["name"] for e in trainer.get("env", [])}
+    tokens = torchrun_tokens(script)
+    assert option(tokens, "--nnodes") == "$PET_NNODES"
+    assert option(tokens, "--rdzv_endpoint") == "$PET_MASTER_ADDR:$PET_MASTER_PORT"
+    assert override["targetJobs"] == [{"name": "node"}]
+    (container,) = override["spec"]["containers"]
+    assert container["name"] == "node"
+    run_dir_on_claim(tokens, override["spec"]["volumes"], container["volumeMounts"])
+
+
+def test_jobset_endpoint_is_its_first_pod() -> None:
+    """The rendezvous endpoint is the DNS name JobSet gives the first pod of the first job,
+    on a port the container declares; NNODES is the number of pods."""
+    js, rjob, pod = jobset_container()
+    assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and js["kind"] == "JobSet"
+    network = js["spec"]["network"]
+    assert network["enableDNSHostnames"] is True
+    container = pod["container"]
+    env = {e["name"]: e for e in container["env"]}
+    name, subdomain = js["metadata"]["name"], network.get("subdomain", js["metadata"]["name"])
+    host, port = env["RDZV_ENDPOINT"]["value"].rsplit(":", 1)
+    assert host == f"{name}-{rjob['name']}-0-0.{subdomain}"
+    assert int(port) in [p["containerPort"] for p in container["ports"]]
+    spec = rjob["template"]["spec"]
+    assert int(env["NNODES"]["value"]) == spec["completions"] == spec["parallelism"]
+    assert rjob["replicas"] == 1
+    index = env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert index == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    tokens = torchrun_tokens(script_of(container["command"]))
+    assert option(tokens, "--nnodes") == "$NNODES"
+    assert option(tokens, "--rdzv_endpoint") == "$RDZV_ENDPOINT"
+    run_dir_on_claim(tokens, pod["volumes"], container["volumeMounts"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiproc
+def test_manifest_scripts_train_on_one_node(tmp_path: Path) -> None:
+    """Each script, as the pod runs it (`bash -c SCRIPT NAME ARGS...`), with its runtime's
+    variables for one node of one process and the volume's mount path pointing here: torchrun
+    rendezvouses over c10d and the run writes its records into the run dir on the volume."""
+    text = stdlib_text(tmp_path / "text.py", 60_000)
+    args = [
+        "model=gpt_tiny",
+        "logger=none",
+        f"data.path={text}",
+        "train.max_steps=3",
+        "train.micro_batch_size=4",
+        "train.grad_accum_steps=1",
+        "train.log_every=1",
+        "eval.every_steps=0",
+        "checkpoint.every_steps=0",
+    ]
+    job, override = trainjob_container()
+    _, _, pod = jobset_container()
+    port_a, port_b = free_port(), free_port()
+    runs = {
+        "trainjob": (
+            job["spec"]["trainer"]["command"],
+            override["spec"]["containers"][0]["volumeMounts"][0]["mountPath"],
+            {
+                "PET_NNODES": "1",
+                "PET_NPROC_PER_NODE": "1",
+                "PET_NODE_RANK": "0",
+                "PET_MASTER_ADDR": "127.0.0.1",
+                "PET_MASTER_PORT": str(port_a),
+            },
+        ),
+        "jobset": (
+            pod["container"]["command"],
+            pod["container"]["volumeMounts"][0]["mountPath"],
+            {
+                "NNODES": "1",
+                "NPROC_PER_NODE": "1",
+                "RDZV_ENDPOINT": f"127.0.0.1:{port_b}",
+                "NODE_RANK": "0",
+            },
+        ),
+    }
+    cmds, run_dirs = {}, {}
+    for name, (command, mount, variables) in runs.items():
+        volume = tmp_path / name
+        script = script_of(command).replace(mount, str(volume))
+        run_dirs[name] = Path(option(torchrun_tokens(script), "hydra.run.dir"))
+        assert run_dirs[name].is_relative_to(volume)
+        script = script.replace(
+            "exec torchrun ", f"exec {sys.executable} -m torch.distributed.run "
+        )
+        # Each in its own environment: a shell prefix, as the pod's env would set them.
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
+        cmds[name] = ["bash", "-c", f"export {prefix}\n{script}", command[3], *args]
+    results = launch_all(cmds, 150, TMPDIR=str(tmp_path))
+    for name, proc in results.items():
+        assert proc.returncode == 0, f"{name}\n{explain(proc)}"
+        records = train_records(read_metrics(run_dirs[name]))
+        assert [r["step"] for r in records] == [1, 2, 3], f"{name}\n{explain(proc)}"
