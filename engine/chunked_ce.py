@@ -100,19 +100,20 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 loss = loss + torch.where(v_c, lse - picked, 0.0).sum()
                 if not any(wants):
                     continue
-                # d loss / d logits = softmax - onehot on valid rows, 0 on ignored ones.
-                g = logits.sub_(lse[:, None]).exp_()  # (n_c, V), in place over the logits
+                # d loss / d logits = softmax - onehot: (n_c, V), in place over the logits. Its
+                # ignored rows are zeroed on the (n_c, C) side of the products, not here.
+                g = logits.sub_(lse[:, None]).exp_()
                 g.scatter_add_(1, t_c[:, None], torch.full_like(lse[:, None], -1.0))
-                g.mul_(v_c[:, None])
                 g_low = g.to(compute_dtype)  # the plain path's matmuls take this dtype too
+                keep = v_c[:, None].to(compute_dtype)  # (n_c, 1): 1 valid, 0 ignored
                 if grad_h is not None:
-                    grad_h[rows] = g_low @ w  # (n_c, C)
+                    grad_h[rows] = (g_low @ w).mul_(keep)  # (n_c, C)
                 if grad_w is not None and compute_dtype == acc:
-                    grad_w.addmm_(g_low.t(), h_c)  # (V, C)
+                    grad_w.addmm_(g_low.t(), h_c * keep)  # (V, C)
                 elif grad_w is not None:  # each chunk's low-precision product summed in fp32
-                    grad_w += (g_low.t() @ h_c).to(acc)
+                    grad_w += (g_low.t() @ (h_c * keep)).to(acc)
                 if grad_b is not None:
-                    grad_b += g.sum(0)
+                    grad_b += (keep.t().to(acc) @ g).squeeze(0)  # (V,)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
