@@ -177,6 +177,12 @@ class ChunkedCrossEntropy:
     def __call__(
         self, hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor
     ) -> torch.Tensor:
+        if type(head).forward is not nn.Linear.forward:  # e.g. fake-quantized weights
+            raise ValueError(
+                f"the chunked loss computes the output layer as F.linear(hidden, weight, bias); "
+                f"{type(head).__name__} has a forward of its own, so its logits may differ. "
+                "Do not declare output_head() for it, or set task.chunk_size=null"
+            )
         if hidden.shape[:-1] != targets.shape:
             raise ValueError(
                 f"the model's hidden states have shape {tuple(hidden.shape)}, which does not fit "

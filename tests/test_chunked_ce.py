@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from engine.chunked_ce import OutputHead, chunked_cross_entropy
+from engine.chunked_ce import ChunkedCrossEntropy, OutputHead, chunked_cross_entropy
 from engine.tasks import CausalLMTask
 from tests.conftest import (
     compose_config,
@@ -31,7 +31,7 @@ from tests.conftest import (
 )
 from trainer.build import build_task
 from trainer.cli import to_config
-from trainer.models.gpt import GPT
+from trainer.models.gpt import GPT, FakeQuantLinear
 
 N, C, V = 301, 24, 1000  # tokens, width, vocabulary
 
@@ -226,6 +226,10 @@ def test_threshold_keeps_small_vocabularies_on_the_plain_path() -> None:
     assert not CausalLMTask(chunked_vocab_threshold=1).chunked(nn.Linear(4, 50257))
     with pytest.raises(ValueError, match="chunk_size"):
         CausalLMTask(chunk_size=0)
+    # A head whose forward is not F.linear's would silently change the logits: refused.
+    quantized = FakeQuantLinear(C, V, bias=False, bits=4)
+    with pytest.raises(ValueError, match="FakeQuantLinear has a forward of its own"):
+        ChunkedCrossEntropy(8)(torch.randn(2, 3, C), quantized, torch.zeros(2, 3, dtype=torch.long))
 
 
 # ---- the real trainer
