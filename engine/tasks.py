@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from engine.chunked_ce import IGNORE_INDEX, ChunkedCrossEntropy, OutputHead
+from engine.distributed import unwrap
 
 
 class TaskOutputError(TypeError):
@@ -81,9 +82,34 @@ class CausalLMTask:
     are `input_ids`, with positions where `attention_mask` is 0 ignored. Dict targets are
     shifted here: the logits at t predict `labels[:, t + 1]`, so the loss items are the
     non-ignored `labels[:, 1:]` (one fewer per row than the labels).
+
+    Large vocabularies: when the model declares `OutputHead` (engine/chunked_ce.py) and its
+    output layer has at least `chunked_vocab_threshold` classes, the loss is computed
+    `chunk_size` tokens at a time inside the model's forward (the same sum, never the logits
+    of the whole micro-batch); `chunk_size=None` always uses the plain logits.
     """
 
     name = "task=causal_lm"
+
+    def __init__(self, chunk_size: int | None = 2048, chunked_vocab_threshold: int = 32768) -> None:
+        if chunk_size is not None and chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive number or null, got {chunk_size}")
+        if chunked_vocab_threshold <= 0:
+            raise ValueError(
+                f"chunked_vocab_threshold must be a positive number, got {chunked_vocab_threshold}"
+            )
+        self.chunked_vocab_threshold = chunked_vocab_threshold
+        # One object for the whole run: torch.compile guards on it, so it must not change.
+        self.head_loss = None if chunk_size is None else ChunkedCrossEntropy(chunk_size)
+
+    def chunked(self, model: nn.Module) -> bool:
+        """Whether `model` (maybe DDP-, FSDP- or compile-wrapped) gets the chunked loss."""
+        inner = unwrap(model)
+        return (
+            self.head_loss is not None
+            and isinstance(inner, OutputHead)
+            and inner.output_head().out_features >= self.chunked_vocab_threshold
+        )
 
     def _targets(self, batch: Any) -> tuple[Any, torch.Tensor, bool]:
         if isinstance(batch, Mapping) and "labels" not in batch:
@@ -106,6 +132,8 @@ class CausalLMTask:
 
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
         inputs, targets, as_kwargs = self._targets(batch)
+        if self.chunked(model):
+            return self._chunked_loss_sum(model, inputs, targets, as_kwargs)
         logits = logits_of(_forward(model, inputs, as_kwargs), self.name)  # (B, T, V)
         if as_kwargs:
             logits = logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
@@ -116,6 +144,23 @@ class CausalLMTask:
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         )
+
+    def _chunked_loss_sum(
+        self, model: nn.Module, inputs: Any, targets: torch.Tensor, as_kwargs: bool
+    ) -> torch.Tensor:
+        if as_kwargs:  # (B, T): the last position predicts nothing
+            targets = F.pad(targets, (0, 1), value=IGNORE_INDEX)
+        # Through the (wrapped) model's own call: DDP's and FSDP's hooks fire as for logits.
+        loss_kwargs = {"head_loss": self.head_loss, "head_targets": targets}
+        extra = {**inputs, **loss_kwargs} if as_kwargs else loss_kwargs
+        loss = model(**extra) if as_kwargs else model(inputs, **extra)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            raise TaskOutputError(
+                f"{self.name}: {type(unwrap(model)).__name__} declares output_head(), so its "
+                "forward(..., head_loss=fn, head_targets=targets) must return fn's scalar loss; "
+                f"it returned a {type(loss).__name__}. See engine/chunked_ce.py's OutputHead"
+            )
+        return loss
 
 
 class ClassificationTask:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.chunked_ce import HeadLoss
 from engine.functional import fake_quantize
 
 
@@ -148,6 +149,10 @@ class GPT(nn.Module):
     def block_modules(self) -> Sequence[nn.Module]:
         return list(self.blocks)
 
+    def output_head(self) -> nn.Linear:
+        """The output layer (engine/chunked_ce.py's `OutputHead`): its weight is `tok_emb`'s."""
+        return self.lm_head
+
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
@@ -165,14 +170,23 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab) for token ids `idx` (B, T)."""
+    def forward(
+        self,
+        idx: torch.Tensor,
+        head_loss: HeadLoss | None = None,
+        head_targets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids `idx` (B, T); with `head_loss`, instead its
+        value on the final hidden states, the output layer and `head_targets` (B, T)."""
         T = idx.size(1)
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)  # (B, T, C)
+        if head_loss is not None:  # e.g. a chunked cross-entropy that never holds all logits
+            return head_loss(x, self.lm_head, head_targets)
+        return self.lm_head(x)  # (B, T, vocab)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

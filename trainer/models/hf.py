@@ -6,10 +6,13 @@ Built from a config with random initialization (no download), or loaded from a l
 itself, subclassed only to add what the trainer may ask beyond `forward` (engine/model.py):
 its blocks come from transformers' own `_no_split_modules`, `flops_per_token` from the
 config's shapes, and `generate(ids, max_new_tokens, generator=)` samples reproducibly with
-transformers' generation. Parameter names are transformers' own, so a checkpoint's weights
-are a `state_dict` that `from_pretrained` reads (scripts/export_hf.py writes the directory).
-The loss is never computed by the model: `task=causal_lm` reads `.logits` and divides the
-summed loss by the global count of targets, exact for every model.
+transformers' generation. Families whose logits are exactly the output layer applied to the
+last hidden state (`HEAD_FAMILIES`) also declare engine/chunked_ce.py's `OutputHead`, so a
+large vocabulary's loss runs chunked, never holding the logits of the whole micro-batch.
+Parameter names are transformers' own, so a checkpoint's weights are a `state_dict` that
+`from_pretrained` reads (scripts/export_hf.py writes the directory). transformers' own loss
+is never used: `task=causal_lm` sums the loss over `.logits` (or has it summed chunk by
+chunk) and divides by the global count of targets, exact for every model.
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.chunked_ce import HeadLoss
 from trainer.errors import UserError
 
 EXTRA = "hf"
 # Config fields that do not change the architecture: applied to a pretrained model too.
 RUNTIME = {"use_cache", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"}
+# model_types whose causal LM computes `logits = lm_head(last_hidden_state)` and nothing more
+# (no logit scaling or soft-capping): the chunked loss equals theirs (tests/test_chunked_ce.py).
+HEAD_FAMILIES = frozenset({"gpt2", "llama", "mistral", "qwen2"})
 
 
 def require_transformers() -> Any:
@@ -119,10 +126,35 @@ def refuse_custom_code(path: Path) -> None:
         )
 
 
+class OutputHeadHooks:
+    """engine/chunked_ce.py's `OutputHead` for a causal LM of `HEAD_FAMILIES`: with
+    `head_loss=`, forward runs the base model and hands its last hidden state to the loss
+    instead of computing the logits."""
+
+    base_model: nn.Module
+
+    def output_head(self) -> nn.Linear:
+        return self.get_output_embeddings()  # type: ignore[attr-defined]
+
+    def forward(
+        self,
+        *args: Any,
+        head_loss: HeadLoss | None = None,
+        head_targets: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if head_loss is None:
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        hidden = self.base_model(*args, **kwargs)[0]  # (B, T, C): last_hidden_state
+        return head_loss(hidden, self.output_head(), head_targets)
+
+
 @functools.cache
 def _with_hooks(cls: type) -> type:
     """`cls` with cumulus's hooks; a module-level name so pickling and FSDP see a real class."""
-    sub = type(f"Cumulus{cls.__name__}", (CumulusHooks, cls), {"__module__": __name__})
+    model_type = getattr(getattr(cls, "config_class", None), "model_type", None)
+    extra = (OutputHeadHooks,) if model_type in HEAD_FAMILIES else ()
+    sub = type(f"Cumulus{cls.__name__}", (*extra, CumulusHooks, cls), {"__module__": __name__})
     globals()[sub.__name__] = sub
     return sub
 

@@ -1,0 +1,198 @@
+"""Exact cross-entropy over a large vocabulary without the logits of the whole micro-batch.
+
+A language model's last layer maps N hidden states (N, C) to logits (N, V). At GPT-2's
+vocabulary (V = 50,257) and 16 x 1024 tokens those logits are 3.3 GB in fp32, and the plain
+loss keeps them (and their gradient) alive. Here the tokens go through the output layer a
+chunk at a time: each chunk's logits (chunk, V) give its log-sum-exp, its loss and, when a
+gradient is wanted, `softmax - onehot` right away, from which the chunk's share of the
+gradients of the hidden states and of the output layer is formed before the next chunk. No
+logit is recomputed in backward: backward only multiplies the stored gradients by the scalar
+that reaches the loss. Peak extra memory is O(chunk x V) instead of O(N x V); the result is
+the same sum over valid tokens as `F.cross_entropy(..., reduction="sum")`, to round-off.
+
+Precision follows the plain path: under autocast the matmuls run in the autocast dtype, the
+log-sum-exp, the loss and the accumulated gradients in fp32 (float64 stays float64).
+
+A model opts in by declaring `OutputHead` (engine/tasks.py's `CausalLMTask` then passes
+`head_loss=` and `head_targets=` through the model's own forward, so DDP's and FSDP's hooks
+and torch.compile see the whole computation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+IGNORE_INDEX = -100
+
+
+class HeadLoss(Protocol):
+    """What a model calls in place of its output layer: (hidden, head, targets) -> loss."""
+
+    def __call__(
+        self, hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class OutputHead(Protocol):
+    """A causal LM whose logits are exactly `output_head()(final hidden states)`.
+
+    Declaring it promises that `forward(inputs, head_loss=fn, head_targets=targets)` returns
+    `fn(hidden (B, T, C), self.output_head(), targets (B, T))` instead of the logits, from
+    the same hidden states the logits would be computed from (trainer/models/gpt.py and
+    trainer/models/hf.py implement it).
+    """
+
+    def output_head(self) -> nn.Linear: ...
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the plain `head(hidden)` would multiply in: autocast's for fp32/bf16/fp16
+    inputs, else the inputs' own (autocast leaves float64 alone)."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    device = hidden.device.type
+    if dtype != torch.float64 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return dtype
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Loss sum and, in the same pass, its gradients; backward scales them."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk_size: int,
+        ignore_index: int,
+        compute_dtype: torch.dtype,
+        wants: tuple[bool, bool, bool],
+    ) -> torch.Tensor:
+        # hidden (N, C), weight (V, C), bias (V,) or None, targets (N,)
+        acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
+        n = hidden.size(0)
+        with torch.autocast(hidden.device.type, enabled=False):
+            h = hidden.to(compute_dtype)
+            w = weight.to(compute_dtype)
+            b = None if bias is None else bias.to(compute_dtype)
+            valid = targets != ignore_index  # (N,)
+            safe = targets.masked_fill(~valid, 0)  # ignored rows index class 0, masked below
+            loss = torch.zeros((), dtype=acc, device=hidden.device)
+            # Only the gradients backward will be asked for: (N, C), (V, C), (V,).
+            grad_h = torch.empty(hidden.shape, dtype=acc, device=h.device) if wants[0] else None
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=w.device) if wants[1] else None
+            grad_b = torch.zeros(bias.shape, dtype=acc, device=w.device) if wants[2] else None
+            for start in range(0, n, chunk_size):
+                rows = slice(start, start + chunk_size)
+                h_c, t_c, v_c = h[rows], safe[rows], valid[rows]
+                logits = F.linear(h_c, w, b).to(acc)  # (n_c, V)
+                lse = torch.logsumexp(logits, dim=-1)  # (n_c,)
+                picked = logits.gather(1, t_c[:, None]).squeeze(1)  # (n_c,)
+                loss = loss + torch.where(v_c, lse - picked, 0.0).sum()
+                if not any(wants):
+                    continue
+                # d loss / d logits = softmax - onehot: (n_c, V), in place over the logits. Its
+                # ignored rows are zeroed on the (n_c, C) side of the products, not here.
+                g = logits.sub_(lse[:, None]).exp_()
+                g.scatter_add_(1, t_c[:, None], torch.full_like(lse[:, None], -1.0))
+                g_low = g.to(compute_dtype)  # the plain path's matmuls take this dtype too
+                keep = v_c[:, None].to(compute_dtype)  # (n_c, 1): 1 valid, 0 ignored
+                if grad_h is not None:
+                    grad_h[rows] = (g_low @ w).mul_(keep)  # (n_c, C)
+                if grad_w is not None and compute_dtype == acc:
+                    grad_w.addmm_(g_low.t(), h_c * keep)  # (V, C)
+                elif grad_w is not None:  # each chunk's low-precision product summed in fp32
+                    grad_w += (g_low.t() @ (h_c * keep)).to(acc)
+                if grad_b is not None:
+                    grad_b += (keep.t().to(acc) @ g).squeeze(0)  # (V,)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads = [
+            None if grad is None else (grad * grad_loss).to(dtype)
+            for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes)
+        ]
+        return (*grads, None, None, None, None, None)
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = 2048,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Sum over the tokens whose target is not `ignore_index` of the cross-entropy of
+    `hidden @ weight.T + bias` against `targets`, `chunk_size` tokens at a time.
+
+    Equals `F.cross_entropy(F.linear(hidden, weight, bias), targets, ignore_index=...,
+    reduction="sum")` (logits in fp32) in value and gradients (wrt hidden, weight, bias) to
+    round-off, without ever holding more than (chunk_size, V) logits. Not twice
+    differentiable.
+
+    Args:
+        hidden: (N, C) final hidden states.
+        weight: (V, C) output layer weight (may be tied to the input embedding).
+        targets: (N,) class indices, `ignore_index` where a token is no loss item.
+        bias: (V,) or None.
+        chunk_size: tokens per chunk; the last chunk may be shorter.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"chunked_cross_entropy: hidden must be (N, C) and targets (N,), got "
+            f"{tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    grad = torch.is_grad_enabled()
+    wants = tuple(grad and t is not None and t.requires_grad for t in (hidden, weight, bias))
+    dtype = _compute_dtype(hidden, weight)
+    return _ChunkedCrossEntropy.apply(
+        hidden, weight, bias, targets, chunk_size, ignore_index, dtype, wants
+    )
+
+
+@dataclass(frozen=True)
+class ChunkedCrossEntropy:
+    """The `HeadLoss` a causal LM task passes to a model's forward: one object per run, so
+    torch.compile sees the same one every step."""
+
+    chunk_size: int = 2048
+    ignore_index: int = IGNORE_INDEX
+
+    def __call__(
+        self, hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor
+    ) -> torch.Tensor:
+        if type(head).forward is not nn.Linear.forward:  # e.g. fake-quantized weights
+            raise ValueError(
+                f"the chunked loss computes the output layer as F.linear(hidden, weight, bias); "
+                f"{type(head).__name__} has a forward of its own, so its logits may differ. "
+                "Do not declare output_head() for it, or set task.chunk_size=null"
+            )
+        if hidden.shape[:-1] != targets.shape:
+            raise ValueError(
+                f"the model's hidden states have shape {tuple(hidden.shape)}, which does not fit "
+                f"targets of shape {tuple(targets.shape)}: they must be (*targets.shape, C)"
+            )
+        return chunked_cross_entropy(
+            hidden.flatten(0, -2),  # (N, C)
+            head.weight,
+            targets.flatten(),  # (N,)
+            bias=head.bias,
+            chunk_size=self.chunk_size,
+            ignore_index=self.ignore_index,
+        )
