@@ -100,7 +100,8 @@ class DPSGDStep:
         self.noise_multiplier = float(noise_multiplier)
         self.delta = float(delta)
         self.seed = int(seed)
-        self.batch_size: int | None = None  # global batch in samples (expected, if Poisson)
+        # Global batch in samples (expected, if Poisson); None: the realized size of each step.
+        self.batch_size: int | None = None
         self.accountant: RDPAccountant | None = None
         self._checked = False
 
@@ -126,29 +127,33 @@ class DPSGDStep:
             if ctx.precision.scaler is not None:
                 raise ValueError("step=dp_sgd supports train.precision=fp32|bf16, not fp16")
             self._checked = True
-        if self.batch_size is None:
-            raise RuntimeError("DPSGDStep.set_sampling(global_batch_size, dataset_size) first")
         ctx.optimizer.zero_grad(set_to_none=True)
         global_count = count_window(ctx, window)  # loss items: what train/loss is a mean of
         model = unwrap(ctx.model)
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         summed = {n: torch.zeros_like(p) for n, p in params.items()}  # Σ clipped g_i
         loss_sum = torch.zeros((), device=ctx.dist.device)
+        samples = 0
         for batch in window:
-            if batch is None or _rows(batch) == 0:  # an empty Poisson micro-batch
+            rows = 0 if batch is None else _rows(batch)
+            if rows == 0:  # an empty Poisson micro-batch
                 continue
+            samples += rows
             loss = self._clipped_sum_into(ctx, model, params, batch, summed)
             # fp32, or the loss's own precision when higher (float64 models)
             loss_sum = loss_sum + (loss if loss.dtype == torch.float64 else loss.float())
         grads = list(summed.values())
-        if ctx.dist.distributed:  # one collective for the whole gradient
-            flat = torch.cat([g.flatten() for g in grads])
+        # One collective for the whole gradient and the sample count.
+        flat = torch.cat([*(g.flatten() for g in grads), grads[0].new_full((1,), samples)])
+        if ctx.dist.distributed:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            pieces = flat.split([g.numel() for g in grads])
-            torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(pieces, grads)])
+        pieces = flat.split([g.numel() for g in grads] + [1])
+        torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(pieces, grads)])
         self._add_noise(ctx, grads)
+        # The configured (expected) global batch; without `set_sampling`, the realized one.
+        divisor = self.batch_size if self.batch_size is not None else pieces[-1].clamp(min=1)
         for p, g in zip(params.values(), grads):
-            p.grad = g.div_(self.batch_size)
+            p.grad = g.div_(divisor)
         return finish_step(ctx, loss_sum, global_count)
 
     def _clipped_sum_into(
