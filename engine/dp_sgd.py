@@ -182,10 +182,10 @@ class DPSGDStep:
         )
         grads, losses = per_sample(detached, batch)  # {name: (n, *shape)}, (n,)
         with torch.no_grad():
-            sq = torch.stack([g.flatten(1).double().square().sum(1) for g in grads.values()]).sum(
-                0
-            )  # (n,)
-            norms = sq.sqrt()
+            # Each parameter's per-sample norms in its own dtype (one pass, no float64 copy of
+            # the per-sample gradients), combined in float64: (P, n) -> (n,)
+            per_param = [torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads.values()]
+            norms = torch.linalg.vector_norm(torch.stack(per_param).double(), dim=0)
             # min(1, C/‖g_i‖), exactly: no epsilon in the denominator.
             factor = torch.where(
                 norms > self.max_grad_norm, self.max_grad_norm / norms, torch.ones_like(norms)

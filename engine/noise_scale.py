@@ -35,11 +35,11 @@ from engine.step import StepContext
 
 
 def _sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of all `tensors`, in float64."""
+    """Sum of squares of all `tensors`, summed in float64 (each tensor's norm in its own dtype:
+    no float64 copy of the gradients)."""
     if not tensors:
         return torch.zeros((), dtype=torch.float64)
-    norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float64)
-    return torch.stack(norms).square().sum()
+    return torch.stack(torch._foreach_norm(tensors, 2.0)).double().square().sum()
 
 
 class NoiseScale(Callback):
@@ -58,7 +58,10 @@ class NoiseScale(Callback):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         self.decay = decay
-        self._prev: list[torch.Tensor] | None = None  # .grad after the previous micro-batch
+        # .grad after the previous micro-batch (zeros where it was None), in buffers allocated
+        # once: subtracting in place costs no allocation. `_started`: they hold this window's.
+        self._prev: dict[int, torch.Tensor] = {}
+        self._started = False
         self._hooked: torch.Tensor | None = None  # |delta|² the comm hook saw (DDP, synced)
         self._params: list[nn.Parameter] = []
         self._small = torch.zeros(3, dtype=torch.float64)  # Σ|g_i|², Σ 1/b_i, count
@@ -88,36 +91,35 @@ class NoiseScale(Callback):
         objects, and here they would be strings (`from __future__ import annotations`)."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        prev = self._prev_by_param()
-        deltas = [
-            g - prev[id(p)] if id(p) in prev else g
-            for p, g in zip(bucket.parameters(), bucket.gradients())
-        ]
+        deltas = list(bucket.gradients())
+        if self._started:  # prev - g: the negated local delta, in place (prev is not read again
+            # before the next micro-batch overwrites it)
+            prev = self._prev
+            deltas = [
+                prev[id(p)].sub_(g) if id(p) in prev else g
+                for p, g in zip(bucket.parameters(), deltas)
+            ]
         sq = _sq_norm(deltas)
         self._hooked = sq if self._hooked is None else self._hooked + sq
         return allreduce_hook(state, bucket)
 
-    def _prev_by_param(self) -> dict[int, torch.Tensor]:
-        if self._prev is None:
-            return {}
-        return {id(p): t for p, t in zip(self._params, self._prev)}
-
     def on_after_micro_batch(
         self, ctx: StepContext, batch: Any, global_count: torch.Tensor, last: bool
     ) -> None:
-        if self._prev is None:  # first micro-batch of a window
+        if not self._started:  # first micro-batch of a window
             self._params = [p for p in ctx.model.parameters() if p.requires_grad]
             self._small.zero_()
-        grads = [p.grad for p in self._params]
+        pairs = [(p.grad, self._buffer(p)) for p in self._params if p.grad is not None]
+        grads = [g for g, _ in pairs]
         with torch.no_grad():
             if self._hooked is not None:  # synchronized: the comm hook saw the local part
                 delta_sq, self._hooked = self._hooked, None
-            elif self._prev is None:
-                delta_sq = _sq_norm([g for g in grads if g is not None])
-            else:
-                delta_sq = _sq_norm(
-                    [g if p is None else g - p for g, p in zip(grads, self._prev) if g is not None]
-                )
+            elif not self._started:
+                delta_sq = _sq_norm(grads)
+            else:  # prev - g in place: its norm is the micro-batch's delta's
+                prev = [b for _, b in pairs]
+                torch._foreach_sub_(prev, grads)
+                delta_sq = _sq_norm(prev)
             count = global_count.to(delta_sq.device, torch.float64).clamp(min=1)
             items = ctx.task.count_items(batch).to(delta_sq.device, torch.float64)
             has_items = (items > 0).to(torch.float64)  # an all-padding micro-batch adds nothing
@@ -130,11 +132,19 @@ class NoiseScale(Callback):
                 [delta_sq * factor.square(), 1.0 / items, torch.ones_like(items)]
             )
             if not last:
-                self._prev = [None if g is None else g.detach().clone() for g in grads]
+                if not self._started:  # a parameter without a gradient yet has accumulated 0
+                    torch._foreach_zero_(list(self._prev.values()))
+                torch._foreach_copy_([b for _, b in pairs], grads)
+                self._started = True
                 return
-            self._prev = None
-            big_sq = _sq_norm([g for g in grads if g is not None]) / scale.square()
+            self._started = False
+            big_sq = _sq_norm(grads) / scale.square()
             self._finish_window(ctx, big_sq, count)
+
+    def _buffer(self, p: nn.Parameter) -> torch.Tensor:
+        if id(p) not in self._prev:
+            self._prev[id(p)] = torch.zeros_like(p.grad)
+        return self._prev[id(p)]
 
     @staticmethod
     def _loss_scale(ctx: StepContext) -> torch.Tensor:
