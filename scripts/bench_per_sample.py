@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,7 @@ def ctx_for(model: nn.Module, task: object, callbacks: CallbackList, lr: float) 
 def timed(fn: Callable[[], None], steps: int) -> float:
     """Seconds per call of `fn`, over `steps` calls after one warm-up call."""
     fn()
+    TimedNoiseScale.seconds = 0.0
     start = time.perf_counter()
     for _ in range(steps):
         fn()
@@ -72,6 +74,18 @@ def summary(values: list[float]) -> str:
     return f"{med:.1f} ms ({lo:.1f}-{hi:.1f})"
 
 
+class TimedNoiseScale(NoiseScale):
+    """NoiseScale that adds up the time spent in its per-micro-batch hook: its share of the
+    same steps' time is robust to load from other processes, unlike an A/B difference."""
+
+    seconds = 0.0
+
+    def on_after_micro_batch(self, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        super().on_after_micro_batch(*args, **kwargs)
+        type(self).seconds += time.perf_counter() - start
+
+
 def noise_scale_rounds(rounds: int, steps: int) -> dict[str, list[float]]:
     shape = {"vocab_size": 256, "block_size": 128, "n_layer": 4, "n_head": 6, "n_embd": 192}
     gen = torch.Generator().manual_seed(0)
@@ -80,7 +94,7 @@ def noise_scale_rounds(rounds: int, steps: int) -> dict[str, list[float]]:
         ids = torch.randint(0, 256, (16, 129), generator=gen)
         window.append((ids[:, :-1], ids[:, 1:]))
     variants = {}
-    for name, callbacks in (("plain", {}), ("noise_scale", {"noise_scale": NoiseScale()})):
+    for name, callbacks in (("plain", {}), ("noise_scale", {"noise_scale": TimedNoiseScale()})):
         torch.manual_seed(0)
         ctx = ctx_for(GPT(**shape), CausalLMTask(), CallbackList(callbacks), lr=1e-4)
         step = AccumulateStep()
@@ -94,7 +108,12 @@ def interleave(variants: dict[str, Callable[[], None]], rounds: int, steps: int)
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
             times[name].append(timed(variants[name], steps))
+            if name == "noise_scale":  # the hook's share of these very steps
+                SHARES.append(TimedNoiseScale.seconds / (steps * times[name][-1]))
     return times
+
+
+SHARES: list[float] = []
 
 
 def mlp() -> nn.Module:
@@ -185,7 +204,11 @@ def main() -> None:
         "",
         f"noise_scale overhead: {100 * (with_ns / plain - 1):+.1f}% of the step (median of "
         f"per-round ratios {100 * (statistics.median(ratios) - 1):+.1f}%, range "
-        f"{100 * (min(ratios) - 1):+.1f}% to {100 * (max(ratios) - 1):+.1f}%).",
+        f"{100 * (min(ratios) - 1):+.1f}% to {100 * (max(ratios) - 1):+.1f}%). Time inside "
+        f"the callback's per-micro-batch hook, as a share of the same steps' time: "
+        f"{100 * statistics.median(SHARES):.2f}% (median; {100 * min(SHARES):.2f}% to "
+        f"{100 * max(SHARES):.2f}%; the per-window estimate runs inside that hook, so it is "
+        "included).",
     ]
     if diff is not None:
         lines.append(
