@@ -52,6 +52,7 @@ def backward_window(
             # Scale in the loss's own precision (at least fp32): float64 runs stay float64.
             micro_sum = micro_sum.float() if micro_sum.dtype in _HALF else micro_sum
             ctx.precision.backward(micro_sum * (ctx.grad_sync_divisor / count.to(micro_sum.dtype)))
+        ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
         detached = micro_sum.detach()
         loss_sum = detached if loss_sum is None else loss_sum + detached
     return loss_sum

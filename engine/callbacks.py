@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from engine.step import StepContext
@@ -23,6 +24,13 @@ class Callback:
         """Once, after the model is wrapped (and sharded) and before a checkpoint is restored.
         A callback whose state follows the parameters allocates it here, shaped and sharded
         like them, so a sharded checkpoint can be loaded into it in place."""
+
+    def on_after_micro_batch(
+        self, ctx: StepContext, batch: Any, global_count: torch.Tensor, last: bool
+    ) -> None:
+        """One micro-batch's backward has run: `.grad` holds the window's running sum so far,
+        scaled by the loss scale, this rank's own (not yet synchronized) unless the
+        micro-batch was synchronized (`last` under DDP). Read-only."""
 
     def on_after_backward(self, ctx: StepContext) -> None:
         """Gradients of the whole window are accumulated, synchronized and unscaled; not yet
@@ -89,6 +97,12 @@ class CallbackList:
     def setup(self, ctx: StepContext) -> None:
         for cb in self.named.values():
             cb.setup(ctx)
+
+    def after_micro_batch(
+        self, ctx: StepContext, batch: Any, global_count: torch.Tensor, last: bool
+    ) -> None:
+        for cb in self.named.values():
+            cb.on_after_micro_batch(ctx, batch, global_count, last)
 
     def after_backward(self, ctx: StepContext) -> None:
         for cb in self.named.values():

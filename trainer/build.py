@@ -23,6 +23,7 @@ from engine.checkpoint import (
     verify_together,
 )
 from engine.distributed import DistInfo, broadcast_object, wrap_model
+from engine.dp_sgd import DPSGDStep, PrivacySpent, check_per_sample_model
 from engine.grad_stats import GradNormsPerLayer
 from engine.model import (
     NoBlocks,
@@ -198,6 +199,29 @@ def build_step(spec: dict[str, Any]) -> StepStrategy:
     return step_fn
 
 
+def attach_privacy(
+    step_fn: StepStrategy, ctx: StepContext, batches: TrainBatches, extras: DataExtras
+) -> None:
+    """step=dp_sgd: check the model, tell the step its batch and dataset sizes, and record
+    `train/epsilon`. Poisson sampling only means something for it."""
+    if not isinstance(step_fn, DPSGDStep):
+        if extras.sampling == "poisson":
+            raise ConfigError(
+                "data.sampling",
+                "poisson draws variable-size batches for DP-SGD's privacy accounting; it needs "
+                "step=dp_sgd (valid otherwise: shuffle)",
+            )
+        return
+    try:
+        check_per_sample_model(ctx.model)
+    except ValueError as exc:
+        raise ConfigError("step", str(exc)) from None
+    if ctx.precision.scaler is not None:
+        raise ConfigError("train.precision", "step=dp_sgd supports fp32 or bf16, not fp16")
+    step_fn.set_sampling(batches.sampler.global_batch_size, len(batches.dataset))
+    ctx.callbacks.named["privacy"] = PrivacySpent(step_fn)
+
+
 def resolve_num_workers(requested: int | None, info: DistInfo) -> int:
     """`data.num_workers=null`: loader workers only where spare cores make them pay off."""
     if requested is not None:
@@ -216,7 +240,7 @@ def build_batches(
     global_batch = cfg.train.micro_batch_size * accum * info.world_size
     batches = TrainBatches(
         data.train,
-        GlobalBatchSampler(len(data.train), global_batch, cfg.seed),
+        GlobalBatchSampler(len(data.train), global_batch, cfg.seed, extras.sampling),
         rank=info.rank,
         world_size=info.world_size,
         micro_batch_size=cfg.train.micro_batch_size,
@@ -342,6 +366,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         sync_every_micro_batch=cfg.dist.fsdp_sync_every_micro_batch,
     )
     batches, val_batches = build_batches(data, data_extras, cfg, info, accum)
+    attach_privacy(step_fn, ctx, batches, data_extras)
     fmt = checkpoint_format(cfg.checkpoint, cfg.dist, info)
     check_checkpoint_format(fmt, cfg.dist, info, callbacks)
     callbacks.setup(ctx)  # before a checkpoint is restored into their state

@@ -85,10 +85,16 @@ class DataExtras:
     # DataLoader worker processes per rank; null: 4 with CUDA (capped by the CPUs per local
     # rank), 0 on CPU (workers would compete with training for the same cores).
     num_workers: int | None = None
+    # shuffle: epoch-wise permutations, a fixed global batch. poisson: every sample joins each
+    # step with probability global batch / dataset size (the sampling DP-SGD's accounting
+    # assumes; the batch size varies). For step=dp_sgd.
+    sampling: str = "shuffle"
 
     def __post_init__(self) -> None:
         if self.num_workers is not None and self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0 or null, got {self.num_workers}")
+        if self.sampling not in ("shuffle", "poisson"):
+            raise ValueError(f"sampling must be shuffle or poisson, got {self.sampling!r}")
 
 
 EXTRAS = {"model": ModelExtras, "data": DataExtras}

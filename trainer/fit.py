@@ -21,6 +21,7 @@ from engine.checkpoint import (
 from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate as evaluate_model
 from engine.grad_stats import missing_gradients
+from engine.noise_scale import NoiseScale
 from engine.rng import rng_state, seed_everything, set_rng_state
 from engine.step import StepContext, StepStrategy
 from engine.tasks import CausalLMTask, TaskOutputError
@@ -247,6 +248,10 @@ def summary(run: Run, outcome: str, seconds: float) -> str:
         f"  run dir {run.run_dir}",
         f"  newest checkpoint {newest if newest is not None else '(none)'}",
     ]
+    for cb in run.ctx.callbacks:
+        if isinstance(cb, NoiseScale):
+            line = cb.summary(run.batches.sampler.global_batch_size)
+            lines += [line] if line else []
     for sink in run.sinks:
         sync = getattr(sink, "sync_command", None)
         if callable(sync) and sync():

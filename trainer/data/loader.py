@@ -31,16 +31,30 @@ Key = tuple[int, int]
 _EVAL_STEP = -1  # the "step" of validation samples: their randomness is fixed once and for all
 
 
+SAMPLINGS = ("shuffle", "poisson")
+
+
 class GlobalBatchSampler:
     """Sample indices of each optimizer step's global batch: a pure function of
-    (seed, step, global_batch_size)."""
+    (seed, step, global_batch_size).
 
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int) -> None:
+    `sampling="shuffle"`: epoch-wise permutations read as one stream, `global_batch_size`
+    samples per step. `"poisson"`: each sample joins step `s` independently with probability
+    q = global_batch_size / num_samples (DP-SGD's privacy accounting assumes exactly this), so
+    the batch size varies around `global_batch_size`.
+    """
+
+    def __init__(
+        self, num_samples: int, global_batch_size: int, seed: int, sampling: str = "shuffle"
+    ) -> None:
         if num_samples == 0:
             raise UserError("data: the training split holds no samples; use more or longer text")
+        if sampling not in SAMPLINGS:
+            raise ValueError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
         self.n = num_samples
         self.global_batch_size = global_batch_size
         self.seed = seed
+        self.sampling = sampling
         self._perms: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -51,6 +65,10 @@ class GlobalBatchSampler:
         return self._perms[epoch]
 
     def global_indices(self, step: int) -> np.ndarray:
+        if self.sampling == "poisson":
+            rate = min(1.0, self.global_batch_size / self.n)
+            draws = np.random.default_rng([self.seed, step, 0x90155]).random(self.n)
+            return np.flatnonzero(draws < rate)
         positions = np.arange(step * self.global_batch_size, (step + 1) * self.global_batch_size)
         epochs, offsets = np.divmod(positions, self.n)
         return np.array([self._perm(int(e))[o] for e, o in zip(epochs, offsets)])
@@ -109,15 +127,17 @@ class StepMicroBatches:
         self.start_step = start_step
 
     def __iter__(self) -> Iterator[list[Key]]:
-        share = self.micro * self.accum
-        first = self.rank * share
+        # Rank-major: the global batch cut into world x accum micro-batches of `micro` samples
+        # (as equal as possible when Poisson sampling makes its size vary; some may be empty).
+        parts = self.sampler.global_batch_size // self.micro
         step = self.start_step
         while True:
-            indices = self.sampler.global_indices(step)[first : first + share]
-            for k in range(0, share, self.micro):
+            indices = self.sampler.global_indices(step)
+            positions = np.array_split(np.arange(len(indices)), parts)
+            for k in range(self.accum):
                 yield [
-                    (int(indices[k + j]), sample_seed(self.sampler.seed, step, first + k + j))
-                    for j in range(min(self.micro, share - k))
+                    (int(indices[p]), sample_seed(self.sampler.seed, step, int(p)))
+                    for p in positions[self.rank * self.accum + k]
                 ]
             step += 1
 
@@ -136,6 +156,17 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     return batch
 
 
+class CollateOrNone:
+    """The collate function, or None for an empty micro-batch (Poisson sampling can draw one;
+    step=dp_sgd skips it). A class, not a lambda: loader workers pickle it."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list[Any]) -> Any:
+        return self.collate_fn(samples) if samples else None
+
+
 def _loader(
     dataset: Any,
     batch_sampler: Any,
@@ -148,7 +179,7 @@ def _loader(
     return DataLoader(
         SeededSamples(dataset),
         batch_sampler=batch_sampler,
-        collate_fn=collate_fn or default_collate,
+        collate_fn=CollateOrNone(collate_fn or default_collate),
         num_workers=num_workers,
         pin_memory=pin,
         prefetch_factor=4 if num_workers else None,
