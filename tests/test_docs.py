@@ -110,15 +110,20 @@ def test_your_model_doc_runs(tmp_path: Path) -> None:
     assert proc.returncode == 0, explain(proc)
     loss = [line.split() for line in proc.stdout.splitlines() if line.startswith("train/loss ")]
     assert loss and loss[0][1] == "15", proc.stdout  # every record (train.log_every=10)
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "trainer.evaluate",
-            f"checkpoint={project}/runs/tagger/checkpoints/step_00000150",
-            f"hydra.searchpath=[file://{project}/my_configs]",
-        ],
-        capture_output=True, text=True, timeout=120, env=env(), cwd=project,
-    )  # fmt: skip
+    evaluate = [sys.executable, "-m", "trainer.evaluate", f"checkpoint={project}/runs/tagger"]
+    results = launch_all(
+        {
+            "folder": [*evaluate, f"hydra.searchpath=[file://{project}/my_configs]"],
+            "bare": evaluate,
+        },
+        120,
+        cwd=project,
+    )
+    proc = results["folder"]
     assert proc.returncode == 0, explain(proc)
+    # Without the config folder the checkpoint's own targets are not trusted.
+    assert results["bare"].returncode == 2 and "trust=[" in results["bare"].stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["step"] == 150
     assert got["val/accuracy"] == evals[-1]["val/accuracy"]
     assert got["val/loss"] == pytest.approx(evals[-1]["val/loss"], rel=1e-12)

@@ -141,7 +141,8 @@ def build_task(spec: dict[str, Any]) -> Task:
             "task._target_",
             f"{spec['_target_']} built a {type(task).__name__}, which is not a task: it needs "
             "count_items(batch) (loss items, without the model) and loss_sum(model, batch) (the "
-            "summed loss), see engine/step.py; or select task=causal_lm|classification",
+            "summed loss), see engine/step.py; or select "
+            f"task={'|'.join(options('task'))}",
         )
     return task
 
