@@ -35,6 +35,7 @@ from engine.model import (
 from engine.precision import Precision
 from engine.rng import seed_everything
 from engine.step import StepContext, StepStrategy, Task
+from trainer.auto_batch import AUTO, check_auto, setup_auto, wandb_extra
 from trainer.components import check, instantiate
 from trainer.config import EXTRAS, CheckpointCfg, Config, DataExtras, DistCfg, ModelExtras, TrainCfg
 from trainer.data import DataSplits, as_splits
@@ -49,6 +50,9 @@ from trainer.preemption import StopRequest
 
 def resolve_grad_accum(train: TrainCfg, world_size: int) -> int:
     """`train.global_batch_size`, when set, decides the accumulation count."""
+    if train.micro_batch_size == AUTO:
+        check_auto(train, world_size)
+        return 0  # the probe decides (setup_auto)
     if train.global_batch_size is None:
         return train.grad_accum_steps
     per_step = train.micro_batch_size * world_size
@@ -366,6 +370,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         callbacks=callbacks,
         sync_every_micro_batch=cfg.dist.fsdp_sync_every_micro_batch,
     )
+    step_fn, accum = setup_auto(cfg, ctx, data, step_fn, accum)  # train.micro_batch_size=auto
     batches, val_batches = build_batches(data, data_extras, cfg, info, accum)
     attach_privacy(step_fn, ctx, batches, data_extras)
     fmt = checkpoint_format(cfg.checkpoint, cfg.dist, info)
@@ -448,5 +453,7 @@ def build_sinks(
     if cfg.logger.name == "wandb":
         from trainer.wandb_logger import WandbSink
 
-        sinks.append(WandbSink(cfg.logger, run.run_dir, run.run_id, run.config_dict))
+        sinks.append(
+            WandbSink(cfg.logger, run.run_dir, run.run_id, {**run.config_dict, **wandb_extra(run)})
+        )
     return sinks

@@ -27,7 +27,8 @@ def _positive(value: int | float | None, key: str) -> None:
 @dataclass
 class TrainCfg:
     max_steps: int = 600
-    micro_batch_size: int = 16
+    # A number, or `auto` (with global_batch_size): the largest that fits (trainer/auto_batch.py).
+    micro_batch_size: Any = 16
     grad_accum_steps: int = 2
     # When set, grad_accum_steps is derived as global / (micro * world size).
     global_batch_size: int | None = None
@@ -44,7 +45,12 @@ class TrainCfg:
 
     def __post_init__(self) -> None:
         _positive(self.max_steps, "train.max_steps")
-        _positive(self.micro_batch_size, "train.micro_batch_size")
+        require(
+            self.micro_batch_size == "auto"
+            or (type(self.micro_batch_size) is int and self.micro_batch_size > 0),
+            "train.micro_batch_size",
+            f"must be a positive number or auto, got {self.micro_batch_size!r}",
+        )
         _positive(self.grad_accum_steps, "train.grad_accum_steps")
         _positive(self.log_every, "train.log_every")
         _positive(self.max_consecutive_skips, "train.max_consecutive_skips")

@@ -25,6 +25,7 @@ from engine.noise_scale import NoiseScale
 from engine.rng import rng_state, seed_everything, set_rng_state
 from engine.step import StepContext, StepStrategy
 from engine.tasks import CausalLMTask, TaskOutputError
+from trainer.auto_batch import step_window
 from trainer.config import Config
 from trainer.data.loader import EvalBatches, TrainBatches
 from trainer.errors import UserError
@@ -136,7 +137,7 @@ def fit(run: Run) -> str:
     try:
         while run.step < train.max_steps:
             try:
-                result = run.step_fn(run.ctx, next(windows))  # advances run.step
+                result, windows = step_window(run, windows)  # advances run.step
             except TaskOutputError as exc:  # the same on every rank: the model does not fit
                 raise UserError(f"invalid config `task`: {exc}", all_ranks=True) from None
             run.meter.update(result)

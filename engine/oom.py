@@ -1,0 +1,162 @@
+"""Out-of-memory errors a step recovers from, agreed by every rank.
+
+`OomSafeAccumulateStep` is the accumulation step of `engine/accumulate.py` made recoverable:
+an out-of-memory error in the forward or backward of any micro-batch on any rank becomes an
+`OutOfMemoryAgreed` raised on *every* rank at the same point, with the window's gradients
+freed, so the caller can roll the window back and redo it with smaller micro-batches.
+
+Why no rank is ever left waiting in a collective:
+
+- Ranks agree after every micro-batch (one all-reduce of a 0/1 flag). A rank that ran out of
+  memory stops there, and so does every other rank, before anyone starts the next
+  micro-batch (whose forward may itself communicate, e.g. DDP's buffer broadcast).
+- Under DDP every micro-batch runs in `no_sync`, and the window's gradients are all-reduced
+  by hand only after the ranks agreed that the last backward finished everywhere. With DDP's
+  own bucketed all-reduce, an OOM in the last backward on one rank leaves the other ranks
+  inside a bucket's all-reduce that never completes (the hang Composer hit): no agreement
+  can happen from inside autograd. The price is that communication no longer overlaps the
+  last backward. The hand all-reduce averages like DDP (sum / world size), so
+  `ctx.grad_sync_divisor` keeps its meaning.
+- FSDP2 gathers parameters inside forward and backward; an OOM there leaves its state
+  illegal (Composer's open FSDP2 issue). The trainer refuses FSDP2 on several ranks with
+  `micro_batch_size=auto` instead of risking a hang.
+
+An OOM in gradient clipping or the optimizer step is not retried: its memory (gradients,
+optimizer state) does not depend on the micro-batch size, and a half-applied update cannot be
+rolled back without a copy of the parameters and optimizer state, the very memory that is
+missing. Every rank agrees on it and raises `OutOfMemoryAgreed` with `retry=False`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.accumulate import _HALF, count_window, finish_step
+from engine.distributed import DistInfo, is_sharded
+from engine.step import Batch, StepContext, StepResult
+
+# What allocators raise when they run out: CUDA's (torch.OutOfMemoryError), and the CPU
+# allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory").
+_CPU_OOM = ("can't allocate memory", "out of memory")
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for an allocator's out-of-memory error, on any device."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _CPU_OOM)
+
+
+class OutOfMemoryAgreed(Exception):
+    """Raised on every rank together: some rank ran out of memory in this window.
+
+    Args:
+        where: the phase, e.g. "micro-batch 2/4" or "optimizer step".
+        ranks: how many ranks ran out of memory.
+        retry: True when the window can be redone with smaller micro-batches.
+    """
+
+    def __init__(self, where: str, ranks: int, retry: bool = True) -> None:
+        super().__init__(f"out of memory on {ranks} rank(s) in the {where}")
+        self.where, self.ranks, self.retry = where, ranks, retry
+
+
+def agree_oom(oom: bool, info: DistInfo) -> int:
+    """Collective: how many ranks ran out of memory (0 on every rank when none did)."""
+    flag = torch.tensor(float(oom), device=info.device)
+    if not info.distributed:
+        return int(flag.item())
+    out = flag.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return int(out.item())
+
+
+def release_memory(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Free the window's gradients and whatever the failed graph held; empty the CUDA cache
+    (repeated OOMs otherwise leave it fragmented)."""
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def local_gradients(model: nn.Module) -> Iterator[None]:
+    """DDP communicates nothing in backward inside this block (gradients stay local)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def all_reduce_gradients(params: Sequence[nn.Parameter], info: DistInfo) -> None:
+    """Average the gradients over ranks as DDP does (sum, divided by the world size); every
+    rank has the same parameters with gradients (checked by the agreement before)."""
+    if not info.distributed:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    works = [dist.all_reduce(g, op=dist.ReduceOp.SUM, async_op=True) for g in grads]
+    for w in works:
+        w.wait()
+    torch._foreach_div_(grads, float(info.world_size))
+
+
+class OomSafeAccumulateStep:
+    """Exact micro-batch accumulation whose forward/backward OOMs every rank agrees on.
+
+    The same arithmetic as `AccumulateStep` (one count of the window, each micro-batch's
+    backward of loss_sum * divisor / global_count, the shared `finish_step` tail), with an
+    agreement after every micro-batch and the gradient all-reduce after the last one.
+    """
+
+    def __call__(self, ctx: StepContext, window: Sequence[Batch]) -> StepResult:
+        if is_sharded(ctx.model) and ctx.dist.distributed:
+            raise RuntimeError("OomSafeAccumulateStep does not support FSDP on several ranks")
+        ctx.optimizer.zero_grad(set_to_none=True)
+        global_count = count_window(ctx, window)
+        count = global_count.clamp(min=1)
+        loss_sum: torch.Tensor | None = None
+        last = len(window) - 1
+        with local_gradients(ctx.model):
+            for i, batch in enumerate(window):
+                micro_sum = self.micro_backward(ctx, batch, count)
+                failed = agree_oom(micro_sum is None, ctx.dist)
+                if failed:
+                    release_memory(ctx.optimizer, ctx.dist.device)
+                    raise OutOfMemoryAgreed(f"micro-batch {i + 1}/{len(window)}", failed)
+                ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
+                loss_sum = micro_sum if loss_sum is None else loss_sum + micro_sum
+        all_reduce_gradients(ctx.trainable_parameters(), ctx.dist)
+        try:
+            result = finish_step(ctx, loss_sum, global_count)
+            failed = agree_oom(False, ctx.dist)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            failed = agree_oom(True, ctx.dist)
+        if failed:
+            release_memory(ctx.optimizer, ctx.dist.device)
+            raise OutOfMemoryAgreed("gradient clipping or optimizer step", failed, retry=False)
+        return result
+
+    @staticmethod
+    def micro_backward(ctx: StepContext, batch: Batch, count: torch.Tensor) -> torch.Tensor | None:
+        """Forward + backward of one micro-batch: its detached loss sum, or None on OOM (the
+        graph is freed when this frame and the exception's traceback go)."""
+        try:
+            with ctx.precision.autocast():
+                micro_sum = ctx.task.loss_sum(ctx.model, batch)
+            micro_sum = micro_sum.float() if micro_sum.dtype in _HALF else micro_sum
+            ctx.precision.backward(micro_sum * (ctx.grad_sync_divisor / count.to(micro_sum.dtype)))
+            return micro_sum.detach()
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            return None

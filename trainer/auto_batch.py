@@ -1,0 +1,327 @@
+"""`train.micro_batch_size=auto`: the largest micro-batch that fits, agreed by every rank.
+
+Candidates are the divisors of the per-rank batch (global / world), so the global batch and
+the loss normalization stay exactly what the user set: cumulus's split invariance makes the
+trajectory independent of the micro-batch. Before training, `probe` tries the whole per-rank
+batch, then bisects the divisors downward; each try runs forward, backward and an optimizer
+step on the worst case the data produces (its longest sample, repeated), with all ranks in
+lockstep (engine/oom.py), and is undone (parameters, buffers, optimizer state, RNG), so the
+run that follows equals one started with that size by hand.
+
+During training `step_window` catches an out-of-memory error agreed by every rank, rolls the
+window back to its start (gradients, module buffers, RNG; the data position by rebuilding the
+loader at the same step), halves the micro-batch to the next divisor and redoes the window.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from engine.accumulate import AccumulateStep
+from engine.callbacks import Callback
+from engine.distributed import is_sharded, unwrap
+from engine.oom import (
+    OomSafeAccumulateStep,
+    OutOfMemoryAgreed,
+    agree_oom,
+    is_oom,
+    local_gradients,
+    release_memory,
+)
+from engine.rng import rng_state, set_rng_state
+from engine.step import StepContext
+from trainer.errors import ConfigError, UserError
+
+AUTO = "auto"
+# The worst case is looked for among this many samples from the start of the training set.
+WORST_CASE_SAMPLES = 256
+
+NO_FIT_HINTS = (
+    "Try dist.strategy=fsdp (shards parameters, gradients and optimizer state over ranks), "
+    "model.activation_checkpointing=true (recomputes activations in backward), "
+    "train.precision=bf16 (half the activation memory), a shorter sequence or a smaller model."
+)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_auto(train: Any, world_size: int) -> None:
+    """Config errors of `micro_batch_size=auto` that need no model: before any work."""
+    if train.micro_batch_size != AUTO:
+        return
+    if train.global_batch_size is None:
+        raise ConfigError(
+            "train.micro_batch_size",
+            "auto finds the micro-batch that fits for a fixed global batch; set "
+            "train.global_batch_size (e.g. 64), or give train.micro_batch_size a number",
+        )
+    if train.global_batch_size % world_size:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{train.global_batch_size} does not split over the {world_size} ranks; valid "
+            f"values are multiples of {world_size}",
+        )
+
+
+def refusal(cfg: Any, ctx: StepContext, step_fn: Any) -> str | None:
+    """Why `auto` cannot run with this config (one sentence), or None."""
+    if ctx.dist.distributed and is_sharded(ctx.model):
+        return (
+            "dist.strategy=fsdp on several ranks is not supported: FSDP2 communicates inside "
+            "forward and backward and an out-of-memory error there leaves it unrecoverable; "
+            "set train.micro_batch_size to a number, or use dist.strategy=ddp"
+        )
+    if type(step_fn) is not AccumulateStep:
+        return (
+            f"step {type(step_fn).__name__} is not supported (auto redoes windows of the "
+            "default step only); use step=accumulate or set train.micro_batch_size to a number"
+        )
+    per_micro = [
+        name
+        for name, cb in ctx.callbacks.named.items()
+        if type(cb).on_after_micro_batch is not Callback.on_after_micro_batch
+    ]
+    if per_micro:
+        return (
+            f"callbacks {per_micro} observe every micro-batch, so their statistics would "
+            "depend on the chosen size and a redone window would count twice; remove them or "
+            "set train.micro_batch_size to a number"
+        )
+    return None
+
+
+class AutoMicroBatch(Callback):
+    """The chosen size: recorded as `train/micro_batch_size`, saved in checkpoints; on resume
+    the size probed on this machine stays and a different saved one is reported."""
+
+    def __init__(self, size: int, is_main: bool) -> None:
+        self.size, self.is_main = size, is_main
+
+    def metrics(self) -> dict[str, Any]:
+        return {"train/micro_batch_size": self.size}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"micro_batch_size": self.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = int(state["micro_batch_size"])
+        if saved != self.size and self.is_main:
+            print(
+                f"micro_batch_size=auto: the checkpoint was trained with micro-batch {saved}, "
+                f"the probe on this machine chose {self.size} (the trajectory does not "
+                "depend on it)",
+                flush=True,
+            )
+
+
+def setup_auto(cfg: Any, ctx: StepContext, data: Any, step_fn: Any, accum: int) -> tuple[Any, int]:
+    """With `train.micro_batch_size=auto`: probe the size, write it into `cfg.train`, and
+    return the OOM-recovering step and the accumulation; otherwise `(step_fn, accum)`."""
+    if cfg.train.micro_batch_size != AUTO:
+        return step_fn, accum
+    reason = refusal(cfg, ctx, step_fn)
+    if reason is not None:
+        raise ConfigError("train.micro_batch_size", f"auto: {reason}")
+    per_rank = cfg.train.global_batch_size // ctx.dist.world_size
+    size, tried = probe(ctx, data, per_rank)
+    cfg.train.micro_batch_size = size
+    ctx.callbacks.named["auto_micro_batch"] = AutoMicroBatch(size, ctx.dist.is_main)
+    if ctx.dist.is_main:
+        print(
+            f"micro_batch_size=auto: chose {size} of the divisors of the per-rank batch "
+            f"{per_rank} (tried {', '.join(tried)}); accumulation {per_rank // size}",
+            flush=True,
+        )
+    return OomSafeAccumulateStep(), per_rank // size
+
+
+def _size(sample: Any) -> int:
+    """How much a sample holds: its tensors' elements (lists: their length), all fields."""
+    if isinstance(sample, torch.Tensor):
+        return sample.numel()
+    if isinstance(sample, dict):
+        return sum(_size(v) for v in sample.values())
+    if isinstance(sample, list | tuple):
+        inner = [_size(v) for v in sample]
+        return sum(inner) if any(inner) else len(sample)
+    return 0
+
+
+def worst_case_sample(dataset: Any) -> Any:
+    """The largest of the first `WORST_CASE_SAMPLES` samples: padded micro-batches of it
+    are the most memory any micro-batch of that size needs."""
+    n = min(len(dataset), WORST_CASE_SAMPLES)
+    return max((dataset[i] for i in range(n)), key=_size)
+
+
+class ProbeUndo:
+    """Parameters, buffers and optimizer state (copied to the host) and every RNG, taken
+    before the probe and put back after each try."""
+
+    def __init__(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+        module = unwrap(ctx.model)
+        self.tensors = list(module.parameters()) + list(module.buffers())
+        self.values = [t.detach().to("cpu", copy=True) for t in self.tensors]
+        self.optimizer = copy.deepcopy(ctx.optimizer.state_dict())
+        self.rng = rng_state()
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, v in zip(self.tensors, self.values, strict=True):
+                t.copy_(v)
+        self.ctx.optimizer.load_state_dict(copy.deepcopy(self.optimizer))
+        self.ctx.optimizer.zero_grad(set_to_none=True)
+        set_rng_state(self.rng)
+
+
+def fits(ctx: StepContext, batch: Any) -> bool:
+    """Collective: forward, backward and an optimizer step of `batch` ran on every rank.
+
+    fp16 runs back-propagate without the GradScaler (scale 1: same memory, and no skipped
+    step hides the optimizer's allocation)."""
+    oom = False
+    try:
+        with local_gradients(ctx.model):
+            with ctx.precision.autocast():
+                loss = ctx.task.loss_sum(ctx.model, batch)
+            loss.float().backward()
+        del loss
+        ctx.optimizer.step()
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        oom = True
+    failed = agree_oom(oom, ctx.dist)
+    release_memory(ctx.optimizer, ctx.dist.device)
+    return failed == 0
+
+
+def probe(ctx: StepContext, data: Any, per_rank: int) -> tuple[int, list[str]]:
+    """The largest divisor of `per_rank` that fits: the whole batch first, then bisection."""
+    from trainer.data.loader import to_device
+
+    candidates = divisors(per_rank)
+    sample = worst_case_sample(data.train)
+    collate = data.collate_fn or default_collate
+    undo = ProbeUndo(ctx)
+    tried: list[str] = []
+
+    def attempt(size: int) -> bool:
+        try:
+            ok = fits(ctx, to_device(collate([sample] * size), ctx.dist.device))
+        finally:
+            undo.restore()
+        tried.append(f"{size} {'fits' if ok else 'out of memory'}")
+        return ok
+
+    if attempt(candidates[-1]):
+        return candidates[-1], tried
+    fit, fail = -1, len(candidates) - 1  # indices: largest known to fit, smallest known not to
+    while fail - fit > 1:
+        mid = (fit + fail) // 2
+        if attempt(candidates[mid]):
+            fit = mid
+        else:
+            fail = mid
+    if fit < 0:
+        raise UserError(
+            f"train.micro_batch_size=auto: not even a micro-batch of 1 sample fits in memory "
+            f"(forward, backward and optimizer step of the longest sample). {NO_FIT_HINTS}",
+            all_ranks=True,
+        )
+    return candidates[fit], tried
+
+
+class WindowStart:
+    """What a window changes before its optimizer step, taken at its start: module buffers
+    (BatchNorm statistics) and every RNG. Gradients are freed, not restored: the step zeroes
+    them first; the data position is the step count."""
+
+    def __init__(self, ctx: StepContext) -> None:
+        self.buffers = list(unwrap(ctx.model).buffers())
+        self.values = [b.detach().clone() for b in self.buffers]
+        self.rng = rng_state()
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, v in zip(self.buffers, self.values, strict=True):
+                b.copy_(v)
+        set_rng_state(self.rng)
+
+
+def step_window(run: Any, windows: Iterator[Any]) -> tuple[Any, Iterator[Any]]:
+    """One optimizer step on the next window. Under `auto`, an out-of-memory error agreed by
+    every rank rolls the window back, halves the micro-batch (to the next divisor) and
+    redoes the same window; returns the result and the (possibly rebuilt) window iterator."""
+    if not isinstance(run.step_fn, OomSafeAccumulateStep):
+        return run.step_fn(run.ctx, next(windows)), windows
+    window = next(windows)
+    while True:
+        start = WindowStart(run.ctx)
+        try:
+            return run.step_fn(run.ctx, window), windows
+        except OutOfMemoryAgreed as oom:
+            start.restore()
+            size = shrink(run, oom)
+        del window
+        windows.close()
+        windows = run.batches.windows(run.step)
+        window = next(windows)
+        if run.dist.is_main:
+            print(
+                f"micro_batch_size=auto: redoing step {run.step + 1} with micro-batch {size} "
+                f"x accumulation {run.batches.accum}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def shrink(run: Any, oom: OutOfMemoryAgreed) -> int:
+    """The next smaller size (the largest divisor at most half the current one), set in the
+    batches, the config and the recorded value; a clear error when nothing is left."""
+    batches, info = run.batches, run.dist
+    per_rank = batches.micro * batches.accum
+    smaller = [d for d in divisors(per_rank) if d <= batches.micro // 2]
+    if not oom.retry or not smaller:
+        what = (
+            "the optimizer step or gradient clipping (their memory does not depend on the "
+            "micro-batch size)"
+            if not oom.retry
+            else "a micro-batch of 1 sample"
+        )
+        raise UserError(
+            f"train.micro_batch_size=auto: out of memory at step {run.step + 1} in {what}, "
+            f"on {oom.ranks} rank(s). {NO_FIT_HINTS}",
+            all_ranks=True,
+        )
+    size = smaller[-1]
+    batches.micro, batches.accum = size, per_rank // size
+    run.cfg.train.micro_batch_size = size
+    recorded = run.ctx.callbacks.named.get("auto_micro_batch")
+    if isinstance(recorded, AutoMicroBatch):
+        recorded.size = size
+    if info.is_main:
+        print(
+            f"micro_batch_size=auto: {oom} at step {run.step + 1}; shrinking the micro-batch "
+            f"to {size}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return size
+
+
+def wandb_extra(run: Any) -> dict[str, Any]:
+    """`micro_batch_size_auto` for the W&B config: the size chosen (auto runs only)."""
+    if run.config_dict.get("train", {}).get("micro_batch_size") != AUTO:
+        return {}
+    return {"micro_batch_size_auto": run.cfg.train.micro_batch_size}
