@@ -1,0 +1,202 @@
+"""`train.micro_batch_size=auto` through the real trainer, with a model that runs out of memory
+(a real `torch.OutOfMemoryError`) above a micro-batch size it is given
+(`tests/auto_batch_support.py`).
+
+Every auto run is compared with an independent reference: the same config with the chosen
+micro-batch size set by hand, run from the start. Losses, and parameters, optimizer state,
+GradScaler state and module buffers of the final checkpoint must agree (float64: 1e-12;
+fp16 autocast on fp32 parameters: 1e-6).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import (
+    TINY,
+    explain,
+    launch_all,
+    read_metrics,
+    run_cli,
+    torchrun_cmd,
+    train_in_process,
+    train_records,
+)
+from trainer import metrics  # noqa: F401  (imported before capsys: Progress binds sys.stdout)
+from trainer.errors import UserError
+
+MODEL = "model._target_=tests.auto_batch_support.LimitedGPT"
+LOWER = "+callbacks.lower={_target_:tests.auto_batch_support.LowerLimit,"
+
+
+def overrides(steps: int, global_batch: int, micro: int | str, *extra: str) -> list[str]:
+    return [
+        *TINY,
+        MODEL,
+        f"train.max_steps={steps}",
+        f"train.global_batch_size={global_batch}",
+        f"train.micro_batch_size={micro}",
+        f"checkpoint.every_steps={steps}",
+        *extra,
+    ]
+
+
+def final_state(run_dir: Path) -> dict[str, Any]:
+    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    return torch.load(newest / "state.pt", weights_only=True)
+
+
+def max_diff(a: Any, b: Any, path: str = "") -> float:
+    """Largest absolute difference between two nested states (structure must match)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape, path
+        return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (path, set(a) ^ set(b))
+        return max((max_diff(a[k], b[k], f"{path}.{k}") for k in a), default=0.0)
+    if isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        return max(
+            (max_diff(x, y, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b))), default=0
+        )
+    if isinstance(a, float):
+        return abs(a - b)
+    assert a == b, (path, a, b)
+    return 0.0
+
+
+def assert_same_run(auto_dir: Path, hand_dir: Path, tol: float) -> None:
+    """Losses of every step, and the final model (buffers included), optimizer, scheduler and
+    GradScaler state."""
+    auto, hand = train_records(read_metrics(auto_dir)), train_records(read_metrics(hand_dir))
+    assert [r["step"] for r in auto] == [r["step"] for r in hand]
+    for a, h in zip(auto, hand, strict=True):
+        assert abs(a["train/loss"] - h["train/loss"]) <= tol, (a, h)
+    a, h = final_state(auto_dir), final_state(hand_dir)
+    for key in ("model", "optimizer", "scheduler", "precision"):
+        assert max_diff(a[key], h[key], key) <= tol, key
+
+
+def sizes(run_dir: Path) -> list[int]:
+    return [r["train/micro_batch_size"] for r in train_records(read_metrics(run_dir))]
+
+
+def test_probe_picks_largest_fitting_divisor_and_undoes_itself(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Divisors of 12 with at most 5 fitting: 4. The probe's tries (forward, backward and an
+    optimizer step each) leave no trace: BatchNorm statistics, parameters, optimizer state and
+    RNG equal a run with micro-batch 4 set by hand."""
+    common = ("+model.batchnorm=true", "+model.float64=true", "model.dropout=0.1")
+    train_in_process(overrides(3, 12, "auto", "+model.fit=5", *common), tmp_path / "auto")
+    out = capsys.readouterr().out
+    assert "chose 4 of the divisors of the per-rank batch 12" in out, out
+    assert "12 out of memory" in out and "6 out of memory" in out and "4 fits" in out, out
+    train_in_process(overrides(3, 12, 4, *common), tmp_path / "hand")
+    assert sizes(tmp_path / "auto") == [4, 4, 4]
+    assert "train/micro_batch_size" not in train_records(read_metrics(tmp_path / "hand"))[0]
+    assert final_state(tmp_path / "auto")["callbacks"]["auto_micro_batch"] == {
+        "micro_batch_size": 4
+    }
+    assert_same_run(tmp_path / "auto", tmp_path / "hand", 1e-12)
+
+
+def test_oom_in_the_middle_of_a_window_redoes_it_smaller(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Micro-batch 8 fits until step 2; at step 3 the second micro-batch's forward runs out of
+    memory: the window is redone at 4 and the run goes on like one started at 4 (float64)."""
+    lower = LOWER + "at_step:2,fit:4,skip:1}"
+    train_in_process(
+        overrides(4, 16, "auto", "+model.fit=8", "+model.float64=true", lower), tmp_path / "auto"
+    )
+    err = capsys.readouterr().err
+    assert "micro-batch 2/2 at step 3; shrinking the micro-batch to 4" in err, err
+    assert sizes(tmp_path / "auto") == [8, 8, 4, 4]
+    train_in_process(overrides(4, 16, 4, "+model.float64=true"), tmp_path / "hand")
+    assert_same_run(tmp_path / "auto", tmp_path / "hand", 1e-12)
+
+
+def test_fp16_batchnorm_window_rolled_back(tmp_path: Path) -> None:
+    """fp16 with a GradScaler and BatchNorm: an OOM in the first window's second micro-batch,
+    after the first one updated the running statistics. Buffers and scaler roll back."""
+    common = ("train.precision=fp16", "+model.batchnorm=true")
+    lower = LOWER + "at_step:0,fit:4,skip:1}"
+    train_in_process(overrides(2, 16, "auto", "+model.fit=8", lower, *common), tmp_path / "auto")
+    assert sizes(tmp_path / "auto") == [4, 4]
+    train_in_process(overrides(2, 16, 4, *common), tmp_path / "hand")
+    assert_same_run(tmp_path / "auto", tmp_path / "hand", 1e-6)
+
+
+def test_resume_probes_again(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The size is saved in checkpoints and probed again on resume (another machine)."""
+    run_dir = tmp_path / "run"
+    args = overrides(2, 16, "auto", "checkpoint.every_steps=2")
+    train_in_process([*args, "+model.fit=8"], run_dir)
+    assert final_state(run_dir)["callbacks"]["auto_micro_batch"] == {"micro_batch_size": 8}
+    capsys.readouterr()
+    train_in_process([*args, "train.max_steps=3", "+model.fit=2"], run_dir)
+    out = capsys.readouterr().out
+    assert "trained with micro-batch 8, the probe on this machine chose 2" in out, out
+    assert sizes(run_dir) == [8, 8, 2]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["train.global_batch_size=null"], "set train.global_batch_size"),
+        (["step=sam"], "SAMStep is not supported"),
+        (["callbacks=noise_scale"], "observe every micro-batch"),
+        (["+model.fit=0"], "not even a micro-batch of 1 sample fits"),
+    ],
+)
+def test_refused_with_one_paragraph(tmp_path: Path, extra: list[str], message: str) -> None:
+    with pytest.raises(UserError, match=message) as info:
+        train_in_process(overrides(1, 8, "auto", *extra), tmp_path)
+    assert "\n" not in str(info.value)
+
+
+def test_cli_exit_2_on_bad_value(tmp_path: Path) -> None:
+    proc = run_cli([*TINY, "train.micro_batch_size=big", f"hydra.run.dir={tmp_path}"])
+    assert proc.returncode == 2, explain(proc)
+    assert "train.micro_batch_size" in proc.stderr and "auto" in proc.stderr, explain(proc)
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.multiproc
+def test_two_ranks_agree(tmp_path: Path) -> None:
+    """DDP on 2 ranks, float64. The probe: forward OOM on rank 0 only above 5 of the per-rank
+    12: both ranks choose 4. Step 2: OOM in the *last* micro-batch's backward on rank 1 only
+    (DDP's bucketed all-reduce would hang here): both ranks redo the window at 2. The run
+    equals a 2-rank run at micro-batch 2 set by hand. FSDP2 on 2 ranks is refused."""
+    lower = LOWER + "at_step:1,fit:2,skip:2,where:backward,ranks:[1]}"
+    common = ("+model.float64=true", "train.log_every=1")
+    runs = {
+        "auto": overrides(3, 24, "auto", "+model.fit=5", "+model.ranks=[0]", lower, *common),
+        "hand": overrides(3, 24, 2, *common),
+        "fsdp": overrides(1, 24, "auto", "dist.strategy=fsdp"),
+    }
+    cmds = {
+        name: [*torchrun_cmd(2), "-m", "trainer.train", *args, f"hydra.run.dir={tmp_path / name}"]
+        for name, args in runs.items()
+    }
+    procs = launch_all(cmds, timeout=150, TMPDIR=str(tmp_path))
+    for name in ("auto", "hand"):
+        assert procs[name].returncode == 0, explain(procs[name])
+    out, err = procs["auto"].stdout, procs["auto"].stderr
+    assert "chose 4 of the divisors of the per-rank batch 12" in out, explain(procs["auto"])
+    assert "micro-batch 3/3 at step 2; shrinking the micro-batch to 2" in err, err
+    assert sizes(tmp_path / "auto") == [4, 2, 2]
+    assert_same_run(tmp_path / "auto", tmp_path / "hand", 1e-12)
+    fsdp = procs["fsdp"]  # torchrun exits 1 when a worker exits 2
+    assert fsdp.returncode != 0 and "exitcode  : 2" in fsdp.stderr, explain(fsdp)
+    assert fsdp.stderr.count("dist.strategy=fsdp on several ranks") == 1, explain(fsdp)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
