@@ -103,3 +103,15 @@ class LowerLimit(Callback):
     def on_after_optimizer_step(self, ctx: Any, step: int) -> None:
         if step == self.at_step:
             unwrap(ctx.model).armed = dict(self.arm)
+
+
+class OomBeforeStep(Callback):
+    """Out of memory in the optimizer step of step `at_step` on `ranks` (after the gradients
+    are complete, where micro-batch size no longer matters)."""
+
+    def __init__(self, at_step: int, ranks: list[int] | None = None) -> None:
+        self.at_step, self.ranks = at_step, ranks
+
+    def on_before_optimizer_step(self, ctx: Any) -> None:
+        if ctx.step + 1 == self.at_step and (self.ranks is None or _rank() in self.ranks):
+            raise torch.OutOfMemoryError("test limit: optimizer step")

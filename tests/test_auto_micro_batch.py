@@ -10,6 +10,7 @@ fp16 autocast on fp32 parameters: 1e-6).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from trainer import metrics  # noqa: F401  (imported before capsys: Progress bin
 from trainer.errors import UserError
 
 MODEL = "model._target_=tests.auto_batch_support.LimitedGPT"
+OOM_STEP = "+callbacks.oom={_target_:tests.auto_batch_support.OomBeforeStep,"
 LOWER = "+callbacks.lower={_target_:tests.auto_batch_support.LowerLimit,"
 
 
@@ -146,6 +148,21 @@ def test_resume_probes_again(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert sizes(run_dir) == [8, 8, 2]
 
 
+def test_wandb_config_records_the_choice(tmp_path: Path) -> None:
+    from tests.wandb_reader import read_records
+
+    args = [a for a in overrides(1, 16, "auto", "+model.fit=8") if not a.startswith("logger=")]
+    train_in_process(args, tmp_path)
+    config = {}
+    for record in read_records(next(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))):
+        kind = record.WhichOneof("record_type")
+        if kind in ("run", "config"):
+            items = record.run.config.update if kind == "run" else record.config.update
+            config.update({i.key: json.loads(i.value_json) for i in items})
+    assert config["micro_batch_size_auto"] == 8, config
+    assert config["train"]["micro_batch_size"] == "auto"
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -173,13 +190,16 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
     """DDP on 2 ranks, float64. The probe: forward OOM on rank 0 only above 5 of the per-rank
     12: both ranks choose 4. Step 2: OOM in the *last* micro-batch's backward on rank 1 only
     (DDP's bucketed all-reduce would hang here): both ranks redo the window at 2. The run
-    equals a 2-rank run at micro-batch 2 set by hand. FSDP2 on 2 ranks is refused."""
+    equals a 2-rank run at micro-batch 2 set by hand. FSDP2 on 2 ranks is refused. An OOM in
+    the optimizer step on rank 0 only (not retried: its memory does not depend on the
+    micro-batch) stops both ranks with one paragraph, no hang."""
     lower = LOWER + "at_step:1,fit:2,skip:2,where:backward,ranks:[1]}"
     common = ("+model.float64=true", "train.log_every=1")
     runs = {
         "auto": overrides(3, 24, "auto", "+model.fit=5", "+model.ranks=[0]", lower, *common),
         "hand": overrides(3, 24, 2, *common),
         "fsdp": overrides(1, 24, "auto", "dist.strategy=fsdp"),
+        "optim": overrides(3, 24, "auto", OOM_STEP + "at_step:2,ranks:[0]}"),
     }
     cmds = {
         name: [*torchrun_cmd(2), "-m", "trainer.train", *args, f"hydra.run.dir={tmp_path / name}"]
@@ -196,6 +216,10 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
     fsdp = procs["fsdp"]  # torchrun exits 1 when a worker exits 2
     assert fsdp.returncode != 0 and "exitcode  : 2" in fsdp.stderr, explain(fsdp)
     assert fsdp.stderr.count("dist.strategy=fsdp on several ranks") == 1, explain(fsdp)
+    optim = procs["optim"]
+    assert optim.returncode != 0 and "exitcode  : 2" in optim.stderr, explain(optim)
+    assert "out of memory at step 2 in the optimizer step" in optim.stderr, explain(optim)
+    assert read_metrics(tmp_path / "optim")[0]["step"] == 1
 
 
 if __name__ == "__main__":
