@@ -136,9 +136,11 @@ def test_fp16_batchnorm_window_rolled_back(tmp_path: Path) -> None:
 
 
 def test_resume_probes_again(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The size is saved in checkpoints and probed again on resume (another machine)."""
+    """The size is saved in checkpoints and probed again on resume (another machine); with
+    activation checkpointing and bf16."""
     run_dir = tmp_path / "run"
-    args = overrides(2, 16, "auto", "checkpoint.every_steps=2")
+    extra = ("model.activation_checkpointing=true", "train.precision=bf16")
+    args = overrides(2, 16, "auto", "checkpoint.every_steps=2", *extra)
     train_in_process([*args, "+model.fit=8"], run_dir)
     assert final_state(run_dir)["callbacks"]["auto_micro_batch"] == {"micro_batch_size": 8}
     capsys.readouterr()
