@@ -72,7 +72,7 @@ def check_auto(train: Any, world_size: int) -> None:
         )
 
 
-def refusal(cfg: Any, ctx: StepContext, step_fn: Any) -> str | None:
+def refusal(ctx: StepContext, step_fn: Any) -> str | None:
     """Why `auto` cannot run with this config (one sentence), or None."""
     if ctx.dist.distributed and is_sharded(ctx.model):
         return (
@@ -128,7 +128,7 @@ def setup_auto(cfg: Any, ctx: StepContext, data: Any, step_fn: Any, accum: int) 
     return the OOM-recovering step and the accumulation; otherwise `(step_fn, accum)`."""
     if cfg.train.micro_batch_size != AUTO:
         return step_fn, accum
-    reason = refusal(cfg, ctx, step_fn)
+    reason = refusal(ctx, step_fn)
     if reason is not None:
         raise ConfigError("train.micro_batch_size", f"auto: {reason}")
     per_rank = cfg.train.global_batch_size // ctx.dist.world_size
