@@ -1,12 +1,13 @@
 """A GPT with a memory limit, for `train.micro_batch_size=auto` tests.
 
 `LimitedGPT` raises a real `torch.OutOfMemoryError` when a training micro-batch holds more
-than `fit` samples: in forward, or in backward (a custom autograd Function on the token
-embeddings), on the `ranks` given (None: every rank). `LowerLimit`, a callback, lowers the
-limit during a run: after optimizer step `at_step` (0: before the first), the limit becomes
-`fit` after `skip` more training forwards, so an OOM can land in the middle of a window.
-Optionally a BatchNorm over the embedding channels (running statistics: module buffers) and
-float64 parameters.
+than `fit` samples (or, with `fit_tokens`, more padded tokens): in forward, or in backward
+(a custom autograd Function on the token embeddings), on the `ranks` given (None: every
+rank). `LowerLimit`, a callback, lowers the limit during a run: after optimizer step
+`at_step` (0: before the first), the limit becomes `fit` after `skip` more training
+forwards, so an OOM can land in the middle of a window. `OomBeforeStep` runs out of memory
+in an optimizer step. Optionally a BatchNorm over the embedding channels (running
+statistics: module buffers) and float64 parameters.
 """
 
 from __future__ import annotations
@@ -48,10 +49,12 @@ class LimitedGPT(GPT):
         ranks: list[int] | None = None,
         batchnorm: bool = False,
         float64: bool = False,
+        fit_tokens: int | None = None,
         **gpt: Any,
     ) -> None:
         super().__init__(**gpt)
         self.fit, self.where, self.ranks = fit, where, ranks
+        self.fit_tokens = fit_tokens  # also out of memory above this many (padded) tokens
         self.armed: dict[str, Any] | None = None
         self.ooms: list[tuple[str, int]] = []  # (where, batch size) of each raised OOM
         self.norm = nn.BatchNorm1d(self.tok_emb.embedding_dim) if batchnorm else None
@@ -59,9 +62,10 @@ class LimitedGPT(GPT):
         if float64:
             self.double()
 
-    def check(self, batch: int, where: str) -> None:
+    def check(self, batch: int, where: str, tokens: int = 0) -> None:
         mine = self.ranks is None or _rank() in self.ranks
-        if where == self.where and batch > self.fit and mine:
+        too_many = tokens > self.fit_tokens if self.fit_tokens is not None else False
+        if where == self.where and (batch > self.fit or too_many) and mine:
             self.ooms.append((where, batch))
             raise torch.OutOfMemoryError(f"test limit: {batch} samples > {self.fit} ({where})")
 
@@ -75,7 +79,7 @@ class LimitedGPT(GPT):
                 self.armed = None
             else:
                 self.armed["skip"] -= 1
-        self.check(out.shape[0], "forward")
+        self.check(out.shape[0], "forward", out.shape[0] * out.shape[1])
         if self.norm is not None:
             out = self.norm(out.transpose(1, 2)).transpose(1, 2)  # (B, C, T) for BatchNorm1d
         return _OomInBackward.apply(out, self)

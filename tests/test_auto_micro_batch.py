@@ -108,6 +108,18 @@ def test_probe_picks_largest_fitting_divisor_and_undoes_itself(
     assert_same_run(tmp_path / "auto", tmp_path / "hand", 1e-12)
 
 
+def test_probe_uses_the_longest_samples(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Padded variable-length samples, memory for 5 x 64 tokens: the probe measures the longest
+    sample (64 tokens; the first one has 19), so it chooses 4, and no later micro-batch runs
+    out of memory."""
+    args = overrides(3, 16, "auto", "data.packed=false", "+model.fit_tokens=320")
+    train_in_process(args, tmp_path)
+    captured = capsys.readouterr()
+    assert "chose 4 of the divisors" in captured.out, captured.out
+    assert "shrinking" not in captured.err, captured.err
+    assert sizes(tmp_path) == [4, 4, 4]
+
+
 def test_oom_in_the_middle_of_a_window_redoes_it_smaller(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
