@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 class Callback:
     """No-op base; override the hooks you need. Stateful callbacks also override the state pair."""
 
+    # True when a checkpoint saved without this callback may still be resumed with it (its
+    # state is a record, not something the trajectory depends on).
+    state_optional = False
+
     def setup(self, ctx: StepContext) -> None:
         """Once, after the model is wrapped (and sharded) and before a checkpoint is restored.
         A callback whose state follows the parameters allocates it here, shaped and sharded
@@ -134,7 +138,11 @@ class CallbackList:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # A stateless callback may be added on resume; a stateful one must find its state.
-        missing = sorted(n for n, cb in self.named.items() if n not in state and cb.state_dict())
+        missing = sorted(
+            n
+            for n, cb in self.named.items()
+            if n not in state and cb.state_dict() and not cb.state_optional
+        )
         if missing:
             raise KeyError(f"checkpoint holds no state for callbacks {missing}")
         for name, cb in self.named.items():

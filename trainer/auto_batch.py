@@ -103,6 +103,8 @@ class AutoMicroBatch(Callback):
     """The chosen size: recorded as `train/micro_batch_size`, saved in checkpoints; on resume
     the size probed on this machine stays and a different saved one is reported."""
 
+    state_optional = True  # switching a run to auto on resume is fine
+
     def __init__(self, size: int, is_main: bool) -> None:
         self.size, self.is_main = size, is_main
 
