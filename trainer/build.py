@@ -42,7 +42,7 @@ from trainer.data.loader import EvalBatches, GlobalBatchSampler, TrainBatches, e
 from trainer.errors import ConfigError, UserError
 from trainer.fit import Run, TrainingProgress, restore
 from trainer.identity import new_run_id
-from trainer.metrics import JsonlWriter, Progress, RecordSink, TrainMeter
+from trainer.metrics import JsonlWriter, Progress, RecordSink, TrainMeter, supersede
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.preemption import StopRequest
 
@@ -86,7 +86,8 @@ def check_config(cfg: Config) -> None:
     for group in ("model", "data"):
         spec, _ = split_extras(getattr(cfg, group), group)
         check(spec, group, options=options(group))
-    check(cfg.task, "task", options=options("task"))
+    task = split_extras(cfg.task, "task")[0] if isinstance(cfg.task, dict) else cfg.task
+    check(task, "task", options=options("task"))
     check(cfg.optim, "optim", provided=["params"], options=options("optim"))
     check(cfg.scheduler, "scheduler", ["optimizer", "max_steps"], options("scheduler"))
     check(cfg.step, "step", options=options("step"))
@@ -134,7 +135,8 @@ def check_fits(model: nn.Module, data: DataSplits, spec: dict[str, Any]) -> None
         )
 
 
-def build_task(spec: dict[str, Any]) -> Task:
+def build_task(node: dict[str, Any]) -> Task:
+    spec, _ = split_extras(node, "task")  # task.check_sum is the trainer's (trainer/sum_check.py)
     task = instantiate(spec, "task")
     if not isinstance(task, Task):
         raise ConfigError(
@@ -441,6 +443,11 @@ def build_sinks(
         + (f"\n  resumed from {resume} at step {run.step}" if resume else ""),
         flush=True,
     )
+    # Records of steps after the resumed one go to metrics.superseded.jsonl: one per step.
+    moved = supersede(run.run_dir / "metrics.jsonl", run.step)
+    # The same W&B run (this run directory's own checkpoint) already has those steps.
+    own = resume is not None and resume.resolve().parent == run.checkpoint_dir.resolve()
+    sent = moved if own else None
     sinks: list[RecordSink] = [
         JsonlWriter(run.run_dir / "metrics.jsonl"),
         Progress(cfg.train.max_steps),
@@ -448,5 +455,7 @@ def build_sinks(
     if cfg.logger.name == "wandb":
         from trainer.wandb_logger import WandbSink
 
-        sinks.append(WandbSink(cfg.logger, run.run_dir, run.run_id, run.config_dict))
+        sinks.append(
+            WandbSink(cfg.logger, run.run_dir, run.run_id, run.config_dict, sent_through=sent)
+        )
     return sinks

@@ -32,6 +32,7 @@ from trainer.metrics import RecordSink, TrainMeter
 from trainer.optim import horizon_dependent
 from trainer.preemption import StopRequest
 from trainer.state import RunState, load_payload, save_payload
+from trainer.sum_check import check_loss_is_sum
 
 
 class RunEnded(UserError):
@@ -135,8 +136,11 @@ def fit(run: Run) -> str:
     windows = run.batches.windows(run.step)  # loader workers prefetch the next windows
     try:
         while run.step < train.max_steps:
+            window = next(windows)
             try:
-                result = run.step_fn(run.ctx, next(windows))  # advances run.step
+                if run.step == first_step:
+                    check_task(run, window)
+                result = run.step_fn(run.ctx, window)  # advances run.step
             except TaskOutputError as exc:  # the same on every rank: the model does not fit
                 raise UserError(f"invalid config `task`: {exc}", all_ranks=True) from None
             run.meter.update(result)
@@ -168,6 +172,15 @@ def fit(run: Run) -> str:
 
 def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
+
+
+def check_task(run: Run, window: list[Any]) -> None:
+    """Once per launch, on the first window: the task's loss is a sum over its items."""
+    node = run.cfg.task
+    if window and node.get("check_sum", True):
+        name = f"task `{node.get('_target_')}`"
+        ctx = run.ctx
+        check_loss_is_sum(ctx.task, ctx.model, window[0], ctx.precision, run.dist, name)
 
 
 def extra_train_metrics(run: Run) -> dict[str, Any]:

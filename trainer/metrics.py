@@ -5,8 +5,10 @@ Step results stay on the device between records; `.item()` happens here, once pe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,6 +48,37 @@ class JsonlWriter:
 
     def close(self) -> None:
         self.file.close()
+
+
+def supersede(path: Path, step: int) -> int | None:
+    """On resume from `step`: move the records of later steps (written before the run
+    stopped, and about to be written again) from `path` to `*.superseded.jsonl` next to it, so
+    `path` holds one record per step and kind; nothing is lost. Returns the newest step moved,
+    or None when there was none."""
+    if not path.exists():
+        return None
+    keep, moved, newest = [], [], None
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            later = int(json.loads(line)["step"]) > step
+        except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+            later = not line.endswith("\n")
+        if later:
+            moved.append(line if line.endswith("\n") else line + "\n")
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                newest = max(newest or 0, int(json.loads(line)["step"]))
+        else:
+            keep.append(line)
+    if not moved:
+        return None
+    with path.with_name(path.stem + ".superseded.jsonl").open("a", encoding="utf-8") as f:
+        f.writelines(moved)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep), encoding="utf-8")
+    os.replace(tmp, path)  # the superseded copy is on disk first: a crash here loses nothing
+    return newest
 
 
 class Progress:
