@@ -40,7 +40,7 @@ MISTAKES = '''
 """What a user wrote by accident (tests/test_first_hour.py)."""
 
 import torch
-from tagger import IGNORE, TaggingTask, tagging_data
+from tagger import IGNORE, Tagger, TaggingTask, tagging_data
 
 
 class MeanTask(TaggingTask):
@@ -53,10 +53,26 @@ class IntCountTask(TaggingTask):
         return int((batch["labels"] != IGNORE).sum())
 
 
-def no_collate(**kw):  # sequences of different lengths, nothing pads them
+class Tensors(torch.utils.data.Dataset):
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        s = self.samples[i]
+        return {"features": s["features"], "labels": torch.tensor(s["labels"]).long()}
+
+
+def no_collate(**kw):  # tensors of different lengths, nothing pads them
     splits = tagging_data(**kw)
-    del splits["collate_fn"]
-    return splits
+    return {"train": Tensors(splits["train"]), "val": Tensors(splits["val"])}
+
+
+class BrokenTagger(Tagger):
+    def forward(self, features):
+        raise ValueError("a bug in my model")
 
 
 class Lists(torch.utils.data.Dataset):
@@ -99,7 +115,8 @@ def command(project: Path, run_dir: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Each mistake launched once (two at a time), with the correct task as the control."""
+    """Each mistake launched once (four at a time: import-bound), the correct task as the
+    control."""
     root = tmp_path_factory.mktemp("runs")
     cases = {
         "sum": [],
@@ -109,12 +126,16 @@ def runs(project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
         "no_collate": ["data._target_=mistakes.no_collate"],
         "lists": ["data._target_=mistakes.lists"],
         "failing_collate": ["data._target_=mistakes.failing_collate"],
+        "broken_model": ["model._target_=mistakes.BrokenTagger"],
     }
-    names = list(cases)
+    cmds = {n: command(project, root / n, *cases[n]) for n in cases}
+    # The user's config folder forgotten: `data=tagging` is not among cumulus's configs.
+    cmds["no_searchpath"] = [a for a in cmds["sum"] if not a.startswith("hydra.searchpath")]
+    names = list(cmds)
     results = {}
-    for i in range(0, len(names), 2):
-        cmds = {n: command(project, root / n, *cases[n]) for n in names[i : i + 2]}
-        results |= launch_all(cmds, TIMEOUT, PYTHONPATH=str(project))
+    for i in range(0, len(names), 4):
+        batch = {n: cmds[n] for n in names[i : i + 4]}
+        results |= launch_all(batch, TIMEOUT, PYTHONPATH=str(project))
     return {"root": root, "results": results}
 
 
@@ -133,11 +154,79 @@ def test_sum_task_trains(runs: dict[str, Any]) -> None:
     assert [r["step"] for r in read_metrics(runs["root"] / "sum")] == [1, 2, 3]
 
 
+def test_progress_line_in_the_tasks_unit(runs: dict[str, Any]) -> None:
+    out = runs["results"]["sum"].stdout
+    assert " tags/s | " in out and "tok/s" not in out, out  # TaggingTask.unit = "tags"
+
+
+def test_default_accumulation_stands_out(runs: dict[str, Any], tmp_path: Path) -> None:
+    note = "NOTE: accumulation is the default train.grad_accum_steps=2"
+    assert note in runs["results"]["sum"].stdout
+    # Chosen explicitly through the global batch: no note.
+    import contextlib
+    import io
+
+    from tests.conftest import TINY, train_in_process
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train_in_process(
+            [*TINY, "train.max_steps=1", "train.global_batch_size=16"], tmp_path / "global"
+        )
+    assert "world 1 x micro 8 x accum 2" in out.getvalue() and "NOTE" not in out.getvalue()
+
+
 def test_mean_loss_is_refused_with_what_to_return(runs: dict[str, Any]) -> None:
     text = paragraph(runs["results"]["mean"])
     assert "task `mistakes.MeanTask`" in text
     assert "not a sum" in text and "reduction='sum'" in text and "task.check_sum=false" in text
-    assert not read_metrics(runs["root"] / "mean")  # stopped before the first step
+    assert not (runs["root"] / "mean").exists()  # refused before its first step: no run dir
+
+
+def test_forgotten_searchpath(runs: dict[str, Any]) -> None:
+    text = paragraph(runs["results"]["no_searchpath"])
+    assert "invalid config `model`: no config named 'tagger'" in text
+    assert "hydra.searchpath=[file://DIR]" in text and "model=cnn|gpt_small|gpt_tiny" in text
+    assert not (runs["root"] / "sum").with_name("no_searchpath").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fix"),
+    [
+        (  # a scheduler class without _partial_
+            [
+                "scheduler._target_=torch.optim.lr_scheduler.StepLR",
+                "~scheduler._partial_",
+                "~scheduler.warmup_steps",
+                "+scheduler.step_size=3",
+            ],
+            "scheduler._partial_",
+            "+scheduler._partial_=true",
+        ),
+        (  # AdamW's keys left when swapping the optimizer class
+            ["optim._target_=torch.optim.SGD"],
+            "optim.betas",
+            "`~optim.betas ~optim.eps`",
+        ),
+        (  # an interpolation to a missing key
+            ["train.max_steps=${train.max_step}"],
+            "train.max_steps",
+            "Did you mean `${train.max_steps}`?",
+        ),
+        (["data=synth_tags"], "data", "hydra.searchpath=[file://DIR]"),
+    ],
+    ids=["partial", "leftover_keys", "interpolation", "searchpath"],
+)
+def test_hydra_mistakes_name_the_fix(overrides: list[str], key: str, fix: str) -> None:
+    """Through trainer.api.compose, as from Python (the command line gives the same)."""
+    from trainer.api import compose
+    from trainer.cli import to_config
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        to_config(compose(["model=gpt_tiny", *overrides]))
+    assert err.value.key == key and fix in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
 
 
 def test_check_sum_false_skips_the_check(runs: dict[str, Any]) -> None:
@@ -150,6 +239,37 @@ def test_count_items_may_return_an_int(runs: dict[str, Any]) -> None:
     assert proc.returncode == 0, explain(proc)
     same = [r["train/loss"] for r in read_metrics(runs["root"] / "int_count")]
     assert same == [r["train/loss"] for r in read_metrics(runs["root"] / "sum")]
+
+
+def test_variable_length_without_collate_fn(runs: dict[str, Any]) -> None:
+    text = paragraph(runs["results"]["no_collate"])
+    assert "invalid config `data`" in text and "mistakes.no_collate" in text
+    assert "different shapes" in text and "pad_collate" in text
+
+
+def test_dataset_of_python_lists(runs: dict[str, Any]) -> None:
+    text = paragraph(runs["results"]["lists"])
+    assert "mistakes.lists" in text and "field `features` is a Python list" in text
+    assert "torch.tensor" in text and "pad_collate" in text
+
+
+def test_failing_collate_keeps_its_traceback_under_one_line(runs: dict[str, Any]) -> None:
+    proc = runs["results"]["failing_collate"]
+    assert proc.returncode == 1, explain(proc)
+    lines = proc.stderr.splitlines()
+    head = lines.index("Traceback (most recent call last):") - 1
+    assert lines[head].startswith("error in data.collate_fn while loading the batches of step 1")
+    assert "mistakes.py:" in lines[head] and "in collate" in lines[head]
+    assert "KeyError: 'my_field'" in lines[-3:]
+
+
+def test_failing_model_names_the_component_and_step(runs: dict[str, Any]) -> None:
+    proc = runs["results"]["broken_model"]
+    assert proc.returncode == 1, explain(proc)
+    lines = proc.stderr.splitlines()
+    head = lines[lines.index("Traceback (most recent call last):") - 1]
+    assert head.startswith("error in `model` (mistakes.BrokenTagger) during step 1"), head
+    assert "in forward" in head and "ValueError: a bug in my model" in lines[-3:]
 
 
 def test_sum_check_leaves_the_trajectory_alone(tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ from engine.step import StepContext, StepStrategy, Task
 from trainer.components import check, instantiate
 from trainer.config import EXTRAS, CheckpointCfg, Config, DataExtras, DistCfg, ModelExtras, TrainCfg
 from trainer.data import DataSplits, as_splits
+from trainer.data.checks import check_samples
 from trainer.data.loader import EvalBatches, GlobalBatchSampler, TrainBatches, eval_set_size
 from trainer.errors import ConfigError, UserError
 from trainer.fit import Run, TrainingProgress, restore
@@ -349,6 +350,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
     seed_everything(cfg.seed)  # same initial weights on every rank
     model, model_extras = build_model(cfg.model, info)
     data, data_extras = build_data(cfg.data)
+    check_samples(data, cfg.data["_target_"])
     check_fits(model, data, cfg.model)
     task = build_task(cfg.task)
     wrapped = parallelize(model, model_extras, cfg.train, cfg.dist, info)
@@ -443,6 +445,13 @@ def build_sinks(
         + (f"\n  resumed from {resume} at step {run.step}" if resume else ""),
         flush=True,
     )
+    if cfg.train.global_batch_size is None and accum == TrainCfg.grad_accum_steps:
+        print(
+            f"NOTE: accumulation is the default train.grad_accum_steps={accum}: each optimizer "
+            f"step sums {accum} micro-batches per rank. Set train.grad_accum_steps, or "
+            "train.global_batch_size to fix the batch whatever the world size.",
+            flush=True,
+        )
     # Records of steps after the resumed one go to metrics.superseded.jsonl: one per step.
     moved = supersede(run.run_dir / "metrics.jsonl", run.step)
     # The same W&B run (this run directory's own checkpoint) already has those steps.
@@ -450,7 +459,7 @@ def build_sinks(
     sent = moved if own else None
     sinks: list[RecordSink] = [
         JsonlWriter(run.run_dir / "metrics.jsonl"),
-        Progress(cfg.train.max_steps),
+        Progress(cfg.train.max_steps, unit=getattr(run.ctx.task, "unit", "items")),
     ]
     if cfg.logger.name == "wandb":
         from trainer.wandb_logger import WandbSink

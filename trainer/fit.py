@@ -26,6 +26,8 @@ from engine.rng import rng_state, seed_everything, set_rng_state
 from engine.step import StepContext, StepStrategy
 from engine.tasks import CausalLMTask, TaskOutputError
 from trainer.config import Config
+from trainer.contract import annotate_step
+from trainer.data.checks import data_failure
 from trainer.data.loader import EvalBatches, TrainBatches
 from trainer.errors import UserError
 from trainer.metrics import RecordSink, TrainMeter
@@ -136,13 +138,26 @@ def fit(run: Run) -> str:
     windows = run.batches.windows(run.step)  # loader workers prefetch the next windows
     try:
         while run.step < train.max_steps:
-            window = next(windows)
+            try:
+                window = next(windows)
+            except Exception as exc:  # the user's dataset or collate_fn
+                failure = data_failure(
+                    exc, run.cfg.data.get("_target_"), run.batches.collate_fn, run.step + 1
+                )
+                if failure is exc:
+                    raise
+                raise failure from None
             try:
                 if run.step == first_step:
                     check_task(run, window)
                 result = run.step_fn(run.ctx, window)  # advances run.step
             except TaskOutputError as exc:  # the same on every rank: the model does not fit
                 raise UserError(f"invalid config `task`: {exc}", all_ranks=True) from None
+            except UserError:
+                raise
+            except Exception as exc:  # in the user's model or task: traceback, headed
+                annotate_step(exc, {"model": run.cfg.model, "task": run.cfg.task}, run.step + 1)
+                raise
             run.meter.update(result)
             if run.step == first_step + 1:
                 report_first_step(run, started)

@@ -84,8 +84,10 @@ def supersede(path: Path, step: int) -> int | None:
 class Progress:
     """A live one-line bar on a terminal; plain periodic lines otherwise (logs, CI)."""
 
-    def __init__(self, max_steps: int, stream: TextIO = sys.stdout) -> None:
+    def __init__(self, max_steps: int, stream: TextIO = sys.stdout, unit: str = "tokens") -> None:
         self.max_steps = max_steps
+        # Loss items per second, in the task's own unit (`unit = "tokens"` on the task).
+        self.rate = "tok/s" if unit == "tokens" else f"{unit}/s"
         self.stream = stream
         self.live = stream.isatty()
         self.start = time.perf_counter()
@@ -112,7 +114,7 @@ class Progress:
         bar = "#" * int(20 * frac) + "-" * (20 - int(20 * frac))
         text = (
             f"[{bar}] {step}/{self.max_steps} | loss {record['train/loss']:.4f} | "
-            f"lr {record['train/lr']:.2e} | {record['train/tokens_per_s']:,.0f} tok/s | "
+            f"lr {record['train/lr']:.2e} | {record['train/tokens_per_s']:,.0f} {self.rate} | "
             f"eta {_duration(eta)}"
         )
         if self.live:
