@@ -8,6 +8,7 @@ mean.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -41,8 +42,8 @@ def item_count(task: Task, batch: Batch) -> torch.Tensor:
     count = task.count_items(batch)
     if isinstance(count, torch.Tensor):
         return count
-    if isinstance(count, int) and not isinstance(count, bool):
-        return torch.tensor(count, dtype=torch.int64)
+    if isinstance(count, numbers.Integral) and not isinstance(count, bool):
+        return torch.tensor(int(count), dtype=torch.int64)
     raise TaskOutputError(
         f"{type(task).__name__}.count_items(batch) must return the number of loss items as an "
         f"int or an integer tensor, got {type(count).__name__} ({count!r:.80})"

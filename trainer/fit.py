@@ -192,10 +192,11 @@ def _due(step: int, every: int) -> bool:
 def check_task(run: Run, window: list[Any]) -> None:
     """Once per launch, on the first window: the task's loss is a sum over its items."""
     node = run.cfg.task
-    if window and node.get("check_sum", True):
+    if node.get("check_sum", True):
         name = f"task `{node.get('_target_')}`"
+        batch = next((b for b in window if b is not None), None)  # Poisson: maybe empty
         ctx = run.ctx
-        check_loss_is_sum(ctx.task, ctx.model, window[0], ctx.precision, run.dist, name)
+        check_loss_is_sum(ctx.task, ctx.model, batch, ctx.precision, run.dist, name)
 
 
 def extra_train_metrics(run: Run) -> dict[str, Any]:

@@ -89,23 +89,26 @@ def evaluation_mode(model: nn.Module) -> Iterator[None]:
 def check_loss_is_sum(
     task: Task,
     model: nn.Module,
-    batch: Batch,
+    batch: Batch | None,
     precision: Precision,
     dist: DistInfo,
     name: str,
 ) -> None:
     """Raise `LossNotSum` (on every rank alike) when `task.loss_sum` is not additive over the
-    two halves of `batch`. Collective: every rank calls it (a sharded model's forward is)."""
+    two halves of `batch` (None: this rank has no batch). Collective: every rank calls it."""
     inner = unwrap(model)  # DDP's forward would prepare a gradient sync that never comes
     parts = halves(batch)
     values = torch.zeros(3, dtype=torch.float64)  # failed, whole, halves summed
-    with evaluation_mode(inner):
-        # Every rank runs the same number of forwards, even one whose batch cannot be split.
-        split = parts if parts is not None else (batch, batch)
-        with precision.autocast():
-            whole = task.loss_sum(inner, batch)
-            first = task.loss_sum(inner, split[0])
-            second = task.loss_sum(inner, split[1])
+    whole = first = second = None
+    if batch is not None:
+        with evaluation_mode(inner):
+            # Every rank runs the same number of forwards, even one whose batch cannot be
+            # split (a sharded model's forward is collective).
+            split = parts if parts is not None else (batch, batch)
+            with precision.autocast():
+                whole = task.loss_sum(inner, batch)
+                first = task.loss_sum(inner, split[0])
+                second = task.loss_sum(inner, split[1])
     if parts is not None and all(isinstance(t, torch.Tensor) for t in (whole, first, second)):
         w, h = float(whole.double()), float(first.double() + second.double())
         scale = max(abs(w), abs(h))
