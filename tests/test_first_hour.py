@@ -20,7 +20,15 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, env, explain, launch, launch_all, read_metrics
+from tests.conftest import (
+    REPO,
+    env,
+    explain,
+    launch,
+    launch_all,
+    read_metrics,
+    torchrun_cmd,
+)
 from tests.user_project import select, write_project
 
 TIMEOUT = 120.0
@@ -129,6 +137,9 @@ def runs(project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
         "broken_model": ["model._target_=mistakes.BrokenTagger"],
     }
     cmds = {n: command(project, root / n, *cases[n]) for n in cases}
+    # Two ranks: the verdict is all-reduced, every rank stops, rank 0 alone speaks.
+    cmds["mean_ddp"] = [*torchrun_cmd(2), *cmds["mean"][1:]]
+    cmds["mean_ddp"][-1] = f"hydra.run.dir={root / 'mean_ddp'}"
     # The user's config folder forgotten: `data=tagging` is not among cumulus's configs.
     cmds["no_searchpath"] = [a for a in cmds["sum"] if not a.startswith("hydra.searchpath")]
     names = list(cmds)
@@ -227,6 +238,32 @@ def test_hydra_mistakes_name_the_fix(overrides: list[str], key: str, fix: str) -
         to_config(compose(["model=gpt_tiny", *overrides]))
     assert err.value.key == key and fix in str(err.value), str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_mean_loss_on_two_ranks_stops_every_rank(runs: dict[str, Any]) -> None:
+    proc = runs["results"]["mean_ddp"]
+    assert proc.returncode != 0, explain(proc)
+    said = [ln for ln in proc.stderr.splitlines() if "is not a sum over its loss items" in ln]
+    assert len(said) == 1 and said[0].startswith("error: invalid config `task`"), explain(proc)
+    # torchrun adds its own ChildFailedError report; no frame of the trainer's.
+    assert "fit.py" not in proc.stderr and "sum_check.py" not in proc.stderr, explain(proc)
+
+
+def test_api_train_returns_one_record_per_step(tmp_path: Path) -> None:
+    """A rerun that resumes from an earlier checkpoint than the records reach: trainer.api
+    returns each step once; the redone step's first record is in the superseded file."""
+    import shutil
+
+    from tests.conftest import TINY
+    from trainer.api import train
+
+    args = [*TINY, "train.max_steps=3", "checkpoint.every_steps=2"]
+    assert [r["step"] for r in train(args, run_dir=tmp_path)] == [1, 2, 3]
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000003")  # as if killed before it
+    again = train(args, run_dir=tmp_path)
+    assert [r["step"] for r in again] == [1, 2, 3]
+    moved = (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in moved] == [3]
 
 
 def test_check_sum_false_skips_the_check(runs: dict[str, Any]) -> None:
