@@ -88,10 +88,15 @@ def check_selection(group: str, name: str, config_dir: Path, args: list[str]) ->
     """`data=NAME` names a file of the group in cumulus's configs or a joined folder: else one
     paragraph saying where it was looked for and how to join a folder (Hydra's own message,
     "Could not find 'data/NAME'", does not)."""
-    if not name or any(c in name for c in ",($*") or (config_dir / group / f"{name}.yaml").exists():
+    if name.startswith("[") and name.endswith("]"):  # callbacks=[ema,grad_stats]
+        for one in name[1:-1].split(","):
+            check_selection(group, one.strip(), config_dir, args)
+        return
+    if not name or name == "null" or any(c in name for c in ",($*{"):  # sweeps, functions
         return
     dirs = search_dirs(args)
-    if dirs is None or any((d / group / f"{name}.yaml").exists() for d in dirs):
+    found = [config_dir, *(dirs or [])]
+    if dirs is None or any((d / group / f"{name}.yaml").exists() for d in found):
         return
     shipped = "|".join(sorted(p.stem for p in (config_dir / group).glob("*.yaml")))
     where = (
