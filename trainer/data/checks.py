@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from engine.rng import rng_state, set_rng_state
 from trainer.contract import annotate
 from trainer.data import DataSplits
 from trainer.errors import ConfigError, UserError
@@ -35,7 +36,13 @@ def check_samples(data: DataSplits, target: str) -> None:
     list into a list of per-position tensors (transposed), which no model expects."""
     if data.collate_fn is not None or len(data.train) == 0:
         return
-    sample = data.train[0]
+    state = rng_state()  # a sample may draw augmentations: the run's randomness is untouched
+    try:
+        sample = data.train[0]
+    except Exception as exc:  # the user's __getitem__: its traceback, headed
+        raise annotate(exc, f"error in data `{target}` reading training sample 0") from None
+    finally:
+        set_rng_state(state)
     for name, value in _fields(sample):
         if isinstance(value, list):
             raise ConfigError(
