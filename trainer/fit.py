@@ -147,6 +147,7 @@ def fit(run: Run) -> str:
                 if failure is exc:
                     raise
                 raise failure from None
+            stepping = run.step + 1  # the step this window makes (the engine counts it)
             try:
                 if run.step == first_step:
                     check_task(run, window)
@@ -156,7 +157,7 @@ def fit(run: Run) -> str:
             except UserError:
                 raise
             except Exception as exc:  # in the user's model or task: traceback, headed
-                annotate_step(exc, {"model": run.cfg.model, "task": run.cfg.task}, run.step + 1)
+                annotate_step(exc, {"model": run.cfg.model, "task": run.cfg.task}, stepping)
                 raise
             run.meter.update(result)
             if run.step == first_step + 1:
