@@ -21,14 +21,14 @@ import torch
 from torch import nn
 
 from engine.distributed import all_reduce_sum, gradient_sync
-from engine.step import Batch, StepContext, StepResult
+from engine.step import Batch, StepContext, StepResult, item_count
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
 def count_window(ctx: StepContext, window: Sequence[Batch]) -> torch.Tensor:
     """Loss items of the whole window over all ranks: one all-reduce, before any forward."""
-    local = torch.stack([ctx.task.count_items(b) for b in window]).sum()
+    local = torch.stack([item_count(ctx.task, b) for b in window]).sum()
     return all_reduce_sum(local.to(ctx.dist.device, torch.int64), ctx.dist)
 
 

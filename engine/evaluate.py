@@ -15,7 +15,7 @@ from engine.distributed import (
     is_sharded,
 )
 from engine.precision import Precision
-from engine.step import Batch, EvalTask, Task
+from engine.step import Batch, EvalTask, Task, item_count
 
 
 def _sums(task: Task, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
@@ -60,7 +60,7 @@ def evaluate(
                 seen += 1
                 for name, value in _sums(task, model, batch).items():
                     sums[name] = sums.get(name, 0) + value.double()
-                count += task.count_items(batch).double()
+                count += item_count(task, batch).double()
             for _ in range(seen, n_forwards or 0):
                 task.loss_sum(model, first)  # lockstep only: not counted
     finally:

@@ -31,7 +31,7 @@ from torch import nn
 
 from engine.callbacks import Callback
 from engine.distributed import all_reduce_sum, is_sharded
-from engine.step import StepContext
+from engine.step import StepContext, item_count
 
 
 def _sq_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -121,7 +121,7 @@ class NoiseScale(Callback):
                 torch._foreach_sub_(prev, grads)
                 delta_sq = _sq_norm(prev)
             count = global_count.to(delta_sq.device, torch.float64).clamp(min=1)
-            items = ctx.task.count_items(batch).to(delta_sq.device, torch.float64)
+            items = item_count(ctx.task, batch).to(delta_sq.device, torch.float64)
             has_items = (items > 0).to(torch.float64)  # an all-padding micro-batch adds nothing
             items = items.clamp(min=1)
             scale = self._loss_scale(ctx)

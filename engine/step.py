@@ -8,6 +8,7 @@ mean.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -18,6 +19,7 @@ from torch import nn
 from engine.callbacks import CallbackList
 from engine.distributed import DistInfo, sync_divisor
 from engine.precision import Precision
+from engine.tasks import TaskOutputError
 
 Batch = Any
 
@@ -33,6 +35,19 @@ class Task(Protocol):
     def loss_sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Sum (not mean) of the per-item losses of `batch`: a differentiable scalar."""
         ...
+
+
+def item_count(task: Task, batch: Batch) -> torch.Tensor:
+    """`task.count_items(batch)` as a tensor: a plain Python int is accepted as well."""
+    count = task.count_items(batch)
+    if isinstance(count, torch.Tensor):
+        return count
+    if isinstance(count, numbers.Integral) and not isinstance(count, bool):
+        return torch.tensor(int(count), dtype=torch.int64)
+    raise TaskOutputError(
+        f"{type(task).__name__}.count_items(batch) must return the number of loss items as an "
+        f"int or an integer tensor, got {type(count).__name__} ({count!r:.80})"
+    )
 
 
 @runtime_checkable

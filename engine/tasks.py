@@ -90,6 +90,7 @@ class CausalLMTask:
     """
 
     name = "task=causal_lm"
+    unit = "tokens"  # what a loss item is: the progress line's throughput unit
 
     def __init__(self, chunk_size: int | None = 2048, chunked_vocab_threshold: int = 32768) -> None:
         if chunk_size is not None and chunk_size <= 0:
@@ -171,6 +172,7 @@ class ClassificationTask:
     """
 
     name = "task=classification"
+    unit = "samples"
 
     def count_items(self, batch: Any) -> torch.Tensor:
         _, labels, _ = _split(batch, self.name)

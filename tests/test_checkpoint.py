@@ -102,6 +102,12 @@ def last_by_step(records: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[i
     return {r["step"]: tuple(r.get(k) for k in keys) for r in records}
 
 
+def superseded(run_dir: Path) -> list[dict[str, Any]]:
+    """The records a resume moved out of metrics.jsonl (written after its checkpoint)."""
+    path = run_dir / "metrics.superseded.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def assert_same(
     got: list[dict[str, Any]],
     want: list[dict[str, Any]],
@@ -184,8 +190,9 @@ def test_sigkill_then_rerun_continues_the_same_trajectory(
     assert rerun.returncode == 0, explain(rerun)
     assert resumed_steps(rerun) == [10], explain(rerun)
     records = read_metrics(run_dir)
-    # Append-only: the killed run's records stay, step 11 (redone) appears twice.
-    assert steps_of(train_records(records)) == [*range(1, 12), *range(11, STEPS + 1)]
+    # One record per step: the killed run's step 11 (redone) moved to the superseded file.
+    assert steps_of(train_records(records)) == list(range(1, STEPS + 1))
+    assert steps_of(train_records(superseded(run_dir))) == [11]
     ref = read_metrics(refs.single(eval_every))
     assert_same(train_records(records), train_records(ref), TRAIN_KEYS)
     if eval_every:
@@ -213,10 +220,10 @@ def test_torchrun_restart_after_rank_death_resumes_exactly(
     assert marker.exists(), "rank 1 was never killed: the test did not test a restart"
     assert resumed_steps(proc) == [5], explain(proc)
     got = train_records(read_metrics(run_dir))
-    steps = steps_of(got)
-    restart = len(steps) - 7  # the restarted workers wrote steps 6..12
-    assert steps[restart:] == list(range(6, 13)), steps
-    assert steps[:restart] == list(range(1, restart + 1)) and restart >= 6, steps
+    assert steps_of(got) == list(range(1, 13))
+    # The killed attempt's records after checkpoint 5 (step 6 at least) are superseded.
+    moved = steps_of(train_records(superseded(run_dir)))
+    assert moved and moved == list(range(6, 6 + len(moved))), moved
     assert_same(got, train_records(read_metrics(refs.ddp())), TRAIN_KEYS)
 
 
@@ -248,7 +255,8 @@ def test_truncated_newest_checkpoint_is_skipped(refs: References, tmp_path: Path
     assert re.search(r"WARNING.*step_00000010", rerun.stderr), explain(rerun)
     assert resumed_steps(rerun) == [5], explain(rerun)
     got = train_records(read_metrics(run_dir))
-    assert steps_of(got) == [*range(1, 12), *range(6, STEPS + 1)]
+    assert steps_of(got) == list(range(1, STEPS + 1))
+    assert steps_of(train_records(superseded(run_dir))) == list(range(6, 12))
     assert_same(got, train_records(read_metrics(refs.single(0))), TRAIN_KEYS)
     # The damaged checkpoint was replaced by a good one when step 10 was saved again.
     assert ckpt_names(run_dir) == ["step_00000010", "step_00000015", "step_00000020"]

@@ -23,6 +23,7 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None)
     from hydra import initialize_config_dir
 
     from trainer.build import CONFIG_DIR
+    from trainer.cli import check_overrides
     from trainer.config import register_configs
     from trainer.identity import register_resolvers
 
@@ -31,6 +32,7 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None)
     overrides = list(overrides)
     if config_dir is not None:
         overrides.append(f"hydra.searchpath=[file://{Path(config_dir).resolve()}]")
+    check_overrides(overrides, CONFIG_DIR)  # the command line's one-paragraph errors
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return hydra_compose("train", overrides=overrides)
 

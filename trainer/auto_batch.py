@@ -261,13 +261,13 @@ class WindowStart:
         set_rng_state(self.rng)
 
 
-def step_window(run: Any, windows: Iterator[Any]) -> tuple[Any, Iterator[Any]]:
-    """One optimizer step on the next window. Under `auto`, an out-of-memory error agreed by
-    every rank rolls the window back, halves the micro-batch (to the next divisor) and
-    redoes the same window; returns the result and the (possibly rebuilt) window iterator."""
+def step_window(run: Any, window: Any, windows: Iterator[Any]) -> tuple[Any, Iterator[Any]]:
+    """One optimizer step on `window`, taken from `windows`. Under `auto`, an out-of-memory
+    error agreed by every rank rolls the window back, halves the micro-batch (to the next
+    divisor) and redoes the same window; returns the result and the (possibly rebuilt)
+    window iterator."""
     if not isinstance(run.step_fn, OomSafeAccumulateStep):
-        return run.step_fn(run.ctx, next(windows)), windows
-    window = next(windows)
+        return run.step_fn(run.ctx, window), windows
     while True:
         start = WindowStart(run.ctx)
         try:

@@ -39,11 +39,12 @@ from trainer.auto_batch import AUTO, check_auto, setup_auto, wandb_extra
 from trainer.components import check, instantiate
 from trainer.config import EXTRAS, CheckpointCfg, Config, DataExtras, DistCfg, ModelExtras, TrainCfg
 from trainer.data import DataSplits, as_splits
+from trainer.data.checks import check_samples
 from trainer.data.loader import EvalBatches, GlobalBatchSampler, TrainBatches, eval_set_size
 from trainer.errors import ConfigError, UserError
 from trainer.fit import Run, TrainingProgress, restore
 from trainer.identity import new_run_id
-from trainer.metrics import JsonlWriter, Progress, RecordSink, TrainMeter
+from trainer.metrics import JsonlWriter, Progress, RecordSink, TrainMeter, supersede
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.preemption import StopRequest
 
@@ -90,7 +91,8 @@ def check_config(cfg: Config) -> None:
     for group in ("model", "data"):
         spec, _ = split_extras(getattr(cfg, group), group)
         check(spec, group, options=options(group))
-    check(cfg.task, "task", options=options("task"))
+    task = split_extras(cfg.task, "task")[0] if isinstance(cfg.task, dict) else cfg.task
+    check(task, "task", options=options("task"))
     check(cfg.optim, "optim", provided=["params"], options=options("optim"))
     check(cfg.scheduler, "scheduler", ["optimizer", "max_steps"], options("scheduler"))
     check(cfg.step, "step", options=options("step"))
@@ -138,7 +140,8 @@ def check_fits(model: nn.Module, data: DataSplits, spec: dict[str, Any]) -> None
         )
 
 
-def build_task(spec: dict[str, Any]) -> Task:
+def build_task(node: dict[str, Any]) -> Task:
+    spec, _ = split_extras(node, "task")  # task.check_sum is the trainer's (trainer/sum_check.py)
     task = instantiate(spec, "task")
     if not isinstance(task, Task):
         raise ConfigError(
@@ -351,6 +354,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
     seed_everything(cfg.seed)  # same initial weights on every rank
     model, model_extras = build_model(cfg.model, info)
     data, data_extras = build_data(cfg.data)
+    check_samples(data, cfg.data["_target_"])
     check_fits(model, data, cfg.model)
     task = build_task(cfg.task)
     wrapped = parallelize(model, model_extras, cfg.train, cfg.dist, info)
@@ -446,14 +450,32 @@ def build_sinks(
         + (f"\n  resumed from {resume} at step {run.step}" if resume else ""),
         flush=True,
     )
+    if cfg.train.global_batch_size is None and accum == TrainCfg.grad_accum_steps:
+        print(
+            f"NOTE: accumulation is the default train.grad_accum_steps={accum}: each optimizer "
+            f"step sums {accum} micro-batches per rank. Set train.grad_accum_steps, or "
+            "train.global_batch_size to fix the batch whatever the world size.",
+            flush=True,
+        )
+    # Records of steps after the resumed one go to metrics.superseded.jsonl: one per step.
+    moved = supersede(run.run_dir / "metrics.jsonl", run.step)
+    # The same W&B run (this run directory's own checkpoint) already has those steps.
+    own = resume is not None and resume.resolve().parent == run.checkpoint_dir.resolve()
+    sent = moved if own else None
     sinks: list[RecordSink] = [
         JsonlWriter(run.run_dir / "metrics.jsonl"),
-        Progress(cfg.train.max_steps),
+        Progress(cfg.train.max_steps, unit=getattr(run.ctx.task, "unit", "items")),
     ]
     if cfg.logger.name == "wandb":
         from trainer.wandb_logger import WandbSink
 
         sinks.append(
-            WandbSink(cfg.logger, run.run_dir, run.run_id, {**run.config_dict, **wandb_extra(run)})
+            WandbSink(
+                cfg.logger,
+                run.run_dir,
+                run.run_id,
+                {**run.config_dict, **wandb_extra(run)},
+                sent_through=sent,
+            )
         )
     return sinks

@@ -56,13 +56,59 @@ def check_overrides(args: list[str], config_dir: Path) -> None:
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
         parts = key.split(".")
-        if parts[0] == "hydra" or (len(parts) == 1 and (config_dir / key).is_dir()):
-            continue  # Hydra's own settings; a config group choice such as model=gpt_tiny
+        if len(parts) == 1 and (config_dir / key).is_dir() and not arg.startswith("~"):
+            check_selection(key, value, config_dir, args)
+            continue  # a config group choice such as model=gpt_tiny
+        if parts[0] == "hydra":
+            continue  # Hydra's own settings
         error = unknown_key(parts)
         if error is not None:
             raise error
         if not sweep and not any(c in value for c in ",($"):  # sweeps, functions, ${...}
             check_value_type(key, value)
+
+
+def search_dirs(args: list[str]) -> list[Path] | None:
+    """The folders `hydra.searchpath=[file://DIR,...]` joins; None when an entry is not a
+    plain folder (`pkg://`) and so cannot be checked here."""
+    dirs: list[Path] = []
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") != "hydra.searchpath":
+            continue
+        for entry in value.strip("[]").split(","):
+            entry = entry.strip().strip("'\"")
+            if not entry.startswith("file://"):
+                return None if entry else dirs
+            dirs.append(Path(entry.removeprefix("file://")))
+    return dirs
+
+
+def check_selection(group: str, name: str, config_dir: Path, args: list[str]) -> None:
+    """`data=NAME` names a file of the group in cumulus's configs or a joined folder: else one
+    paragraph saying where it was looked for and how to join a folder (Hydra's own message,
+    "Could not find 'data/NAME'", does not)."""
+    if name.startswith("[") and name.endswith("]"):  # callbacks=[ema,grad_stats]
+        for one in name[1:-1].split(","):
+            check_selection(group, one.strip(), config_dir, args)
+        return
+    if not name or name == "null" or any(c in name for c in ",($*{"):  # sweeps, functions
+        return
+    dirs = search_dirs(args)
+    found = [config_dir, *(dirs or [])]
+    if dirs is None or any((d / group / f"{name}.yaml").exists() for d in found):
+        return
+    shipped = "|".join(sorted(p.stem for p in (config_dir / group).glob("*.yaml")))
+    where = (
+        "; the folders joined by hydra.searchpath ("
+        + ", ".join(str(d) for d in dirs)
+        + f") have no {group}/{name}.yaml either"
+        if dirs
+        else ". A config of your own is found once its folder is joined: add "
+        f"`hydra.searchpath=[file://DIR]` where DIR holds {group}/{name}.yaml (an absolute "
+        "path; `config_dir=` in trainer.api)"
+    )
+    raise ConfigError(group, f"no config named {name!r}: cumulus ships {group}={shipped}{where}.")
 
 
 def check_value_type(key: str, value: str) -> None:
@@ -99,11 +145,45 @@ def to_config(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
         cause = exc.__cause__ if isinstance(exc.__cause__, UserError) else None
         if cause is not None:
             raise cause from None
+        if isinstance(exc, omegaconf.errors.InterpolationResolutionError):
+            raise interpolation_error(cfg, exc) from None
         raise UserError(f"invalid config: {exc}".replace("\n", " ")) from None
     from trainer.build import check_config
 
     check_config(obj)  # type: ignore[arg-type]
     return obj, plain  # type: ignore[return-value]
+
+
+def interpolation_error(cfg: DictConfig, exc: OmegaConfBaseException) -> ConfigError:
+    """`${a.b}` that does not resolve: the key holding it, what it refers to, and what
+    exists there."""
+    key = getattr(exc, "full_key", None) or "?"
+    text = str(exc).strip().splitlines()[0]
+    try:
+        raw = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            raw = raw[part]  # type: ignore[index]
+    except (KeyError, TypeError):
+        raw = None
+    missing = text.split("'")[1] if text.count("'") >= 2 else None
+    hint = ""
+    if missing and "." in missing:
+        parent, leaf = missing.rsplit(".", 1)
+        try:
+            node = OmegaConf.select(cfg, parent, throw_on_missing=False)
+        except OmegaConfBaseException:
+            node = None
+        if isinstance(node, DictConfig):
+            names = [str(k) for k in node]
+            close = difflib.get_close_matches(leaf, names, n=1)
+            hint = f"Did you mean `${{{parent}.{close[0]}}}`? " if close else ""
+            hint += f"Keys of {parent}: {', '.join(sorted(names))}."
+    holds = f"its value {raw!r}" if isinstance(raw, str) else "its value"
+    return ConfigError(
+        key,
+        f"{holds} is an interpolation that does not resolve ({text}). An interpolation "
+        f"`${{a.b}}` names a key of the composed config by its full path. {hint}".strip(),
+    )
 
 
 def _rank() -> int:
@@ -155,7 +235,9 @@ def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInf
             print(f"[rank {rank}] stopped: another rank failed ({first[:200]})", file=sys.stderr)
         else:
             prefix = f"[rank {rank}] " if rank is not None else ""
-            print(f"{prefix}training failed:\n{traceback.format_exc()}", file=sys.stderr)
+            # A failure in the user's own code: one line naming the component comes first.
+            head = getattr(exc, "cumulus_context", "training failed:")
+            print(f"{prefix}{head}\n{traceback.format_exc()}", file=sys.stderr)
         sys.stderr.flush()
         shutdown_distributed(clean=False)
         sys.exit(1)

@@ -143,16 +143,38 @@ def check(
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in provided
     }
     open_kwargs = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    for name in kwargs:
-        if name not in named and not open_kwargs:
-            close = difflib.get_close_matches(name, named, n=1)
-            hint = f"Did you mean `{key}.{close[0]}`? " if close else ""
-            groups = f" (or select {key}={'|'.join(options)})" if options else ""
-            raise ConfigError(
-                f"{key}.{name}",
-                f"unknown key: {spec[TARGET]} takes no argument {name!r}. {hint}Valid keys of "
-                f"{key}: {', '.join(sorted(named)) or 'none'}{groups}.",
+    needed = [n for n in provided if n in params and params[n].default is params[n].empty]
+    if needed and spec.get(PARTIAL) is not True:
+        raise ConfigError(
+            f"{key}.{PARTIAL}",
+            f"{spec[TARGET]} gets its {', '.join(needed)} from the trainer at run time, so "
+            f"the config must be a partial: add `{PARTIAL}: true` next to `{TARGET}` (on the "
+            f"command line `+{key}.{PARTIAL}=true`); without it Hydra calls it at once, "
+            f"missing its {', '.join(needed)}",
+        )
+    unknown = [] if open_kwargs else [n for n in kwargs if n not in named]
+    for name in unknown[:1]:
+        close = difflib.get_close_matches(name, named, n=1)
+        hint = f"Did you mean `{key}.{close[0]}`? " if close else ""
+        others = f" (nor {', '.join(map(repr, unknown[1:]))})" if unknown[1:] else ""
+        groups = f" (or select {key}={'|'.join(options)})" if options else ""
+        if not close:  # likely left over from the group's config after `_target_` changed
+            them = "them" if unknown[1:] else "it"
+            drop = " ".join(f"~{key}.{n}" for n in unknown)
+            groups = (
+                f". Left over from the config whose `{key}.{TARGET}` you changed? Drop {them} "
+                f"with `{drop}` (an override, on the command line or in api.train's list)"
+                + (
+                    f", or select a config of the group instead: {key}={'|'.join(options)}"
+                    if options
+                    else ""
+                )
             )
+        raise ConfigError(
+            f"{key}.{name}",
+            f"unknown key: {spec[TARGET]} takes no argument {name!r}{others}. {hint}Valid keys "
+            f"of {key}: {', '.join(sorted(named)) or 'none'}{groups}.",
+        )
     hints = _hints(target)
     for name, value in kwargs.items():
         if name in hints and not _matches(value, hints[name]):

@@ -75,8 +75,8 @@ class TrainCfg:
         )
 
 
-# Keys of the `model` and `data` groups that the trainer reads itself; every other key of
-# those groups is an argument of their `_target_` (trainer/components.py).
+# Keys of the `model`, `data` and `task` groups that the trainer reads itself; every other key
+# of those groups is an argument of their `_target_` (trainer/components.py).
 @dataclass
 class ModelExtras:
     # Recompute each block in backward instead of keeping its activations.
@@ -103,7 +103,14 @@ class DataExtras:
             raise ValueError(f"sampling must be shuffle or poisson, got {self.sampling!r}")
 
 
-EXTRAS = {"model": ModelExtras, "data": DataExtras}
+@dataclass
+class TaskExtras:
+    # Check once per launch, on the first window, that the task's loss is a sum over its
+    # items (trainer/sum_check.py); false for a loss that is deliberately not one.
+    check_sum: bool = True
+
+
+EXTRAS = {"model": ModelExtras, "data": DataExtras, "task": TaskExtras}
 
 
 @dataclass

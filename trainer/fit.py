@@ -27,12 +27,15 @@ from engine.step import StepContext, StepStrategy
 from engine.tasks import CausalLMTask, TaskOutputError
 from trainer.auto_batch import step_window
 from trainer.config import Config
+from trainer.contract import annotate_step
+from trainer.data.checks import data_failure
 from trainer.data.loader import EvalBatches, TrainBatches
 from trainer.errors import UserError
 from trainer.metrics import RecordSink, TrainMeter
 from trainer.optim import horizon_dependent
 from trainer.preemption import StopRequest
 from trainer.state import RunState, load_payload, save_payload
+from trainer.sum_check import check_loss_is_sum
 
 
 class RunEnded(UserError):
@@ -137,9 +140,26 @@ def fit(run: Run) -> str:
     try:
         while run.step < train.max_steps:
             try:
-                result, windows = step_window(run, windows)  # advances run.step
+                window = next(windows)
+            except Exception as exc:  # the user's dataset or collate_fn
+                failure = data_failure(
+                    exc, run.cfg.data.get("_target_"), run.batches.collate_fn, run.step + 1
+                )
+                if failure is exc:
+                    raise
+                raise failure from None
+            stepping = run.step + 1  # the step this window makes (the engine counts it)
+            try:
+                if run.step == first_step:
+                    check_task(run, window)
+                result, windows = step_window(run, window, windows)  # advances run.step
             except TaskOutputError as exc:  # the same on every rank: the model does not fit
                 raise UserError(f"invalid config `task`: {exc}", all_ranks=True) from None
+            except UserError:
+                raise
+            except Exception as exc:  # in the user's model or task: traceback, headed
+                annotate_step(exc, {"model": run.cfg.model, "task": run.cfg.task}, stepping)
+                raise
             run.meter.update(result)
             if run.step == first_step + 1:
                 report_first_step(run, started)
@@ -169,6 +189,16 @@ def fit(run: Run) -> str:
 
 def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
+
+
+def check_task(run: Run, window: list[Any]) -> None:
+    """Once per launch, on the first window: the task's loss is a sum over its items."""
+    node = run.cfg.task
+    if node.get("check_sum", True):
+        name = f"task `{node.get('_target_')}`"
+        batch = next((b for b in window if b is not None), None)  # Poisson: maybe empty
+        ctx = run.ctx
+        check_loss_is_sum(ctx.task, ctx.model, batch, ctx.precision, run.dist, name)
 
 
 def extra_train_metrics(run: Run) -> dict[str, Any]:

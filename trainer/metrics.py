@@ -5,8 +5,10 @@ Step results stay on the device between records; `.item()` happens here, once pe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -48,11 +50,44 @@ class JsonlWriter:
         self.file.close()
 
 
+def supersede(path: Path, step: int) -> int | None:
+    """On resume from `step`: move the records of later steps (written before the run
+    stopped, and about to be written again) from `path` to `*.superseded.jsonl` next to it, so
+    `path` holds one record per step and kind; nothing is lost. Returns the newest step moved,
+    or None when there was none."""
+    if not path.exists():
+        return None
+    keep, moved, newest = [], [], None
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            later = int(json.loads(line)["step"]) > step
+        except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+            later = not line.endswith("\n")
+        if later:
+            moved.append(line if line.endswith("\n") else line + "\n")
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                newest = max(newest or 0, int(json.loads(line)["step"]))
+        else:
+            keep.append(line)
+    if not moved:
+        return None
+    with path.with_name(path.stem + ".superseded.jsonl").open("a", encoding="utf-8") as f:
+        f.writelines(moved)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep), encoding="utf-8")
+    os.replace(tmp, path)  # the superseded copy is on disk first: a crash here loses nothing
+    return newest
+
+
 class Progress:
     """A live one-line bar on a terminal; plain periodic lines otherwise (logs, CI)."""
 
-    def __init__(self, max_steps: int, stream: TextIO = sys.stdout) -> None:
+    def __init__(self, max_steps: int, stream: TextIO = sys.stdout, unit: str = "tokens") -> None:
         self.max_steps = max_steps
+        # Loss items per second, in the task's own unit (`unit = "tokens"` on the task).
+        self.rate = "tok/s" if unit == "tokens" else f"{unit}/s"
         self.stream = stream
         self.live = stream.isatty()
         self.start = time.perf_counter()
@@ -79,7 +114,7 @@ class Progress:
         bar = "#" * int(20 * frac) + "-" * (20 - int(20 * frac))
         text = (
             f"[{bar}] {step}/{self.max_steps} | loss {record['train/loss']:.4f} | "
-            f"lr {record['train/lr']:.2e} | {record['train/tokens_per_s']:,.0f} tok/s | "
+            f"lr {record['train/lr']:.2e} | {record['train/tokens_per_s']:,.0f} {self.rate} | "
             f"eta {_duration(eta)}"
         )
         if self.live:

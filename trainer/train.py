@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -56,7 +58,22 @@ def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> 
 @hydra.main(config_path="../configs", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    run_command(cfg, lambda config, plain, info: train(config, plain, info, run_dir))
+    fresh = run_dir.is_dir() and not any(run_dir.iterdir())  # Hydra just made it
+    try:
+        run_command(cfg, lambda config, plain, info: train(config, plain, info, run_dir))
+    except SystemExit as exc:
+        if exc.code and fresh and os.environ.get("RANK", "0") == "0":
+            remove_if_unused(run_dir)
+        raise
+
+
+def remove_if_unused(run_dir: Path) -> None:
+    """A run directory that this launch created and that holds no record and no checkpoint
+    (the run was refused before its first step) is removed: nothing is left to resume."""
+    metrics = run_dir / "metrics.jsonl"
+    if any(run_dir.glob("checkpoints/step_*")) or (metrics.exists() and metrics.stat().st_size):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,17 @@ class WandbSink:
     continues the same W&B run (offline too).
     """
 
-    def __init__(self, cfg: LoggerCfg, run_dir: Path, run_id: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        cfg: LoggerCfg,
+        run_dir: Path,
+        run_id: str,
+        config: dict[str, Any],
+        sent_through: int | None = None,
+    ) -> None:
+        # A resumed run repeats the steps after its checkpoint; W&B already has them (and
+        # would refuse or duplicate them), so those steps are not sent again.
+        self.sent_through = sent_through
         mode = cfg.mode
         if mode is None:
             mode = "online" if has_credentials() else "offline"
@@ -63,6 +73,8 @@ class WandbSink:
 
     def write(self, record: dict[str, Any]) -> None:
         # Always pass step=: an offline resume starts W&B's own counter at 0 again.
+        if self.sent_through is not None and record["step"] <= self.sent_through:
+            return
         import wandb
 
         data = {
