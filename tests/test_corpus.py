@@ -120,6 +120,17 @@ def test_views_select_documents_like_a_list(tokenizer: Path, tmp_path: Path) -> 
     assert np.diff(view.offsets()).tolist() == [len(d) for i, d in enumerate(want) if keep[i]]
 
 
+def test_a_text_file_read_in_pieces_gives_the_whole_files_tokens(
+    tokenizer: Path, tmp_path: Path, small_chunks: None
+) -> None:
+    """`data.path=FILE` with a tokenizer: one document, read in pieces of CHUNK_BYTES."""
+    path = tmp_path / "one.txt"
+    path.write_text("".join(r["text"] for r in records(30)))
+    store = open_shards(Source("text", (path,)), tokenizer, workers=2, quiet=True)
+    assert len(store.starts) > 3, "several pieces"
+    assert store.read(0, len(store)).tolist() == reference(tokenizer, [path.read_text()])[0]
+
+
 BUILD = """
 import sys, time
 sys.path.insert(0, {repo!r})

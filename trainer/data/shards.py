@@ -201,18 +201,23 @@ def _saved_texts(path: Path, field: str, split: str | None) -> Iterator[str]:
         yield from (_text(t) for t in table[start : start + 1024][field].to_pylist())
 
 
-def _chunks_text_file(path: Path, ends_with_file: bool = True) -> Iterator[Chunk]:
-    """One text file as one document, read in pieces cut after a newline."""
+def _chunks_text_file(path: Path) -> Iterator[Chunk]:
+    """One text file as one document, read in pieces. A piece ends with a non-blank line and
+    the next starts with a non-space character: byte-level BPE pre-tokenizes there anyway, so
+    the pieces' tokens are the whole file's."""
     with path.open("rb") as f:
         while True:
             piece = f.read(CHUNK_BYTES)
             if not piece:
                 return
-            if len(piece) == CHUNK_BYTES:
-                piece += f.readline()  # cut after a newline: the same tokens as one read
-            last = not f.peek(1) if hasattr(f, "peek") else False
+            if len(piece) == CHUNK_BYTES and not piece.endswith(b"\n"):
+                piece += f.readline()
+            # Cut only between "x\n" and a line starting with a non-space character.
+            while f.peek(1)[:1] and (f.peek(1)[:1].isspace() or piece[-2:-1].isspace()):
+                piece += f.readline()
+            last = not f.peek(1)
             text = piece.decode("utf-8", errors="replace")
-            yield Chunk("texts", [text], 0, len(piece), [last and ends_with_file])
+            yield Chunk("texts", [text], 0, len(piece), [last])
             if last:
                 return
 
