@@ -13,7 +13,9 @@ peak RSS of the largest process:
   from an empty cache (time to the first training step, tokenizing included);
 - `cumulus cached`: the same run again (the shards are memory-mapped, nothing re-read), and a
   bare `hf_data(...)` call on the cached corpus (what a cached start adds);
-- `2 ranks`: `torchrun --nproc_per_node=2` from an empty cache: the job tokenizes once.
+- `2 ranks`: `torchrun --nproc_per_node=2` from an empty cache: the job tokenizes once;
+- with `--baseline-tree DIR` (an older checkout: `git archive REV | tar -x -C DIR`), the same
+  1-rank run on that tree's code, e.g. the in-memory `data=hf` before the shards.
 
 Prints a Markdown table (and writes it to `--report`).
 """
@@ -70,10 +72,10 @@ print(time.monotonic() - t)
 """
 
 
-def measure(cmd: list[str], **env: str) -> dict[str, float]:
-    e = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **env}
+def measure(cmd: list[str], cwd: Path = REPO) -> dict[str, float]:
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     proc = subprocess.run(
-        [sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True, cwd=REPO, env=e
+        [sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True, cwd=cwd, env=e
     )
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     if out["rc"] != 0:
@@ -117,6 +119,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--report", type=Path, default=None)
+    ap.add_argument("--baseline-tree", type=Path, default=None, help="an older checkout")
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-corpus-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -138,8 +141,8 @@ def main() -> None:
     def fresh() -> None:
         shutil.rmtree(out / ".cumulus-cache", ignore_errors=True)
 
-    def run(name: str, cmd: list[str]) -> None:
-        rows.append((name, measure(cmd)))
+    def run(name: str, cmd: list[str], cwd: Path = REPO) -> None:
+        rows.append((name, measure(cmd, cwd)))
         r = rows[-1][1]
         print(
             f"{name}: {r['wall']:.1f} s wall, {r['cpu']:.1f} s CPU, {r['rss_mb']:.0f} MB",
@@ -167,6 +170,11 @@ def main() -> None:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         *train, f"data.path={jsonl}", f"hydra.run.dir={out / 'r4'}"])  # fmt: skip
     logs = list((out / ".cumulus-cache").glob("*/builds.log"))
+    if args.baseline_tree:
+        fresh()
+        run(f"baseline tree {args.baseline_tree.name}, JSONL, 1 rank, first step",
+            [sys.executable, *train, f"data.path={jsonl}", f"hydra.run.dir={out / 'r5'}"],
+            args.baseline_tree.resolve())  # fmt: skip
     builds = sum(len(p.read_text().splitlines()) for p in logs)
     loop = rows[0][1]
     lines = [
