@@ -170,12 +170,12 @@ def main() -> None:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         *train, f"data.path={jsonl}", f"hydra.run.dir={out / 'r4'}"])  # fmt: skip
     logs = list((out / ".cumulus-cache").glob("*/builds.log"))
+    builds = sum(len(p.read_text().splitlines()) for p in logs)
     if args.baseline_tree:
         fresh()
         run(f"baseline tree {args.baseline_tree.name}, JSONL, 1 rank, first step",
             [sys.executable, *train, f"data.path={jsonl}", f"hydra.run.dir={out / 'r5'}"],
             args.baseline_tree.resolve())  # fmt: skip
-    builds = sum(len(p.read_text().splitlines()) for p in logs)
     loop = rows[0][1]
     lines = [
         f"Corpus: {jsonl.stat().st_size / 1e6:.0f} MB JSONL / {parquet.stat().st_size / 1e6:.0f}"
