@@ -380,6 +380,9 @@ def build(
     """Tokenize `source` into shards under `out` (the caller holds the lock). Shards already
     committed by an interrupted run are kept, not redone."""
     out.mkdir(parents=True, exist_ok=True)
+    for tmp in out.glob(".*.tmp"):  # half-written by a killed run: never committed
+        with contextlib.suppress(OSError):
+            tmp.unlink()
     # Who tokenized this, one line per build (a resumed build adds a line): for operators,
     # and for tests that check a job tokenizes once.
     with open(out / "builds.log", "a") as log:
