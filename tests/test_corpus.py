@@ -260,3 +260,17 @@ def test_two_ranks_tokenize_once_and_resume_exactly(tokenizer: Path, tmp_path: P
 
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _die(chunk: shards.Chunk) -> None:
+    os._exit(3)  # a worker killed mid-chunk (e.g. by the OOM killer)
+
+
+def test_a_dying_worker_is_one_paragraph_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", records(4))
+    monkeypatch.setattr(shards, "encode", _die)  # forked workers inherit it
+    with pytest.raises(shards.UserError, match="worker process died") as err:
+        open_shards(Source("jsonl", (path,)), None, workers=2, quiet=True)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
