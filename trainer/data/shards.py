@@ -86,6 +86,7 @@ def _tokenizer_identity(tokenizer: Path | None) -> str:
 
 def _cache_key(source: Source, tokenizer: Path | None) -> dict[str, Any]:
     return {
+        "format": FORMAT,
         "kind": source.kind,
         "field": source.field,
         "split": source.split,
@@ -100,10 +101,11 @@ def _cache_key(source: Source, tokenizer: Path | None) -> dict[str, Any]:
 
 @dataclass
 class Chunk:
-    """`payload`: raw JSON lines (parsed in the worker) or texts; `ends[i]`: document i ends
+    """`payload`: a [start, end) byte range of JSON lines (read and parsed in the worker) or
+    texts; `ends[i]`: document i ends
     here (text pieces of one file are documents that end only with the file)."""
 
-    kind: str  # "lines" or "texts"
+    kind: str  # "range" ([start, end) bytes of JSON lines) or "texts"
     payload: list[Any]
     first: int  # 1-based line number of the first record (lines), for messages
     nbytes: int
@@ -123,19 +125,19 @@ def _text(value: Any) -> str:
 
 
 def _chunks_jsonl(path: Path) -> Iterator[Chunk]:
-    lines: list[bytes] = []
-    size, first, n = 0, 1, 0
+    """Byte ranges of whole lines: workers read and parse them (the parent only finds the
+    cut points and counts lines, for messages)."""
+    first = 1
     with path.open("rb") as f:
-        for n, line in enumerate(f, 1):
-            if not lines:
-                first = n
-            lines.append(line)
-            size += len(line)
-            if size >= CHUNK_BYTES:
-                yield Chunk("lines", lines, first, size)
-                lines, size = [], 0
-    if lines:
-        yield Chunk("lines", lines, first, size)
+        while True:
+            start = f.tell()
+            block = f.read(CHUNK_BYTES)
+            if not block:
+                return
+            if not block.endswith(b"\n"):
+                block += f.readline()
+            yield Chunk("range", [start, start + len(block)], first, len(block))
+            first += block.count(b"\n")
 
 
 def _chunks_texts(texts: Iterator[str]) -> Iterator[Chunk]:
@@ -275,8 +277,14 @@ def _texts_of(chunk: Chunk) -> list[str]:
     if chunk.kind == "texts":
         return chunk.payload
     path, field = _WORKER["path"], _WORKER["field"]
+    start, end = chunk.payload
+    with open(path, "rb") as f:
+        f.seek(start)
+        lines = f.read(end - start).split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()
     texts = []
-    for n, line in enumerate(chunk.payload, chunk.first):
+    for n, line in enumerate(lines, chunk.first):
         if not line.strip():
             continue
         try:
@@ -314,6 +322,18 @@ def default_workers() -> int:
 
 
 # --- writing: shards committed one by one ----------------------------------------------------
+
+
+def write_shard(chunk: Chunk, i: int, out: Path, dtype: str) -> tuple[int, int, int]:
+    """Tokenize chunk i and commit it as shard i (in the worker: only counts travel back).
+    Returns (documents, tokens, largest id or -1)."""
+    tokens, lengths = encode(chunk)
+    biggest = int(tokens.max()) if len(tokens) else -1
+    if biggest >= 1 << (8 * np.dtype(dtype).itemsize):
+        raise UserError(f"data.tokenizer: token id {biggest} does not fit {dtype}")
+    _atomic_write(out / f"chunk-{i:06d}.bin", tokens.astype(dtype))
+    _atomic_write(out / f"chunk-{i:06d}.docs", np.cumsum(lengths).astype("<i8"))
+    return len(lengths), len(tokens), biggest
 
 
 def _atomic_write(path: Path, data: bytes | np.ndarray) -> None:
@@ -401,15 +421,10 @@ def build(
     counts: list[list[int]] = []  # per shard: documents, tokens
     biggest = -1
 
-    def commit(i: int, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def commit(i: int, n_docs: int, n_tokens: int, max_id: int) -> None:
         nonlocal biggest
-        if len(tokens):
-            biggest = max(biggest, int(tokens.max()))
-            if tokens.max() >= 1 << (8 * dtype.itemsize):
-                raise UserError(f"data.tokenizer: token id {int(tokens.max())} exceeds {dtype}")
-        _atomic_write(out / f"chunk-{i:06d}.bin", tokens.astype(dtype))
-        _atomic_write(out / f"chunk-{i:06d}.docs", np.cumsum(lengths).astype("<i8"))
-        counts.append([len(lengths), len(tokens)])
+        biggest = max(biggest, max_id)
+        counts.append([n_docs, n_tokens])
 
     pending: deque[tuple[int, Chunk, Any]] = deque()
     pool = None
@@ -430,7 +445,7 @@ def build(
         while len(pending) > limit:
             i, chunk, fut = pending.popleft()
             try:
-                tokens, lengths = fut.result()
+                n_docs, n_tokens, max_id = fut.result()
             except BrokenProcessPool:
                 raise UserError(
                     f"data.path: a tokenizer worker process died while tokenizing chunk {i} of "
@@ -440,8 +455,8 @@ def build(
                 ) from None
             except UserError as exc:  # raised in a worker: drop the remote traceback
                 raise UserError(str(exc)) from None
-            commit(i, tokens, lengths)
-            progress.add(len(lengths), len(tokens), chunk.nbytes)
+            commit(i, n_docs, n_tokens, max_id)
+            progress.add(n_docs, n_tokens, chunk.nbytes)
 
     try:
         for i, chunk in enumerate(chunks(source)):
@@ -455,10 +470,10 @@ def build(
                 progress.add(done[0], done[1], chunk.nbytes)
                 continue
             if pool is None:
-                commit(i, *encode(chunk))
+                commit(i, *write_shard(chunk, i, out, dtype.str))
                 progress.add(*counts[-1], chunk.nbytes)
                 continue
-            pending.append((i, chunk, pool.submit(encode, chunk)))
+            pending.append((i, chunk, pool.submit(write_shard, chunk, i, out, dtype.str)))
             drain(2 * workers)  # memory: at most 2 chunks per worker in flight
         drain(0)
     finally:
