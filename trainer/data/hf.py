@@ -30,9 +30,9 @@ def sources(path: Path, field: str) -> tuple[Source, Source | None]:
             "Parquet file (.parquet) or a datasets save_to_disk directory, from local disk."
         )
     if path.is_dir():
+        ds = load_saved(path)  # a one-paragraph error without the datasets library
         import datasets
 
-        ds = load_saved(path)
         if isinstance(ds, datasets.DatasetDict):
             if "train" not in ds:
                 raise UserError(f"data.path: {path} has splits {list(ds)}, none named train")
