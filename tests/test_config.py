@@ -306,6 +306,8 @@ CONTRACT_KEYS = [
     "model.dropout",
     "model.activation_checkpointing",
     "data.packed",
+    "data.tokenize_workers",
+    "data.cache_dir",
     "eval.every_steps",
     "checkpoint.every_steps",
     "checkpoint.keep_last",

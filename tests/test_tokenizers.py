@@ -120,13 +120,13 @@ def test_jsonl_parquet_and_save_to_disk_give_the_same_training(
         got = train_records(train_in_process(run, tmp_path / f"run_{name}"))
         losses[name] = [r["train/loss"] for r in got]
         cache = (path if path.is_dir() else path.parent) / ".cumulus-cache"
-        assert len(list(cache.glob("tokens-*.npz"))) == 2, f"{name}: train and val, cached once"
+        assert len(list(cache.glob("*/index.json"))) == 1, f"{name}: one shard set, built once"
     assert losses["jsonl"] == losses["parquet"] == losses["saved"], losses
 
     # Changed contents are a new cache entry, never a stale read.
     files["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in records[1:]))
     train_in_process([*base, f"data.path={files['jsonl']}"], tmp_path / "run_changed")
-    assert len(list((files["jsonl"].parent / ".cumulus-cache").glob("tokens-*.npz"))) == 4
+    assert len(list((files["jsonl"].parent / ".cumulus-cache").glob("*/index.json"))) == 2
 
 
 def test_bad_tokenizer_and_missing_field_are_one_paragraph(tmp_path: Path) -> None:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from engine.tasks import IGNORE_INDEX
 from trainer.data import DataSplits
+from trainer.data.shards import HOME_CACHE, Source, TokenView, open_shards
 from trainer.errors import UserError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -40,6 +42,10 @@ class TextCfg:
     val_every_nth: int = 10
     min_sample_len: int = 8
     tokenizer: str | None = None
+    # With a tokenizer: tokenizer processes (null: the cores available) and where the token
+    # shards go (null: next to the data, or ~/.cache/cumulus/shards).
+    tokenize_workers: int | None = None
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         # Messages start with the argument's name: the trainer names the config key from it.
@@ -55,6 +61,8 @@ class TextCfg:
             raise ValueError(f"block_size must be a positive number, got {self.block_size}")
         if self.val_every_nth < 2:
             raise ValueError("val_every_nth must be at least 2")
+        if self.tokenize_workers is not None and self.tokenize_workers < 0:
+            raise ValueError(f"tokenize_workers must be >= 0 or null, got {self.tokenize_workers}")
         if not 2 <= self.min_sample_len <= self.block_size + 1:
             raise ValueError(
                 f"min_sample_len must be in [2, data.block_size + 1], got {self.min_sample_len}"
@@ -62,9 +70,12 @@ class TextCfg:
 
 
 class Samples:
-    """Variable-length token samples: sample i is `tokens[start_i : start_i + length_i]`."""
+    """Variable-length token samples: sample i is `tokens[start_i : start_i + length_i]`.
 
-    def __init__(self, tokens: torch.Tensor, spans: torch.Tensor) -> None:
+    `tokens`: a tensor, a NumPy array (a memory map), or a `TokenView` of token shards: only
+    the samples read are paged in, so memory does not grow with the corpus."""
+
+    def __init__(self, tokens: torch.Tensor | np.ndarray | TokenView, spans: torch.Tensor) -> None:
         self.tokens = tokens  # (N_tokens,) integer
         self.spans = spans  # (N, 2) int64: start, length
 
@@ -73,7 +84,11 @@ class Samples:
 
     def __getitem__(self, i: int) -> torch.Tensor:
         start, length = self.spans[i].tolist()
-        return self.tokens[start : start + length].long()
+        if isinstance(self.tokens, torch.Tensor):
+            return self.tokens[start : start + length].long()
+        if isinstance(self.tokens, TokenView):
+            return torch.from_numpy(self.tokens.read(start, start + length).astype(np.int64))
+        return torch.from_numpy(np.asarray(self.tokens[start : start + length], dtype=np.int64))
 
 
 def packed_spans(n_tokens: int, block_size: int) -> torch.Tensor:
@@ -102,24 +117,26 @@ def paragraph_spans(
 def document_spans(offsets: np.ndarray, block_size: int, min_len: int) -> torch.Tensor:
     """One sample per document (`offsets` are their boundaries), long ones cut into pieces of
     block_size+1 tokens; pieces shorter than `min_len` are dropped."""
-    spans = []
-    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-        for s in range(start, end, block_size + 1):
-            n = min(block_size + 1, end - s)
-            if n >= min_len:
-                spans.append((s, n))
-    return torch.tensor(spans, dtype=torch.int64).reshape(-1, 2)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.diff(offsets)
+    pieces = -(-lengths // (block_size + 1))  # per document, in order
+    doc = np.repeat(np.arange(len(lengths)), pieces)
+    first = np.concatenate([[0], np.cumsum(pieces)])[:-1]
+    k = np.arange(len(doc)) - np.repeat(first, pieces)  # piece number within its document
+    starts = offsets[:-1][doc] + k * (block_size + 1)
+    n = np.minimum(block_size + 1, offsets[1:][doc] - starts)
+    keep = n >= min_len
+    return torch.from_numpy(np.stack([starts[keep], n[keep]], axis=1).astype(np.int64))
 
 
 def token_samples(
-    tokens: np.ndarray, offsets: np.ndarray, packed: bool, block_size: int, min_len: int
+    tokens: np.ndarray | TokenView, offsets: np.ndarray, packed: bool, block_size: int, min_len: int
 ) -> Samples:
     """Samples of tokenized documents: packed blocks across document boundaries, or one
     (padded) sample per document."""
-    ids = torch.from_numpy(tokens.astype(np.int32))
     if packed:
-        return Samples(ids, packed_spans(len(ids), block_size))
-    return Samples(ids, document_spans(offsets, block_size, min_len))
+        return Samples(tokens, packed_spans(len(tokens), block_size))
+    return Samples(tokens, document_spans(offsets, block_size, min_len))
 
 
 def chunk_spans(n_tokens: int, block_size: int, min_len: int, seed: int = 0) -> torch.Tensor:
@@ -133,18 +150,18 @@ def chunk_spans(n_tokens: int, block_size: int, min_len: int, seed: int = 0) -> 
     return torch.tensor(spans, dtype=torch.int64).reshape(-1, 2)
 
 
-TOKEN_CACHE = Path("~/.cache/cumulus/tokens")
+def _shards(source: Source, cfg: TextCfg) -> TokenView:
+    """Text tokenized once per job into memory-mapped shards (`trainer.data.shards`)."""
+    cache_dir = cfg.cache_dir
+    if cache_dir is None and cfg.path == "stdlib":
+        cache_dir = str(HOME_CACHE)  # never write into the Python installation
+    return TokenView(open_shards(source, cfg.tokenizer, cache_dir, cfg.tokenize_workers))
 
 
 def _read_text_files(files: list[Path], cfg: TextCfg) -> Samples:
-    if cfg.tokenizer:  # one document per file, tokenized once (cached by content)
-        from trainer.data.tokenize import tokenize
-
-        texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
-        docs = tokenize(texts, cfg.tokenizer, TOKEN_CACHE.expanduser())
-        return token_samples(
-            docs.tokens, docs.offsets, cfg.packed, cfg.block_size, cfg.min_sample_len
-        )
+    if cfg.tokenizer:  # one document per file
+        view = _shards(Source("files", tuple(files)), cfg)
+        return token_samples(view, view.offsets(), cfg.packed, cfg.block_size, cfg.min_sample_len)
     blobs = [f.read_bytes() for f in files]
     tokens = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
     if cfg.packed:
@@ -156,19 +173,32 @@ def _read_text_files(files: list[Path], cfg: TextCfg) -> Samples:
     return Samples(tokens, torch.tensor(spans, dtype=torch.int64).reshape(-1, 2))
 
 
-def _token_samples(tokens: torch.Tensor, cfg: TextCfg) -> Samples:
+def _token_samples(tokens: Any, cfg: TextCfg, lo: int = 0, hi: int | None = None) -> Samples:
+    """Samples of tokens lo..hi-1 (a tensor, memory map or shard view; not copied)."""
+    n = len(tokens) - lo if hi is None else hi - lo
     if cfg.packed:
-        return Samples(tokens, packed_spans(len(tokens), cfg.block_size))
-    return Samples(tokens, chunk_spans(len(tokens), cfg.block_size, cfg.min_sample_len))
+        spans = packed_spans(n, cfg.block_size)
+    else:
+        spans = chunk_spans(n, cfg.block_size, cfg.min_sample_len)
+    spans[:, 0] += lo
+    return Samples(tokens, spans)
 
 
-def _load_bin(path: Path) -> torch.Tensor:
+def _cut(tokens: Any, cfg: TextCfg) -> tuple[Samples, Samples]:
+    """The last 1/val_every_nth of a token stream validates."""
+    cut = len(tokens) - len(tokens) // cfg.val_every_nth
+    return _token_samples(tokens, cfg, 0, cut), _token_samples(tokens, cfg, cut)
+
+
+def _load_bin(path: Path) -> np.ndarray:
     if path.stat().st_size % 2:
         raise UserError(
             f"data.path: {path} is not a uint16 token file (odd size {path.stat().st_size} bytes); "
             "a .bin must hold little-endian uint16 token ids as written by nanoGPT's prepare.py"
         )
-    return torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int32))
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype="<u2")
+    return np.memmap(path, dtype="<u2", mode="r")  # paged in as samples are read
 
 
 @dataclass
@@ -196,7 +226,7 @@ def load_splits(cfg: TextCfg) -> Splits:
         return Splits(
             _token_samples(train, cfg),
             _token_samples(val, cfg),
-            int(max(train.max(), val.max())) + 1,
+            int(max(train.max(initial=0), val.max(initial=0))) + 1,
             f"tokens from {path}/{{train,val}}.bin",
         )
     if path.is_dir():
@@ -210,30 +240,13 @@ def load_splits(cfg: TextCfg) -> Splits:
         return _split_files(files, cfg, f"{len(files)} files under {path}")
     if path.suffix == ".bin":
         tokens = _load_bin(path)
-        cut = len(tokens) - len(tokens) // cfg.val_every_nth
-        return Splits(
-            _token_samples(tokens[:cut], cfg),
-            _token_samples(tokens[cut:], cfg),
-            int(tokens.max()) + 1,
-            f"tokens from {path}",
-        )
-    if cfg.tokenizer:
-        from trainer.data.tokenize import tokenize
-
-        text = path.read_text(encoding="utf-8", errors="replace")
-        tokens = torch.from_numpy(
-            tokenize([text], cfg.tokenizer, TOKEN_CACHE.expanduser()).tokens.astype(np.int32)
-        )
-        cut = len(tokens) - len(tokens) // cfg.val_every_nth
-        return Splits(
-            _token_samples(tokens[:cut], cfg), _token_samples(tokens[cut:], cfg), 256, f"{path}"
-        )
-    data = path.read_bytes()
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    cut = len(tokens) - len(tokens) // cfg.val_every_nth
-    return Splits(
-        _token_samples(tokens[:cut], cfg), _token_samples(tokens[cut:], cfg), 256, f"text {path}"
-    )
+        return Splits(*_cut(tokens, cfg), int(tokens.max(initial=0)) + 1, f"tokens from {path}")
+    if cfg.tokenizer:  # one document, tokenized in pieces into shards
+        view = _shards(Source("text", (path,)), cfg)
+        return Splits(*_cut(view, cfg), view.store.max_id + 1, f"{path}")
+    size = path.stat().st_size
+    tokens = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    return Splits(*_cut(tokens, cfg), 256, f"text {path}")
 
 
 def _split_files(files: list[Path], cfg: TextCfg, description: str) -> Splits:
@@ -266,11 +279,23 @@ def text_data(
     val_every_nth: int = 10,
     min_sample_len: int = 8,
     tokenizer: str | None = None,
+    tokenize_workers: int | None = None,
+    cache_dir: str | None = None,
 ) -> DataSplits:
     """The `data._target_` of `data=stdlib`: `TextCfg`'s fields as keyword arguments.
     `tokenizer`: a tokenizer.json (or tokenizer directory) for text files; with `.bin` token
     files it only decodes the text samples."""
-    cfg = TextCfg(path, glob, packed, block_size, val_every_nth, min_sample_len, tokenizer)
+    cfg = TextCfg(
+        path,
+        glob,
+        packed,
+        block_size,
+        val_every_nth,
+        min_sample_len,
+        tokenizer,
+        tokenize_workers,
+        cache_dir,
+    )
     splits = load_splits(cfg)
     decode = decode_bytes if splits.vocab_size <= 256 else None
     vocab = splits.vocab_size
