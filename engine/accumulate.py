@@ -47,15 +47,21 @@ def backward_window(
     last = len(window) - 1
     for i, batch in enumerate(window):
         with gradient_sync(ctx.model, enabled=i == last or ctx.sync_every_micro_batch):
-            with ctx.precision.autocast():
-                micro_sum = ctx.task.loss_sum(ctx.model, batch)
-            # Scale in the loss's own precision (at least fp32): float64 runs stay float64.
-            micro_sum = micro_sum.float() if micro_sum.dtype in _HALF else micro_sum
-            ctx.precision.backward(micro_sum * (ctx.grad_sync_divisor / count.to(micro_sum.dtype)))
+            micro_sum = micro_backward(ctx, batch, count)
         ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
-        detached = micro_sum.detach()
-        loss_sum = detached if loss_sum is None else loss_sum + detached
+        loss_sum = micro_sum if loss_sum is None else loss_sum + micro_sum
     return loss_sum
+
+
+def micro_backward(ctx: StepContext, batch: Batch, count: torch.Tensor) -> torch.Tensor:
+    """Forward + backward of one micro-batch, scaled by the window's global `count` (clamped
+    to at least 1); returns its loss sum, detached (the graph goes with this frame)."""
+    with ctx.precision.autocast():
+        micro_sum = ctx.task.loss_sum(ctx.model, batch)
+    # Scale in the loss's own precision (at least fp32): float64 runs stay float64.
+    micro_sum = micro_sum.float() if micro_sum.dtype in _HALF else micro_sum
+    ctx.precision.backward(micro_sum * (ctx.grad_sync_divisor / count.to(micro_sum.dtype)))
+    return micro_sum.detach()
 
 
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.accumulate import _HALF, count_window, finish_step
-from engine.distributed import DistInfo, is_sharded
+from engine.accumulate import count_window, finish_step, micro_backward
+from engine.distributed import DistInfo, all_reduce_sum, is_sharded
 from engine.step import Batch, StepContext, StepResult
 
 # What allocators raise when they run out: CUDA's (torch.OutOfMemoryError), and the CPU
@@ -69,12 +69,10 @@ class OutOfMemoryAgreed(Exception):
 
 def agree_oom(oom: bool, info: DistInfo) -> int:
     """Collective: how many ranks ran out of memory (0 on every rank when none did)."""
-    flag = torch.tensor(float(oom), device=info.device)
     if not info.distributed:
-        return int(flag.item())
-    out = flag.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return int(out.item())
+        return int(oom)  # no device round trip: the allocator raised on the host
+    flag = torch.tensor(int(oom), device=info.device)
+    return int(all_reduce_sum(flag, info).item())
 
 
 def release_memory(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -88,7 +86,9 @@ def release_memory(optimizer: torch.optim.Optimizer, device: torch.device) -> No
 
 @contextlib.contextmanager
 def local_gradients(model: nn.Module) -> Iterator[None]:
-    """DDP communicates nothing in backward inside this block (gradients stay local)."""
+    """DDP communicates nothing in backward inside this block (gradients stay local). Not
+    `gradient_sync(model, False)`: that would also hold back a one-process FSDP2's
+    reduce-scatter, which nothing here turns on again."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         with model.no_sync():
             yield
@@ -126,7 +126,7 @@ class OomSafeAccumulateStep:
         last = len(window) - 1
         with local_gradients(ctx.model):
             for i, batch in enumerate(window):
-                micro_sum = self.micro_backward(ctx, batch, count)
+                micro_sum = self.try_micro_backward(ctx, batch, count)
                 failed = agree_oom(micro_sum is None, ctx.dist)
                 if failed:
                     release_memory(ctx.optimizer, ctx.dist.device)
@@ -147,15 +147,13 @@ class OomSafeAccumulateStep:
         return result
 
     @staticmethod
-    def micro_backward(ctx: StepContext, batch: Batch, count: torch.Tensor) -> torch.Tensor | None:
+    def try_micro_backward(
+        ctx: StepContext, batch: Batch, count: torch.Tensor
+    ) -> torch.Tensor | None:
         """Forward + backward of one micro-batch: its detached loss sum, or None on OOM (the
-        graph is freed when this frame and the exception's traceback go)."""
+        graph is freed when the failed frame and the exception's traceback go)."""
         try:
-            with ctx.precision.autocast():
-                micro_sum = ctx.task.loss_sum(ctx.model, batch)
-            micro_sum = micro_sum.float() if micro_sum.dtype in _HALF else micro_sum
-            ctx.precision.backward(micro_sum * (ctx.grad_sync_divisor / count.to(micro_sum.dtype)))
-            return micro_sum.detach()
+            return micro_backward(ctx, batch, count)
         except Exception as exc:
             if not is_oom(exc):
                 raise

@@ -36,6 +36,7 @@ from engine.oom import (
 )
 from engine.rng import rng_state, set_rng_state
 from engine.step import StepContext
+from trainer.data.checks import next_window
 from trainer.errors import ConfigError, UserError
 
 AUTO = "auto"
@@ -278,7 +279,7 @@ def step_window(run: Any, window: Any, windows: Iterator[Any]) -> tuple[Any, Ite
         del window
         windows.close()
         windows = run.batches.windows(run.step)
-        window = next(windows)
+        window = next_window(windows, run.batches, run.cfg.data.get("_target_"), run.step + 1)
         if run.dist.is_main:
             print(
                 f"micro_batch_size=auto: redoing step {run.step + 1} with micro-batch {size} "

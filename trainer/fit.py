@@ -28,7 +28,7 @@ from engine.tasks import CausalLMTask, TaskOutputError
 from trainer.auto_batch import step_window
 from trainer.config import Config
 from trainer.contract import annotate_step
-from trainer.data.checks import data_failure
+from trainer.data.checks import next_window
 from trainer.data.loader import EvalBatches, TrainBatches
 from trainer.errors import UserError
 from trainer.metrics import RecordSink, TrainMeter
@@ -139,20 +139,13 @@ def fit(run: Run) -> str:
     windows = run.batches.windows(run.step)  # loader workers prefetch the next windows
     try:
         while run.step < train.max_steps:
-            try:
-                window = next(windows)
-            except Exception as exc:  # the user's dataset or collate_fn
-                failure = data_failure(
-                    exc, run.cfg.data.get("_target_"), run.batches.collate_fn, run.step + 1
-                )
-                if failure is exc:
-                    raise
-                raise failure from None
+            window = next_window(windows, run.batches, run.cfg.data.get("_target_"), run.step + 1)
             stepping = run.step + 1  # the step this window makes (the engine counts it)
             try:
                 if run.step == first_step:
                     check_task(run, window)
                 result, windows = step_window(run, window, windows)  # advances run.step
+                del window  # not held through evaluation and saving
             except TaskOutputError as exc:  # the same on every rank: the model does not fit
                 raise UserError(f"invalid config `task`: {exc}", all_ranks=True) from None
             except UserError:

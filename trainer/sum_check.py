@@ -115,6 +115,12 @@ def check_loss_is_sum(
         tol = TOLERANCE.get(precision.mode, 2e-2)
         if math.isfinite(w) and math.isfinite(h) and abs(w - h) > tol * scale:
             values = torch.tensor([1.0, w, h], dtype=torch.float64)
+    if parts is None and batch is not None and dist.is_main:
+        print(
+            f"NOTE: task.check_sum skipped: the first micro-batch of {name} cannot be split in "
+            "two (a single sample, or tensors that disagree on the batch size)",
+            flush=True,
+        )
     total = all_reduce_sum(values.to(dist.device), dist).cpu()
     failed = int(total[0].item())
     if not failed:

@@ -4,7 +4,7 @@ traceback, headed by one line naming the component and the step."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from engine.rng import rng_state, set_rng_state
@@ -52,6 +52,18 @@ def check_samples(data: DataSplits, target: str) -> None:
                 "as a list of per-position tensors, not one (batch, ...) tensor. Return tensors "
                 f"from __getitem__ (torch.tensor(...)), or {PAD_HINT}",
             )
+
+
+def next_window(windows: Iterator[Any], batches: Any, target: str, step: int) -> Any:
+    """The next window of `windows`; a failure in the user's dataset or collate_fn is raised
+    as `data_failure` words it."""
+    try:
+        return next(windows)
+    except Exception as exc:
+        failure = data_failure(exc, target, batches.collate_fn, step)
+        if failure is exc:
+            raise
+        raise failure from None
 
 
 def data_failure(exc: BaseException, target: str, collate_fn: Any, step: int) -> BaseException:
