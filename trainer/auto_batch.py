@@ -36,10 +36,10 @@ from engine.oom import (
 )
 from engine.rng import rng_state, set_rng_state
 from engine.step import StepContext
+from trainer.batch_plan import AUTO, BatchPlan
 from trainer.data.checks import next_window
 from trainer.errors import ConfigError, UserError
 
-AUTO = "auto"
 # The worst case is looked for among this many samples from the start of the training set.
 WORST_CASE_SAMPLES = 256
 
@@ -53,24 +53,6 @@ NO_FIT_HINTS = (
 def divisors(n: int) -> list[int]:
     """The divisors of `n`, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def check_auto(train: Any, world_size: int) -> None:
-    """Config errors of `micro_batch_size=auto` that need no model: before any work."""
-    if train.micro_batch_size != AUTO:
-        return
-    if train.global_batch_size is None:
-        raise ConfigError(
-            "train.micro_batch_size",
-            "auto finds the micro-batch that fits for a fixed global batch; set "
-            "train.global_batch_size (e.g. 64), or give train.micro_batch_size a number",
-        )
-    if train.global_batch_size % world_size:
-        raise ConfigError(
-            "train.global_batch_size",
-            f"{train.global_batch_size} does not split over the {world_size} ranks; valid "
-            f"values are multiples of {world_size}",
-        )
 
 
 def refusal(ctx: StepContext, step_fn: Any) -> str | None:
@@ -126,25 +108,29 @@ class AutoMicroBatch(Callback):
             )
 
 
-def setup_auto(cfg: Any, ctx: StepContext, data: Any, step_fn: Any, accum: int) -> tuple[Any, int]:
+def setup_auto(
+    cfg: Any, ctx: StepContext, data: Any, step_fn: Any, plan: BatchPlan
+) -> tuple[Any, BatchPlan]:
     """With `train.micro_batch_size=auto`: probe the size, write it into `cfg.train`, and
-    return the OOM-recovering step and the accumulation; otherwise `(step_fn, accum)`."""
+    return the OOM-recovering step and the plan with that micro-batch; otherwise
+    `(step_fn, plan)`."""
     if cfg.train.micro_batch_size != AUTO:
-        return step_fn, accum
+        return step_fn, plan
     reason = refusal(ctx, step_fn)
     if reason is not None:
         raise ConfigError("train.micro_batch_size", f"auto: {reason}")
-    per_rank = cfg.train.global_batch_size // ctx.dist.world_size
+    per_rank = plan.per_rank
     size, tried = probe(ctx, data, per_rank)
+    plan = plan.with_micro(size)
     cfg.train.micro_batch_size = size
     ctx.callbacks.named["auto_micro_batch"] = AutoMicroBatch(size, ctx.dist.is_main)
     if ctx.dist.is_main:
         print(
             f"micro_batch_size=auto: chose {size} of the divisors of the per-rank batch "
-            f"{per_rank} (tried {', '.join(tried)}); accumulation {per_rank // size}",
+            f"{per_rank} (tried {', '.join(tried)}); accumulation {plan.accum}",
             flush=True,
         )
-    return OomSafeAccumulateStep(), per_rank // size
+    return OomSafeAccumulateStep(), plan
 
 
 def _size(sample: Any) -> int:
@@ -283,7 +269,7 @@ def step_window(run: Any, window: Any, windows: Iterator[Any]) -> tuple[Any, Ite
         if run.dist.is_main:
             print(
                 f"micro_batch_size=auto: redoing step {run.step + 1} with micro-batch {size} "
-                f"x accumulation {run.batches.accum}",
+                f"x accumulation {run.batches.plan.accum}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -293,8 +279,8 @@ def shrink(run: Any, oom: OutOfMemoryAgreed) -> int:
     """The next smaller size (the largest divisor at most half the current one), set in the
     batches, the config and the recorded value; a clear error when nothing is left."""
     batches, info = run.batches, run.dist
-    per_rank = batches.micro * batches.accum
-    smaller = [d for d in divisors(per_rank) if d <= batches.micro // 2]
+    plan = batches.plan
+    smaller = [d for d in divisors(plan.per_rank) if d <= plan.micro // 2]
     if not oom.retry or not smaller:
         what = (
             "the optimizer step or gradient clipping (their memory does not depend on the "
@@ -308,7 +294,7 @@ def shrink(run: Any, oom: OutOfMemoryAgreed) -> int:
             all_ranks=True,
         )
     size = smaller[-1]
-    batches.micro, batches.accum = size, per_rank // size
+    batches.plan = plan.with_micro(size)
     run.cfg.train.micro_batch_size = size
     recorded = run.ctx.callbacks.named.get("auto_micro_batch")
     if isinstance(recorded, AutoMicroBatch):

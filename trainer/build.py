@@ -35,7 +35,8 @@ from engine.model import (
 from engine.precision import Precision
 from engine.rng import seed_everything
 from engine.step import StepContext, StepStrategy, Task
-from trainer.auto_batch import AUTO, check_auto, setup_auto, wandb_extra
+from trainer.auto_batch import setup_auto, wandb_extra
+from trainer.batch_plan import BatchPlan
 from trainer.components import check, instantiate
 from trainer.config import EXTRAS, CheckpointCfg, Config, DataExtras, DistCfg, ModelExtras, TrainCfg
 from trainer.data import DataSplits, as_splits
@@ -47,24 +48,6 @@ from trainer.identity import new_run_id
 from trainer.metrics import JsonlWriter, Progress, RecordSink, TrainMeter, supersede
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.preemption import StopRequest
-
-
-def resolve_grad_accum(train: TrainCfg, world_size: int) -> int:
-    """`train.global_batch_size`, when set, decides the accumulation count."""
-    if train.micro_batch_size == AUTO:
-        check_auto(train, world_size)
-        return 0  # the probe decides (setup_auto)
-    if train.global_batch_size is None:
-        return train.grad_accum_steps
-    per_step = train.micro_batch_size * world_size
-    if train.global_batch_size % per_step:
-        raise ConfigError(
-            "train.global_batch_size",
-            f"{train.global_batch_size} is not a multiple of train.micro_batch_size "
-            f"({train.micro_batch_size}) x world size ({world_size}) = {per_step}; valid values "
-            f"are {per_step}, {2 * per_step}, {3 * per_step}, ...",
-        )
-    return train.global_batch_size // per_step
 
 
 def split_extras(node: dict[str, Any], group: str) -> tuple[dict[str, Any], Any]:
@@ -226,7 +209,7 @@ def attach_privacy(
         raise ConfigError("step", str(exc)) from None
     if ctx.precision.scaler is not None:
         raise ConfigError("train.precision", "step=dp_sgd supports fp32 or bf16, not fp16")
-    step_fn.set_sampling(batches.sampler.global_batch_size, len(batches.dataset))
+    step_fn.set_sampling(batches.plan.global_batch, len(batches.dataset))
     ctx.callbacks.named["privacy"] = PrivacySpent(step_fn)
 
 
@@ -240,23 +223,25 @@ def resolve_num_workers(requested: int | None, info: DistInfo) -> int:
     return max(0, min(4, (os.cpu_count() or 1) // local_ranks - 1))
 
 
-def build_batches(
-    data: DataSplits, extras: DataExtras, cfg: Config, info: DistInfo, accum: int
-) -> tuple[TrainBatches, EvalBatches]:
-    """This rank's training windows and validation batches, both through DataLoaders."""
-    workers = resolve_num_workers(extras.num_workers, info)
-    global_batch = cfg.train.micro_batch_size * accum * info.world_size
-    batches = TrainBatches(
+def build_train_batches(
+    data: DataSplits, extras: DataExtras, cfg: Config, info: DistInfo, plan: BatchPlan
+) -> TrainBatches:
+    """This rank's training windows, through a DataLoader."""
+    return TrainBatches(
         data.train,
-        GlobalBatchSampler(len(data.train), global_batch, cfg.seed, extras.sampling),
+        GlobalBatchSampler(len(data.train), plan.global_batch, cfg.seed, extras.sampling),
         rank=info.rank,
-        world_size=info.world_size,
-        micro_batch_size=cfg.train.micro_batch_size,
-        grad_accum_steps=accum,
+        plan=plan,
         device=info.device,
         collate_fn=data.collate_fn,
-        num_workers=workers,
+        num_workers=resolve_num_workers(extras.num_workers, info),
     )
+
+
+def build_val_batches(
+    data: DataSplits, extras: DataExtras, cfg: Config, info: DistInfo
+) -> EvalBatches:
+    """This rank's validation batches, through a DataLoader."""
     val = EvalBatches(
         data.val,
         rank=info.rank,
@@ -266,7 +251,7 @@ def build_batches(
         device=info.device,
         seed=cfg.seed,
         collate_fn=data.collate_fn,
-        num_workers=workers,
+        num_workers=resolve_num_workers(extras.num_workers, info),
     )
     n_val = eval_set_size(len(data.val), cfg.eval.batch_size, cfg.eval.max_batches)
     fsdp = cfg.dist.strategy == "fsdp" and info.distributed
@@ -277,7 +262,7 @@ def build_batches(
             f"{info.world_size} ranks; the set has {n_val}: raise eval.max_batches or "
             "eval.batch_size",
         )
-    return batches, val
+    return val
 
 
 def build_checkpointer(
@@ -350,7 +335,7 @@ def check_checkpoint_format(
 
 
 def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: DistInfo) -> Run:
-    accum = resolve_grad_accum(cfg.train, info.world_size)
+    plan = BatchPlan.from_config(cfg.train, info.world_size)
     seed_everything(cfg.seed)  # same initial weights on every rank
     model, model_extras = build_model(cfg.model, info)
     data, data_extras = build_data(cfg.data)
@@ -374,8 +359,9 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         callbacks=callbacks,
         sync_every_micro_batch=cfg.dist.fsdp_sync_every_micro_batch,
     )
-    step_fn, accum = setup_auto(cfg, ctx, data, step_fn, accum)  # train.micro_batch_size=auto
-    batches, val_batches = build_batches(data, data_extras, cfg, info, accum)
+    step_fn, plan = setup_auto(cfg, ctx, data, step_fn, plan)  # train.micro_batch_size=auto
+    batches = build_train_batches(data, data_extras, cfg, info, plan)
+    val_batches = build_val_batches(data, data_extras, cfg, info)
     attach_privacy(step_fn, ctx, batches, data_extras)
     fmt = checkpoint_format(cfg.checkpoint, cfg.dist, info)
     check_checkpoint_format(fmt, cfg.dist, info, callbacks)
@@ -393,7 +379,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
             cfg.checkpoint, run_dir / "checkpoints", info, fmt, cfg.dist.timeout_s
         ),
         config_dict=config_dict,
-        progress=TrainingProgress(ctx, batches.sampler.global_batch_size, cfg.train.max_steps),
+        progress=TrainingProgress(ctx, plan.global_batch, cfg.train.max_steps),
         decode=data.decode,
     )
     register_state(run, task=task, data=data, step_fn=step_fn)
@@ -410,7 +396,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         seed_everything(cfg.seed + 1 + info.rank)
 
     if info.is_main:
-        run.sinks = build_sinks(cfg, run, model, data, resume, accum)
+        run.sinks = build_sinks(cfg, run, model, data, resume)
     if cfg.train.detect_anomaly:
         torch.autograd.set_detect_anomaly(True)  # slow: for debugging NaNs only
     run.stop = StopRequest(info)
@@ -433,9 +419,10 @@ def register_state(run: Run, *, task: Any, data: DataSplits, step_fn: Any) -> No
 
 
 def build_sinks(
-    cfg: Config, run: Run, model: nn.Module, data: DataSplits, resume: Path | None, accum: int
+    cfg: Config, run: Run, model: nn.Module, data: DataSplits, resume: Path | None
 ) -> list[RecordSink]:
     """Rank 0's outputs: the resolved config, metrics.jsonl, the console, W&B."""
+    plan = run.batches.plan
     (run.run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     (run.run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(run.config_dict))
     n_params = sum(p.numel() for p in model.parameters())
@@ -444,17 +431,18 @@ def build_sinks(
         f"  model {type(model).__name__} {n_params / 1e6:.2f}M params | data "
         f"{data.description or cfg.data.get('_target_')}: "
         f"{len(data.train)} train / {len(data.val)} val samples\n"
-        f"  world {run.dist.world_size} x micro {cfg.train.micro_batch_size} x accum {accum} = "
-        f"global batch {run.batches.sampler.global_batch_size} | precision "
+        f"  world {plan.dp_size} x micro {plan.micro} x accum {plan.accum} = "
+        f"global batch {plan.global_batch} | precision "
         f"{cfg.train.precision} | device {run.dist.device}"
         + (f"\n  resumed from {resume} at step {run.step}" if resume else ""),
         flush=True,
     )
-    if cfg.train.global_batch_size is None and accum == TrainCfg.grad_accum_steps:
+    if cfg.train.global_batch_size is None and plan.accum == TrainCfg.grad_accum_steps:
         print(
-            f"NOTE: accumulation is the default train.grad_accum_steps={accum}: each optimizer "
-            f"step sums {accum} micro-batches per rank. Set train.grad_accum_steps, or "
-            "train.global_batch_size to fix the batch whatever the world size.",
+            f"NOTE: accumulation is the default train.grad_accum_steps={plan.accum}: each "
+            f"optimizer step sums {plan.accum} micro-batches per rank. Set "
+            "train.grad_accum_steps, or train.global_batch_size to fix the batch whatever the "
+            "world size.",
             flush=True,
         )
     # Records of steps after the resumed one go to metrics.superseded.jsonl: one per step.

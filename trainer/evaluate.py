@@ -39,10 +39,10 @@ from engine.precision import Precision
 from engine.rng import seed_everything
 from trainer.build import (
     CONFIG_DIR,
-    build_batches,
     build_data,
     build_model,
     build_task,
+    build_val_batches,
     check_fits,
     instantiate_callback,
 )
@@ -198,7 +198,7 @@ def evaluate_checkpoint(
             f"checkpoint: {path} does not fit the model its config builds with these overrides: "
             f"{summarize(exc)}. Drop the model.* overrides."
         ) from None
-    _, val = build_batches(data, data_extras, cfg, info, accum=1)
+    val = build_val_batches(data, data_extras, cfg, info)
     precision = Precision(cfg.train.precision, info.device.type)
     if averaged is None:
         means, count = evaluate(model, task, val, precision, info)

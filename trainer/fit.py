@@ -274,7 +274,7 @@ def summary(run: Run, outcome: str, seconds: float) -> str:
     ]
     for cb in run.ctx.callbacks:
         if isinstance(cb, NoiseScale):
-            line = cb.summary(run.batches.sampler.global_batch_size)
+            line = cb.summary(run.batches.plan.global_batch)
             lines += [line] if line else []
     for sink in run.sinks:
         sync = getattr(sink, "sync_command", None)
@@ -445,7 +445,7 @@ def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
     if ckpt.path.resolve().parent == run.checkpoint_dir.resolve():
         run.run_id = saved["run_id"]
     warn = run.dist.is_main
-    batch = run.batches.sampler.global_batch_size
+    batch = run.batches.plan.global_batch
     if saved["global_batch_size"] != batch and warn:
         print(
             f"WARNING: {ckpt.path} was trained with global batch {saved['global_batch_size']}, "

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate, get_worker_info
 
+from trainer.batch_plan import BatchPlan
 from trainer.errors import UserError
 
 Batch = Any
@@ -195,7 +196,8 @@ class TrainBatches:
     """This rank's windows of micro-batches, step after step, on the device.
 
     The global batch is laid out rank-major: rank r owns the r-th contiguous share, cut into
-    `grad_accum_steps` micro-batches of `micro_batch_size` samples.
+    `plan.accum` micro-batches of `plan.micro` samples. `plan` may be replaced between
+    windows (`micro_batch_size=auto` shrinking after an out-of-memory error).
     """
 
     def __init__(
@@ -204,9 +206,7 @@ class TrainBatches:
         sampler: GlobalBatchSampler,
         *,
         rank: int,
-        world_size: int,
-        micro_batch_size: int,
-        grad_accum_steps: int,
+        plan: BatchPlan,
         device: torch.device,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
@@ -214,22 +214,22 @@ class TrainBatches:
         self.dataset = dataset
         self.sampler = sampler
         self.rank = rank
-        self.micro = micro_batch_size
-        self.accum = grad_accum_steps
+        self.plan = plan
         self.device = device
         self.collate_fn = collate_fn
         self.num_workers = num_workers
-        assert sampler.global_batch_size == micro_batch_size * grad_accum_steps * world_size
+        assert sampler.global_batch_size == plan.global_batch
 
     def windows(self, start_step: int) -> Iterator[list[Batch]]:
         """Windows of steps `start_step`, `start_step + 1`, ...; workers prefetch ahead."""
-        batches = StepMicroBatches(self.sampler, self.rank, self.micro, self.accum, start_step)
+        plan = self.plan
+        batches = StepMicroBatches(self.sampler, self.rank, plan.micro, plan.accum, start_step)
         loader = _loader(self.dataset, batches, self.collate_fn, self.num_workers, self.device)
         it = iter(loader)
         non_blocking = self.device.type == "cuda"
         try:
             while True:
-                yield [to_device(next(it), self.device, non_blocking) for _ in range(self.accum)]
+                yield [to_device(next(it), self.device, non_blocking) for _ in range(plan.accum)]
         finally:
             del it  # shuts the workers down
 
