@@ -232,12 +232,15 @@ def probe(ctx: StepContext, data: Any, per_rank: int) -> tuple[int, list[str]]:
 
 
 class WindowStart:
-    """What a window changes before its optimizer step, taken at its start: module buffers
-    (BatchNorm statistics) and every RNG. Gradients are freed, not restored: the step zeroes
-    them first; the data position is the step count."""
+    """What a window changes before its optimizer step, taken at its start: persistent module
+    buffers (BatchNorm statistics) and every RNG. Gradients are freed, not restored: the step
+    zeroes them first; the data position is the step count. Non-persistent buffers (causal
+    masks, rotary caches) are derived state, as for an exact resume, and are not copied."""
 
     def __init__(self, ctx: StepContext) -> None:
-        self.buffers = list(unwrap(ctx.model).buffers())
+        model = unwrap(ctx.model)
+        persistent = model.state_dict(keep_vars=True)
+        self.buffers = [b for name, b in model.named_buffers() if name in persistent]
         self.values = [b.detach().clone() for b in self.buffers]
         self.rng = rng_state()
 
