@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from engine.distributed import all_reduce_sum, gradient_sync
+from engine.distributed import all_reduce_sum
 from engine.step import Batch, StepContext, StepResult, item_count
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -46,7 +46,7 @@ def backward_window(
     loss_sum: torch.Tensor | None = None
     last = len(window) - 1
     for i, batch in enumerate(window):
-        with gradient_sync(ctx.model, enabled=i == last or ctx.sync_every_micro_batch):
+        with ctx.parallel.gradient_sync(ctx.model, enabled=i == last or ctx.sync_every_micro_batch):
             micro_sum = micro_backward(ctx, batch, count)
         ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
         loss_sum = micro_sum if loss_sum is None else loss_sum + micro_sum

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,9 +120,6 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
     return box[0]
 
 
-STRATEGIES = ("ddp", "fsdp")
-
-
 def all_gather_object(obj: Any, info: DistInfo) -> list[Any]:
     """Every rank's `obj`, as a list on every rank; small Python values only."""
     if not info.distributed:
@@ -152,63 +149,29 @@ def wrap_model(
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Make `model` data-parallel over the job's ranks (the bare model on one rank).
+    """Make `model` data-parallel over the job's ranks (the bare model on one rank): the
+    `strategy`'s parallelism applied (`engine.parallel`), `shard_modules` being its blocks."""
+    from engine.parallel import build_parallelism  # engine.parallel builds on this module
 
-    `ddp`: DistributedDataParallel. `fsdp`: FSDP2's `fully_shard` on each of `shard_modules`
-    (e.g. the transformer blocks) and the root; `param_dtype` (bf16) computes with low-precision
-    parameters and reduces gradients in fp32. FSDP's own division of gradients is turned off
-    (sum reduction): the step's global-count normalization is the only one (`sync_divisor`).
-    """
-    if not info.distributed:
-        return model
-    if strategy == "ddp":
-        device_ids = [info.device.index] if info.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-    if strategy == "fsdp":
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-        if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
-            raise RuntimeError(
-                f"dist.strategy=fsdp needs a torch with FSDPModule.set_force_sum_reduction_for_"
-                f"comms (this is {torch.__version__}); use dist.strategy=ddp or upgrade torch"
-            )
-
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        for module in shard_modules:
-            fully_shard(module, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-        for module in [*shard_modules, model]:  # a setting of each FSDP module, not inherited
-            module.set_gradient_divide_factor(1.0)
-            # gloo lacks PREMUL_SUM; plain sums are exact for every backend.
-            module.set_force_sum_reduction_for_comms(True)
-        return model
-    raise ValueError(f"dist.strategy={strategy!r} is not supported; valid: {', '.join(STRATEGIES)}")
+    return build_parallelism(strategy, info).apply(
+        model, shard_modules, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward
+    )
 
 
 def sync_divisor(model: nn.Module, info: DistInfo) -> int:
     """What the wrapper divides synchronized gradients by: world size for DDP (it averages),
     1 for FSDP as wrapped here (it sums) and for a single rank."""
-    model = getattr(model, "_orig_mod", model)  # torch.compile(DDP(model))
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return info.world_size
-    return 1
+    from engine.parallel import parallelism_of
+
+    return parallelism_of(model, info).sync_divisor
 
 
-@contextlib.contextmanager
-def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Around forward *and* backward of a micro-batch: communicate gradients only if `enabled`.
+def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Around forward *and* backward of a micro-batch: communicate gradients only if `enabled`
+    (the model's parallelism's `gradient_sync`)."""
+    from engine.parallel import parallelism_of
 
-    DDP's `no_sync` must cover the forward too (it records whether to reduce during forward).
-    FSDP2 keeps unsharded gradients until a micro-batch with sync enabled reduce-scatters them.
-    """
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(enabled)
-        yield
-    elif enabled or not hasattr(model, "no_sync"):
-        yield
-    else:
-        with model.no_sync():
-            yield
+    return parallelism_of(model).gradient_sync(model, enabled)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from engine.callbacks import CallbackList
-from engine.distributed import DistInfo, sync_divisor
+from engine.distributed import DistInfo
+from engine.parallel import Parallelism, parallelism_of
 from engine.precision import Precision
 from engine.tasks import TaskOutputError
 
@@ -79,11 +80,16 @@ class StepContext:
     sync_every_micro_batch: bool = False
     # Optimizer steps completed; `finish_step` advances it (restored from checkpoints).
     step: int = 0
+    # How `model` is spread over ranks (engine/parallel.py); left out, it is read off the
+    # model's wrapper (DDP, FSDP2, or none).
+    parallel: Parallelism = None  # type: ignore[assignment]
     # What the data-parallel wrapper divides synchronized gradients by (DDP averages).
     grad_sync_divisor: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.grad_sync_divisor = sync_divisor(self.model, self.dist)
+        if self.parallel is None:
+            self.parallel = parallelism_of(self.model, self.dist)
+        self.grad_sync_divisor = self.parallel.sync_divisor
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

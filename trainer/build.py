@@ -22,7 +22,7 @@ from engine.checkpoint import (
     remove_stale_tmp,
     verify_together,
 )
-from engine.distributed import DistInfo, broadcast_object, wrap_model
+from engine.distributed import DistInfo, broadcast_object
 from engine.dp_sgd import DPSGDStep, PrivacySpent, check_per_sample_model
 from engine.grad_stats import GradNormsPerLayer
 from engine.model import (
@@ -32,6 +32,7 @@ from engine.model import (
     flops_per_token,
     require_blocks,
 )
+from engine.parallel import Parallelism, build_mesh, build_parallelism
 from engine.precision import Precision
 from engine.rng import seed_everything
 from engine.step import StepContext, StepStrategy, Task
@@ -138,11 +139,18 @@ def build_task(node: dict[str, Any]) -> Task:
 
 
 def parallelize(
-    model: nn.Module, extras: ModelExtras, train: TrainCfg, dist_cfg: DistCfg, info: DistInfo
+    model: nn.Module,
+    extras: ModelExtras,
+    train: TrainCfg,
+    dist_cfg: DistCfg,
+    info: DistInfo,
+    parallel: Parallelism | None = None,
 ) -> nn.Module:
-    """Activation checkpointing, compilation and data parallelism (DDP, or FSDP2 sharding each
-    block and the root), in that order. The model's own parameter names are kept."""
-    fsdp = dist_cfg.strategy == "fsdp" and info.distributed
+    """Activation checkpointing, compilation and data parallelism (`parallel`, by default the
+    one `dist.strategy` names: DDP, or FSDP2 sharding each block and the root), in that order.
+    The model's own parameter names are kept."""
+    if parallel is None:
+        parallel = build_parallelism(dist_cfg.strategy, info)
     try:
         blocks = find_blocks(model, extras.block_classes, key="model.block_classes")
         if extras.activation_checkpointing:
@@ -150,20 +158,16 @@ def parallelize(
                 model, blocks, "model.activation_checkpointing=true", "model.block_classes"
             )
             apply_activation_checkpointing(blocks)
-        if fsdp:
-            require_blocks(model, blocks, "dist.strategy=fsdp", "model.block_classes")
+        if parallel.per_block:
+            require_blocks(model, blocks, f"dist.strategy={parallel.name}", "model.block_classes")
     except NoBlocks as exc:
         message = str(exc).removeprefix("model.block_classes: ")
         raise ConfigError("model.block_classes", message) from None
     if train.compile:  # in place: parameter names (and checkpoints) stay the same
-        for module in blocks if fsdp else [model]:
+        for module in blocks if parallel.per_block else [model]:
             module.compile()
-    return wrap_model(
-        model,
-        info,
-        dist_cfg.strategy,
-        shard_modules=blocks,
-        param_dtype=torch.bfloat16 if train.precision == "bf16" else None,
+    return parallel.apply(
+        model, blocks, param_dtype=torch.bfloat16 if train.precision == "bf16" else None
     )
 
 
@@ -314,18 +318,15 @@ def find_resume(cfg: Config, ckpt_dir: Path, info: DistInfo) -> Path | None:
     return None
 
 
-def checkpoint_format(cfg: CheckpointCfg, dist_cfg: DistCfg, info: DistInfo) -> str:
+def checkpoint_format(cfg: CheckpointCfg, parallel: Parallelism) -> str:
     """`checkpoint.format=auto`: sharded where the state is sharded (FSDP on several ranks)."""
     if cfg.format != "auto":
         return cfg.format
-    return "sharded" if dist_cfg.strategy == "fsdp" and info.distributed else "full"
+    return parallel.checkpoint_format
 
 
-def check_checkpoint_format(
-    fmt: str, dist_cfg: DistCfg, info: DistInfo, callbacks: CallbackList
-) -> None:
-    fsdp = dist_cfg.strategy == "fsdp" and info.distributed
-    if fsdp and fmt == "full" and callbacks.averaged_weights():
+def check_checkpoint_format(fmt: str, parallel: Parallelism, callbacks: CallbackList) -> None:
+    if parallel.shards_parameters and fmt == "full" and callbacks.averaged_weights():
         raise ConfigError(
             "checkpoint.format",
             "under dist.strategy=fsdp the EMA callback keeps its average sharded like the "
@@ -342,7 +343,8 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
     check_samples(data, cfg.data["_target_"])
     check_fits(model, data, cfg.model)
     task = build_task(cfg.task)
-    wrapped = parallelize(model, model_extras, cfg.train, cfg.dist, info)
+    parallel = build_parallelism(cfg.dist.strategy, info, build_mesh(info))
+    wrapped = parallelize(model, model_extras, cfg.train, cfg.dist, info, parallel)
     optimizer = build_optimizer(cfg.optim, model)  # after wrapping: FSDP shards the parameters
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.train.max_steps)
     precision = Precision(cfg.train.precision, info.device.type)
@@ -355,6 +357,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         task=task,
         precision=precision,
         dist=info,
+        parallel=parallel,
         clip_grad_norm=cfg.train.clip_grad_norm,
         callbacks=callbacks,
         sync_every_micro_batch=cfg.dist.fsdp_sync_every_micro_batch,
@@ -363,8 +366,8 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
     batches = build_train_batches(data, data_extras, cfg, info, plan)
     val_batches = build_val_batches(data, data_extras, cfg, info)
     attach_privacy(step_fn, ctx, batches, data_extras)
-    fmt = checkpoint_format(cfg.checkpoint, cfg.dist, info)
-    check_checkpoint_format(fmt, cfg.dist, info, callbacks)
+    fmt = checkpoint_format(cfg.checkpoint, parallel)
+    check_checkpoint_format(fmt, parallel, callbacks)
     callbacks.setup(ctx)  # before a checkpoint is restored into their state
     run = Run(
         cfg=cfg,

@@ -15,7 +15,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from engine.distributed import STRATEGIES
+from engine.parallel import STRATEGIES
 from engine.precision import PRECISIONS
 from trainer.errors import require
 

@@ -1,0 +1,236 @@
+"""How the model is spread over the job's ranks: a device mesh built once, and a parallelism.
+
+A parallelism is the one object the rest of the run asks about data parallelism: it wraps or
+shards the model (`apply`), names the data-parallel rank and size the loader reads, turns
+gradient communication on and off around a micro-batch (`gradient_sync`), says what the
+synchronized gradients are divided by (`sync_divisor`) and how a checkpoint holds the state
+(`checkpoint_format`). Two implement it: `DataParallel` (DDP; the bare model on one process)
+and `FullyShardedDataParallel` (FSDP2's `fully_shard` on each block and the root). Adding one
+(pipeline, tensor parallel) is a class here plus a name in `PARALLELISMS`.
+
+The mesh has one named dimension per kind of parallelism, `dp` today; `pp` and `tp` join it
+as further dimensions, and the data-parallel rank becomes the rank along `dp`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from engine.distributed import DistInfo, is_sharded
+
+MESH_DIMS = ("dp",)  # the mesh's dimension names, outermost first ("pp", "dp", "tp" later)
+
+
+def build_mesh(info: DistInfo) -> DeviceMesh | None:
+    """The job's device mesh, built once per run: every rank along `dp`. None on one process
+    (nothing to communicate). Needs the process group (`init_distributed`)."""
+    if not info.distributed:
+        return None
+    return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=MESH_DIMS)
+
+
+@runtime_checkable
+class Parallelism(Protocol):
+    """What the run needs to know about how the model is spread over ranks."""
+
+    name: ClassVar[str]  # the `dist.strategy` value that selects it
+    # Each block becomes its own unit (FSDP shards block by block): the model must declare its
+    # blocks, and `torch.compile` applies per block rather than to the whole model.
+    per_block: ClassVar[bool]
+    # Parameters (and optimizer state, EMA averages) are sharded over ranks: forwards run in
+    # lockstep on every rank, and only sharded checkpoints hold the whole state.
+    shards_parameters: ClassVar[bool]
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's index among the data-parallel ranks (which slice of a batch)."""
+        ...
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel ranks split a global batch."""
+        ...
+
+    @property
+    def sync_divisor(self) -> int:
+        """What the wrapper divides synchronized gradients by (the step multiplies it back)."""
+        ...
+
+    @property
+    def checkpoint_format(self) -> str:
+        """`checkpoint.format=auto` resolves to this: `full` or `sharded`."""
+        ...
+
+    def apply(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module] = (),
+        *,
+        param_dtype: torch.dtype | None = None,
+        reshard_after_forward: bool = True,
+    ) -> nn.Module:
+        """Wrap or shard `model` (with `blocks`, its repeated layers) for this parallelism."""
+        ...
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """Around forward *and* backward of a micro-batch: communicate gradients if `enabled`."""
+        ...
+
+
+class _OnMesh:
+    """The data-parallel coordinates, from the mesh's `dp` dimension when there is one."""
+
+    def __init__(self, info: DistInfo, mesh: DeviceMesh | None = None) -> None:
+        self.info = info
+        self.mesh = mesh
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp") if self.mesh is not None else self.info.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size() if self.mesh is not None else self.info.world_size
+
+
+class DataParallel(_OnMesh):
+    """DistributedDataParallel over the `dp` ranks; the bare model on one process.
+
+    DDP averages the all-reduced gradients, hence `sync_divisor` = the data-parallel size.
+    """
+
+    name = "ddp"
+    per_block = False
+    shards_parameters = False
+
+    @property
+    def sync_divisor(self) -> int:
+        return self.dp_size  # 1 on one process: nothing wraps the model
+
+    @property
+    def checkpoint_format(self) -> str:
+        return "full"
+
+    def apply(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module] = (),
+        *,
+        param_dtype: torch.dtype | None = None,
+        reshard_after_forward: bool = True,
+    ) -> nn.Module:
+        del blocks, param_dtype, reshard_after_forward  # DDP replicates the whole model
+        if self.dp_size == 1:
+            return model
+        info = self.info
+        device_ids = [info.device.index] if info.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+    @contextlib.contextmanager
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
+        # DDP's `no_sync` must cover the forward too (it records whether to reduce there).
+        if enabled or not hasattr(model, "no_sync"):
+            yield
+        else:
+            with model.no_sync():
+                yield
+
+
+class FullyShardedDataParallel(_OnMesh):
+    """FSDP2: `fully_shard` on each block and the root over the mesh's `dp` dimension.
+
+    FSDP's own division of gradients is turned off (sum reduction), so `sync_divisor` is 1 and
+    the step's global-count normalization is the only one.
+    """
+
+    name = "fsdp"
+    per_block = True
+    shards_parameters = True
+
+    @property
+    def sync_divisor(self) -> int:
+        return 1
+
+    @property
+    def checkpoint_format(self) -> str:
+        return "sharded"
+
+    def apply(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module] = (),
+        *,
+        param_dtype: torch.dtype | None = None,
+        reshard_after_forward: bool = True,
+    ) -> nn.Module:
+        """`param_dtype` (bf16) computes with low-precision parameters; gradients are reduced
+        in fp32."""
+        if not self.info.distributed:
+            return model
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+            raise RuntimeError(
+                f"dist.strategy=fsdp needs a torch with FSDPModule.set_force_sum_reduction_for_"
+                f"comms (this is {torch.__version__}); use dist.strategy=ddp or upgrade torch"
+            )
+
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        mesh = self.mesh["dp"] if self.mesh is not None else None  # None: FSDP's default mesh
+        for module in [*blocks, model]:
+            fully_shard(
+                module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
+            )
+        for module in [*blocks, model]:  # a setting of each FSDP module, not inherited
+            module.set_gradient_divide_factor(1.0)
+            # gloo lacks PREMUL_SUM; plain sums are exact for every backend.
+            module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    @contextlib.contextmanager
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
+        # FSDP2 keeps unsharded gradients until a micro-batch with sync enabled reduce-scatters.
+        model.set_requires_gradient_sync(enabled)
+        yield
+
+
+PARALLELISMS: dict[str, type[DataParallel] | type[FullyShardedDataParallel]] = {
+    cls.name: cls for cls in (DataParallel, FullyShardedDataParallel)
+}
+STRATEGIES = tuple(PARALLELISMS)
+
+
+def build_parallelism(
+    strategy: str, info: DistInfo, mesh: DeviceMesh | None = None
+) -> DataParallel | FullyShardedDataParallel:
+    """The parallelism `dist.strategy` names; on one process the bare model (`DataParallel`'s
+    no-op) whatever the strategy. `mesh` (from `build_mesh`) may be left out: FSDP then shards
+    over its default mesh, which spans the same ranks."""
+    if not info.distributed:
+        return DataParallel(info, mesh)
+    if strategy not in PARALLELISMS:
+        raise ValueError(
+            f"dist.strategy={strategy!r} is not supported; valid: {', '.join(STRATEGIES)}"
+        )
+    return PARALLELISMS[strategy](info, mesh)
+
+
+def parallelism_of(
+    model: nn.Module, info: DistInfo | None = None
+) -> DataParallel | FullyShardedDataParallel:
+    """The parallelism an already wrapped `model` is under, for callers that built the model
+    themselves (a `StepContext` given no `parallel`): FSDP2 modules are sharded, DDP (also
+    inside `torch.compile`) is data-parallel over `info`'s ranks, anything else is the bare
+    model of one process."""
+    info = info or DistInfo()
+    if is_sharded(model):
+        return FullyShardedDataParallel(info)
+    if isinstance(getattr(model, "_orig_mod", model), nn.parallel.DistributedDataParallel):
+        return DataParallel(info)
+    return DataParallel(DistInfo(device=info.device))
