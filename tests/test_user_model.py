@@ -235,8 +235,8 @@ def test_sigkill_resume_is_bitwise_with_loader_workers(project: Path, tmp_path: 
 def test_fsdp_without_declared_blocks_names_the_key(project: Path) -> None:
     """The tagger declares no blocks: FSDP on 2 ranks is refused in one paragraph that names
     model.block_classes (checked where the run is assembled, before any process group)."""
+    tagger = user_module(project)  # imported first: the config's check imports its targets
     cfg, _ = to_config(compose_config([*select(project), "dist.strategy=fsdp"]))
-    tagger = user_module(project)
     spec, extras = split_extras(cfg.model, "model")
     model = tagger.Tagger()
     with pytest.raises(ConfigError, match=r"model\.block_classes.*dist\.strategy=fsdp") as err:
