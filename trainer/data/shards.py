@@ -141,11 +141,16 @@ def _chunks_jsonl(path: Path) -> Iterator[Chunk]:
 
 
 def _chunks_texts(texts: Iterator[str]) -> Iterator[Chunk]:
+    return _chunks_sized((t, len(t)) for t in texts)
+
+
+def _chunks_sized(texts: Iterator[tuple[str, int]]) -> Iterator[Chunk]:
+    """(text, its size) pairs in chunks of about CHUNK_BYTES."""
     batch: list[str] = []
     size = 0
-    for t in texts:
+    for t, n in texts:
         batch.append(t)
-        size += len(t)
+        size += n
         if size >= CHUNK_BYTES:
             yield Chunk("texts", batch, 0, size)
             batch, size = [], 0
@@ -225,17 +230,8 @@ def _chunks_text_file(path: Path) -> Iterator[Chunk]:
 
 
 def _chunks_files(paths: tuple[Path, ...]) -> Iterator[Chunk]:
-    batch: list[str] = []
-    size = 0
-    for p in paths:
-        data = p.read_bytes()
-        batch.append(data.decode("utf-8", errors="replace"))
-        size += len(data)
-        if size >= CHUNK_BYTES:
-            yield Chunk("texts", batch, 0, size)
-            batch, size = [], 0
-    if batch:
-        yield Chunk("texts", batch, 0, size)
+    blobs = (p.read_bytes() for p in paths)  # one file in memory at a time
+    return _chunks_sized((b.decode("utf-8", errors="replace"), len(b)) for b in blobs)
 
 
 def chunks(source: Source) -> Iterator[Chunk]:
