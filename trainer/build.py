@@ -228,13 +228,18 @@ def resolve_num_workers(requested: int | None, info: DistInfo) -> int:
 
 
 def build_train_batches(
-    data: DataSplits, extras: DataExtras, cfg: Config, info: DistInfo, plan: BatchPlan
+    data: DataSplits,
+    extras: DataExtras,
+    cfg: Config,
+    info: DistInfo,
+    plan: BatchPlan,
+    parallel: Parallelism,
 ) -> TrainBatches:
-    """This rank's training windows, through a DataLoader."""
+    """This data-parallel rank's training windows, through a DataLoader."""
     return TrainBatches(
         data.train,
         GlobalBatchSampler(len(data.train), plan.global_batch, cfg.seed, extras.sampling),
-        rank=info.rank,
+        rank=parallel.dp_rank,
         plan=plan,
         device=info.device,
         collate_fn=data.collate_fn,
@@ -243,13 +248,13 @@ def build_train_batches(
 
 
 def build_val_batches(
-    data: DataSplits, extras: DataExtras, cfg: Config, info: DistInfo
+    data: DataSplits, extras: DataExtras, cfg: Config, info: DistInfo, parallel: Parallelism
 ) -> EvalBatches:
-    """This rank's validation batches, through a DataLoader."""
+    """This data-parallel rank's validation batches, through a DataLoader."""
     val = EvalBatches(
         data.val,
-        rank=info.rank,
-        world_size=info.world_size,
+        rank=parallel.dp_rank,
+        world_size=parallel.dp_size,
         batch_size=cfg.eval.batch_size,
         max_batches=cfg.eval.max_batches,
         device=info.device,
@@ -258,12 +263,11 @@ def build_val_batches(
         num_workers=resolve_num_workers(extras.num_workers, info),
     )
     n_val = eval_set_size(len(data.val), cfg.eval.batch_size, cfg.eval.max_batches)
-    fsdp = cfg.dist.strategy == "fsdp" and info.distributed
-    if fsdp and cfg.eval.every_steps and n_val < info.world_size:
+    if parallel.shards_parameters and cfg.eval.every_steps and n_val < parallel.dp_size:
         raise ConfigError(
             "eval.max_batches",
             f"FSDP evaluates in lockstep and needs a validation sample on each of the "
-            f"{info.world_size} ranks; the set has {n_val}: raise eval.max_batches or "
+            f"{parallel.dp_size} ranks; the set has {n_val}: raise eval.max_batches or "
             "eval.batch_size",
         )
     return val
@@ -336,6 +340,8 @@ def check_checkpoint_format(fmt: str, parallel: Parallelism, callbacks: Callback
 
 
 def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: DistInfo) -> Run:
+    # Checked before anything is built; the data-parallel size is the world's until pipeline or
+    # tensor parallelism split it (engine/parallel.py).
     plan = BatchPlan.from_config(cfg.train, info.world_size)
     seed_everything(cfg.seed)  # same initial weights on every rank
     model, model_extras = build_model(cfg.model, info)
@@ -363,8 +369,8 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         sync_every_micro_batch=cfg.dist.fsdp_sync_every_micro_batch,
     )
     step_fn, plan = setup_auto(cfg, ctx, data, step_fn, plan)  # train.micro_batch_size=auto
-    batches = build_train_batches(data, data_extras, cfg, info, plan)
-    val_batches = build_val_batches(data, data_extras, cfg, info)
+    batches = build_train_batches(data, data_extras, cfg, info, plan, parallel)
+    val_batches = build_val_batches(data, data_extras, cfg, info, parallel)
     attach_privacy(step_fn, ctx, batches, data_extras)
     fmt = checkpoint_format(cfg.checkpoint, parallel)
     check_checkpoint_format(fmt, parallel, callbacks)

@@ -35,6 +35,7 @@ from engine.checkpoint import (
 )
 from engine.distributed import DistInfo
 from engine.evaluate import evaluate
+from engine.parallel import build_parallelism
 from engine.precision import Precision
 from engine.rng import seed_everything
 from trainer.build import (
@@ -198,7 +199,8 @@ def evaluate_checkpoint(
             f"checkpoint: {path} does not fit the model its config builds with these overrides: "
             f"{summarize(exc)}. Drop the model.* overrides."
         ) from None
-    val = build_val_batches(data, data_extras, cfg, info)
+    parallel = build_parallelism(cfg.dist.strategy, info)  # its data-parallel ranks split the set
+    val = build_val_batches(data, data_extras, cfg, info, parallel)
     precision = Precision(cfg.train.precision, info.device.type)
     if averaged is None:
         means, count = evaluate(model, task, val, precision, info)
