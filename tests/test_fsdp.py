@@ -161,3 +161,28 @@ def test_sharded_checkpoint_resumes_without_its_ema(fsdp_run: Path, ddp_run: Pat
     got = by_step(run_dir)
     assert "val/loss_ema" not in got[(8, "val")]
     assert_same_trajectory(got, by_step(ddp_run), metrics=METRICS[:3])
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_fsdp_needs_a_validation_sample_per_rank(strategy: str) -> None:
+    """FSDP evaluates in lockstep: a validation set smaller than its data-parallel size is a
+    config error naming eval.max_batches (asked of the parallelism, no process group needed);
+    DDP takes the same set."""
+    from engine.distributed import DistInfo
+    from engine.parallel import build_parallelism
+    from tests.conftest import compose_config
+    from trainer.build import build_data, build_val_batches
+    from trainer.cli import to_config
+    from trainer.errors import ConfigError
+
+    evals = ["eval.every_steps=5", "eval.batch_size=1", "eval.max_batches=1"]
+    overrides = [*TINY, f"dist.strategy={strategy}", *evals]
+    cfg, _ = to_config(compose_config(overrides))
+    data, extras = build_data(cfg.data)
+    info = DistInfo(rank=0, world_size=2)
+    parallel = build_parallelism(strategy, info)
+    if strategy == "ddp":
+        assert len(build_val_batches(data, extras, cfg, info, parallel)) == 1
+        return
+    with pytest.raises(ConfigError, match=r"eval\.max_batches.*2 ranks; the set has 1"):
+        build_val_batches(data, extras, cfg, info, parallel)
