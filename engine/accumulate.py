@@ -15,7 +15,7 @@ under FSDP as wrapped here, which sums).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -27,9 +27,10 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def count_window(ctx: StepContext, window: Sequence[Batch]) -> torch.Tensor:
-    """Loss items of the whole window over all ranks: one all-reduce, before any forward."""
+    """Loss items of the whole window over all data-parallel ranks: one all-reduce, before
+    any forward. (Pipeline stages of one replica read the same window: counted once.)"""
     local = torch.stack([item_count(ctx.task, b) for b in window]).sum()
-    return all_reduce_sum(local.to(ctx.dist.device, torch.int64), ctx.dist)
+    return all_reduce_sum(local.to(ctx.dist.device, torch.int64), ctx.dist, ctx.parallel.dp_group)
 
 
 def backward_window(
@@ -40,6 +41,9 @@ def backward_window(
     Returns this rank's loss sum over the window (detached; fp32, or the loss's own precision
     when higher). Each graph is freed by its own backward; only the detached sum survives.
     """
+    pipelined = getattr(ctx.parallel, "backward_window", None)
+    if pipelined is not None:  # the window is the pipeline's schedule (engine/pipeline.py)
+        return pipelined(ctx, window, global_count)  # no per-micro-batch hooks (refused)
     # DDP divides the reduced gradient by world_size; multiplying by that divisor here undoes
     # it, so the result is the global mean. Guard against an all-padding window (count 0).
     count = global_count.clamp(min=1)
@@ -82,17 +86,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def clip_gradients(
-    params: list[nn.Parameter], max_norm: float | None
+    params: list[nn.Parameter],
+    max_norm: float | None,
+    norm_of: Callable[[list[nn.Parameter]], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Total grad norm before clipping, and a 0/1 flag for non-finite gradients.
 
     A non-finite gradient anywhere makes the total norm inf or nan, so one reduction serves
-    both clipping and the skip decision, on the device.
+    both clipping and the skip decision, on the device. `norm_of` computes the total norm
+    where ranks hold different parameters (pipeline stages).
     """
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    if not grads and norm_of is None:
         raise RuntimeError("no parameter received a gradient: is the loss connected to the model?")
-    norm = _norm(grads)
+    norm = _norm(grads) if norm_of is None else norm_of(params)
     if max_norm is not None:  # clip with the (possibly sharded) norm the gradients live with
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     norm = _local(norm).detach()
@@ -113,8 +120,12 @@ def finish_step(ctx: StepContext, loss_sum: torch.Tensor, global_count: torch.Te
     """Unscale, clip, skip-or-update, advance the schedule and the step count: the tail every
     strategy shares. It fires the callbacks' hooks of these moments, so no loop has to."""
     ctx.precision.unscale_(ctx.optimizer)
+    agree = getattr(ctx.parallel, "agree_found_inf", None)
+    if agree is not None:  # stages hold different parameters: one overflow skips them all
+        agree(ctx.precision, ctx.optimizer)
     ctx.callbacks.after_backward(ctx)
-    grad_norm, found_inf = clip_gradients(ctx.trainable_parameters(), ctx.clip_grad_norm)
+    norm_of = getattr(ctx.parallel, "grad_norm", None)
+    grad_norm, found_inf = clip_gradients(ctx.trainable_parameters(), ctx.clip_grad_norm, norm_of)
     ctx.callbacks.before_optimizer_step(ctx)
     lr = float(ctx.optimizer.param_groups[0]["lr"])
     ctx.precision.optimizer_step(ctx.optimizer, found_inf)

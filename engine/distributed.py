@@ -91,11 +91,14 @@ def shutdown_distributed(clean: bool = True) -> None:
     dist.destroy_process_group()
 
 
-def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """Sum `t` over ranks (returns a new tensor; the input is left alone)."""
+def all_reduce_sum(
+    t: torch.Tensor, info: DistInfo, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Sum `t` over ranks (of `group`, default all; returns a new tensor, the input is left
+    alone)."""
     out = t.clone()
     if info.distributed:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sized
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ def evaluate(
     batches: Iterable[Batch],
     precision: Precision,
     dist: DistInfo,
+    parallel: Any = None,
 ) -> tuple[dict[str, float], int]:
     """Per-item means over all ranks' `batches` (`loss`, and whatever else the task sums,
     e.g. `accuracy`), and the global item count.
@@ -39,8 +41,10 @@ def evaluate(
     duplicates). A sharded (FSDP) model gathers its parameters in every forward, so there
     every rank runs as many forwards as the rank with the most batches (`batches` must have
     a length); the extra ones reuse a batch and are not counted. The model is put in eval
-    mode and restored to its mode after.
+    mode and restored to its mode after. Under a pipeline (`parallel` with `eval_sums`) each
+    batch flows through the stages and only the last stage's ranks sum.
     """
+    pipeline = getattr(parallel, "eval_sums", None)
     n_forwards = None
     if dist.distributed and is_sharded(model):
         if not isinstance(batches, Sized):
@@ -55,6 +59,13 @@ def evaluate(
     first, seen = None, 0
     try:
         with torch.inference_mode(), precision.autocast():
+            if pipeline is not None:
+                with parallel.stages_mode(False):
+                    for batch, batch_sums in pipeline(task, batches, _sums):
+                        for name, value in batch_sums.items():
+                            sums[name] = sums.get(name, 0) + value.double()
+                        count += item_count(task, batch).double()
+                batches = ()  # nothing left to do below
             for batch in batches:
                 first = batch if first is None else first
                 seen += 1

@@ -4,12 +4,16 @@ A parallelism is the one object the rest of the run asks about data parallelism:
 shards the model (`apply`), names the data-parallel rank and size the loader reads, turns
 gradient communication on and off around a micro-batch (`gradient_sync`), says what the
 synchronized gradients are divided by (`sync_divisor`) and how a checkpoint holds the state
-(`checkpoint_format`). Two implement it: `DataParallel` (DDP; the bare model on one process)
-and `FullyShardedDataParallel` (FSDP2's `fully_shard` on each block and the root). Adding one
-(pipeline, tensor parallel) is a class here plus a name in `PARALLELISMS`.
+(`checkpoint_format`). Three implement it: `DataParallel` (DDP; the bare model on one
+process), `FullyShardedDataParallel` (FSDP2's `fully_shard` on each block and the root) and
+`PipelineParallel` (engine/pipeline.py: stages over `pp`, its own window schedule, gradients
+summed over `dp` after the window).
 
-The mesh has one named dimension per kind of parallelism, `dp` today; `pp` and `tp` join it
-as further dimensions, and the data-parallel rank becomes the rank along `dp`.
+The mesh has one named dimension per kind of parallelism: `dp`, and `pp` outside it with a
+pipeline (`tp` will join); the data-parallel rank is the rank along `dp`. A parallelism may
+also run the window itself (`backward_window`), compute the total gradient norm over ranks
+that hold different parameters (`grad_norm`) and agree on fp16 overflows
+(`agree_found_inf`); the step asks for these only where they exist.
 """
 
 from __future__ import annotations
@@ -20,19 +24,27 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from engine.distributed import DistInfo, is_sharded
 
-MESH_DIMS = ("dp",)  # the mesh's dimension names, outermost first ("pp", "dp", "tp" later)
+MESH_DIMS = ("pp", "dp")  # the mesh's dimension names, outermost first ("tp" later)
 
 
-def build_mesh(info: DistInfo) -> DeviceMesh | None:
-    """The job's device mesh, built once per run: every rank along `dp`. None on one process
-    (nothing to communicate). Needs the process group (`init_distributed`)."""
+def build_mesh(info: DistInfo, pp: int = 1) -> DeviceMesh | None:
+    """The job's device mesh, built once per run: `pp` pipeline ranks (consecutive blocks of
+    `world / pp` ranks each), the data-parallel ranks within each. Without a pipeline, every
+    rank along `dp`. None on one process (nothing to communicate). Needs the process group
+    (`init_distributed`)."""
     if not info.distributed:
         return None
-    return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=MESH_DIMS)
+    if pp == 1:
+        return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
+    if info.world_size % pp:
+        raise ValueError(f"the world ({info.world_size} ranks) is not a multiple of dist.pp={pp}")
+    shape = (pp, info.world_size // pp)
+    return init_device_mesh(info.device.type, shape, mesh_dim_names=MESH_DIMS)
 
 
 @runtime_checkable
@@ -55,6 +67,12 @@ class Parallelism(Protocol):
     @property
     def dp_size(self) -> int:
         """How many data-parallel ranks split a global batch."""
+        ...
+
+    @property
+    def dp_group(self) -> ProcessGroup | None:
+        """The process group of this rank's data-parallel peers (None: the whole world), over
+        which item counts are summed."""
         ...
 
     @property
@@ -97,6 +115,10 @@ class _OnMesh:
     @property
     def dp_size(self) -> int:
         return self.mesh["dp"].size() if self.mesh is not None else self.info.world_size
+
+    @property
+    def dp_group(self) -> None:
+        return None  # every rank: the data-parallel ranks are the whole world
 
 
 class DataParallel(_OnMesh):

@@ -65,6 +65,15 @@ class Precision:
         elif not bool(found_inf.item()):
             optimizer.step()
 
+    def found_inf_flags(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """After `unscale_`: the scaler's own overflow flags for `optimizer` (one per device),
+        for a caller that must agree on them across ranks holding different parameters
+        (pipeline stages). Empty without a scaler."""
+        if self.scaler is None:
+            return []
+        state = self.scaler._per_optimizer_states[id(optimizer)]
+        return list(state["found_inf_per_device"].values())
+
     def loss_scale(self) -> torch.Tensor | None:
         """Current loss scale as a device tensor (no sync), or None without a scaler."""
         if self.scaler is None:

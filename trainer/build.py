@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from engine.accumulate import AccumulateStep
 from engine.callbacks import Callback, CallbackList
 from engine.checkpoint import (
     CheckpointError,
@@ -33,6 +34,7 @@ from engine.model import (
     require_blocks,
 )
 from engine.parallel import Parallelism, build_mesh, build_parallelism
+from engine.pipeline import NotSplittable, PipelineParallel
 from engine.precision import Precision
 from engine.rng import seed_everything
 from engine.step import StepContext, StepStrategy, Task
@@ -166,9 +168,70 @@ def parallelize(
     if train.compile:  # in place: parameter names (and checkpoints) stay the same
         for module in blocks if parallel.per_block else [model]:
             module.compile()
-    return parallel.apply(
-        model, blocks, param_dtype=torch.bfloat16 if train.precision == "bf16" else None
-    )
+    try:
+        return parallel.apply(
+            model, blocks, param_dtype=torch.bfloat16 if train.precision == "bf16" else None
+        )
+    except NotSplittable as exc:
+        raise ConfigError("dist.pp", str(exc)) from None
+
+
+def build_pipeline(cfg: Config, info: DistInfo) -> PipelineParallel | None:
+    """`dist.pp` > 1: the pipeline over a (pp, dp) mesh, after refusing what it cannot run
+    yet, each with one paragraph naming the key."""
+    d = cfg.dist
+    if d.pp == 1:
+        return None
+    if info.world_size % d.pp or info.world_size < d.pp:
+        raise ConfigError(
+            "dist.pp",
+            f"{d.pp} pipeline stages need a world that is a multiple of {d.pp} ranks (world = "
+            f"pp x data-parallel size); this run has {info.world_size}: launch with torchrun "
+            f"--nproc_per_node={d.pp} (or a multiple), or set dist.pp=1",
+        )
+    refused = {
+        "dist.strategy": (d.strategy == "fsdp", "FSDP2 on pipeline stages is not built yet"),
+        "train.micro_batch_size": (
+            cfg.train.micro_batch_size == "auto",
+            "the automatic micro-batch is not probed through a pipeline yet",
+        ),
+        "train.compile": (cfg.train.compile, "compiling pipeline stages is not built yet"),
+        "checkpoint.format": (
+            cfg.checkpoint.format == "sharded",
+            "pipelined runs save the full layout (auto or full), gathered from the stages",
+        ),
+        "train.grad_norms": (
+            cfg.train.grad_norms == "per_layer",
+            "per-layer norms would be recorded for the first stage's layers only",
+        ),
+    }
+    for key, (bad, why) in refused.items():
+        if bad:
+            raise ConfigError(key, f"not available with dist.pp={d.pp}: {why}")
+    return PipelineParallel(info, build_mesh(info, d.pp), d.pp_schedule, d.pp_virtual, d.pp_split)
+
+
+def check_pipeline_components(
+    parallel: Parallelism, step_fn: StepStrategy, callbacks: CallbackList
+) -> None:
+    """What runs inside a pipelined window: the exact accumulation step, callbacks that do not
+    look at single micro-batches or keep a copy of every weight."""
+    if not isinstance(parallel, PipelineParallel):
+        return
+    if type(step_fn) is not AccumulateStep:
+        raise ConfigError(
+            "step",
+            f"dist.pp runs the window as a pipeline schedule, which is step=accumulate's; "
+            f"{type(step_fn).__name__} needs the whole model on one rank",
+        )
+    for name, cb in callbacks.named.items():
+        per_micro = type(cb).on_after_micro_batch is not Callback.on_after_micro_batch
+        if per_micro or name in callbacks.averaged_weights():
+            raise ConfigError(
+                f"callbacks.{name}",
+                "not available with dist.pp: it looks at every micro-batch's gradients or "
+                "keeps a copy of every weight, which pipeline stages do not hold together",
+            )
 
 
 def instantiate_callback(name: str, spec: Any) -> Callback:
@@ -340,22 +403,25 @@ def check_checkpoint_format(fmt: str, parallel: Parallelism, callbacks: Callback
 
 
 def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: DistInfo) -> Run:
-    # Checked before anything is built; the data-parallel size is the world's until pipeline or
-    # tensor parallelism split it (engine/parallel.py).
-    plan = BatchPlan.from_config(cfg.train, info.world_size)
+    # Checked before anything is built: the data-parallel size is the world's, divided by the
+    # pipeline stages.
+    pipeline = build_pipeline(cfg, info)
+    plan = BatchPlan.from_config(cfg.train, info.world_size // cfg.dist.pp)
     seed_everything(cfg.seed)  # same initial weights on every rank
     model, model_extras = build_model(cfg.model, info)
     data, data_extras = build_data(cfg.data)
     check_samples(data, cfg.data["_target_"])
     check_fits(model, data, cfg.model)
     task = build_task(cfg.task)
-    parallel = build_parallelism(cfg.dist.strategy, info, build_mesh(info))
+    flops = flops_per_token(model, data.seq_len)  # of the whole model, before stages prune it
+    parallel = pipeline or build_parallelism(cfg.dist.strategy, info, build_mesh(info))
     wrapped = parallelize(model, model_extras, cfg.train, cfg.dist, info, parallel)
     optimizer = build_optimizer(cfg.optim, model)  # after wrapping: FSDP shards the parameters
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.train.max_steps)
     precision = Precision(cfg.train.precision, info.device.type)
     callbacks = build_callbacks(cfg.callbacks, cfg.train)
     step_fn = build_step(cfg.step)
+    check_pipeline_components(parallel, step_fn, callbacks)
     ctx = StepContext(
         model=wrapped,
         optimizer=optimizer,
@@ -383,7 +449,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         step_fn=step_fn,
         batches=batches,
         val_batches=val_batches,
-        meter=TrainMeter(info, flops_per_token(model, data.seq_len)),
+        meter=TrainMeter(info, flops),
         checkpointer=build_checkpointer(
             cfg.checkpoint, run_dir / "checkpoints", info, fmt, cfg.dist.timeout_s
         ),
@@ -441,7 +507,9 @@ def build_sinks(
         f"{data.description or cfg.data.get('_target_')}: "
         f"{len(data.train)} train / {len(data.val)} val samples\n"
         f"  world {plan.dp_size} x micro {plan.micro} x accum {plan.accum} = "
-        f"global batch {plan.global_batch} | precision "
+        f"global batch {plan.global_batch}"
+        + (f" | pipeline {cfg.dist.pp} stages, {cfg.dist.pp_schedule}" if cfg.dist.pp > 1 else "")
+        + " | precision "
         f"{cfg.train.precision} | device {run.dist.device}"
         + (f"\n  resumed from {resume} at step {run.step}" if resume else ""),
         flush=True,

@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from engine.parallel import STRATEGIES
+from engine.pipeline_schedule import SCHEDULES
 from engine.precision import PRECISIONS
 from trainer.errors import require
 
@@ -194,6 +195,13 @@ class DistCfg:
     # likewise all-reduces every micro-batch.
     fsdp_sync_every_micro_batch: bool = False
     timeout_s: float = 600.0
+    # Pipeline parallelism (engine/pipeline.py): the model's blocks in `pp` stages (times
+    # `pp_virtual` per rank with interleaved_1f1b), balanced by parameter count or starting
+    # at the block indices `pp_split`; the world is pp x data-parallel ranks.
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    pp_split: list[int] | None = None
 
     def __post_init__(self) -> None:
         require(
@@ -206,6 +214,27 @@ class DistCfg:
             "dist.strategy",
             f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}",
         )
+        _positive(self.pp, "dist.pp")
+        _positive(self.pp_virtual, "dist.pp_virtual")
+        require(
+            self.pp_schedule in SCHEDULES,
+            "dist.pp_schedule",
+            f"must be one of {', '.join(SCHEDULES)}, got {self.pp_schedule!r}",
+        )
+        require(
+            self.pp_virtual == 1 or self.pp_schedule == "interleaved_1f1b",
+            "dist.pp_virtual",
+            f"more than one stage per rank needs dist.pp_schedule=interleaved_1f1b (it is "
+            f"{self.pp_schedule}); got {self.pp_virtual}",
+        )
+        if self.pp_split is not None:
+            require(
+                len(self.pp_split) == self.pp * self.pp_virtual - 1,
+                "dist.pp_split",
+                f"must list {self.pp * self.pp_virtual - 1} block indices (where stages 2.."
+                f"{self.pp * self.pp_virtual} begin) for dist.pp={self.pp} x "
+                f"dist.pp_virtual={self.pp_virtual}, got {list(self.pp_split)}",
+            )
 
 
 def _component(**defaults: Any) -> Any:

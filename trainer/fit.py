@@ -22,6 +22,7 @@ from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate as evaluate_model
 from engine.grad_stats import missing_gradients
 from engine.noise_scale import NoiseScale
+from engine.pipeline import PipelineParallel
 from engine.rng import rng_state, seed_everything, set_rng_state
 from engine.step import StepContext, StepStrategy
 from engine.tasks import CausalLMTask, TaskOutputError
@@ -187,7 +188,8 @@ def _due(step: int, every: int) -> bool:
 def check_task(run: Run, window: list[Any]) -> None:
     """Once per launch, on the first window: the task's loss is a sum over its items."""
     node = run.cfg.task
-    if node.get("check_sum", True):
+    if node.get("check_sum", True) and not isinstance(run.ctx.parallel, PipelineParallel):
+        # (Pipeline stages do not hold the whole model to run the check with.)
         name = f"task `{node.get('_target_')}`"
         batch = next((b for b in window if b is not None), None)  # Poisson: maybe empty
         ctx = run.ctx
@@ -286,7 +288,9 @@ def summary(run: Run, outcome: str, seconds: float) -> str:
 def evaluate(run: Run) -> dict[str, Any]:
     """Validation metrics over the fixed validation set; consumes no training RNG or data."""
     model, ctx = unwrap(run.ctx.model), run.ctx
-    means, count = evaluate_model(model, ctx.task, run.val_batches, ctx.precision, run.dist)
+    means, count = evaluate_model(
+        model, ctx.task, run.val_batches, ctx.precision, run.dist, ctx.parallel
+    )
     if not math.isfinite(means.get("loss", math.nan)):
         print(
             f"WARNING: validation loss is {means.get('loss')} at step {run.step}", file=sys.stderr
@@ -337,6 +341,8 @@ def sample_text(run: Run, max_new_tokens: int) -> str | None:
     model = unwrap(run.ctx.model)
     if run.decode is None or not hasattr(model, "generate"):
         return None
+    if isinstance(run.ctx.parallel, PipelineParallel):
+        return None  # generating needs the whole model on one rank
     first = run.val_batches.first_sample()
     prompt = None if first is None else _prompt(first)
     if prompt is None:
@@ -359,7 +365,9 @@ def save(run: Run, final: bool = False) -> None:
         return
     ctx = run.ctx
     settle(run, retry_at=run.step)  # the previous background save, if one is in flight
-    state, shards = save_payload(ctx.model, ctx.optimizer, run.state, run.checkpointer.sharded)
+    state, shards = save_payload(
+        ctx.model, ctx.optimizer, run.state, run.checkpointer.sharded, ctx.parallel
+    )
     shared = {"config": run.config_dict, **state} if run.dist.is_main else None
     try:
         run.checkpointer.save(run.step, shared, {"rng": rng_state()}, shards)
@@ -427,7 +435,7 @@ def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
     """Put the run exactly where checkpoint `ckpt` left it. Anything missing is an error."""
     ctx = run.ctx
     try:
-        load_payload(ckpt, ctx.model, ctx.optimizer, run.state)
+        load_payload(ckpt, ctx.model, ctx.optimizer, run.state, ctx.parallel)
         rng = None if ckpt.per_rank is None else ckpt.per_rank["rng"]
     except CheckpointError as exc:  # unsafe or unreadable shards: every rank got the same
         raise UserError(f"checkpoint.resume: {exc}", all_ranks=True) from None

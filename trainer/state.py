@@ -22,6 +22,7 @@ from engine.checkpoint import (
     load_model_optimizer_state,
     model_optimizer_state,
 )
+from engine.pipeline import PipelineParallel
 
 RESERVED = ("config", "model", "optimizer")
 SHARDED_STATE = "state"  # the prefix of components' DTensor leaves in DCP shards
@@ -73,13 +74,18 @@ def save_payload(
     optimizer: torch.optim.Optimizer,
     components: RunState,
     sharded: bool,
+    parallel: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """What a checkpoint writes (collective: every rank calls it): the plain part for
     `state.pt`, and in the sharded layout this rank's DCP shards. In the full layout the
-    model and optimizer are gathered to rank 0 (empty elsewhere)."""
+    model and optimizer are gathered to rank 0 (empty elsewhere), from every pipeline stage
+    when `parallel` is a pipeline."""
     state = components.state_dict()
     if not sharded:
-        model_state, optimizer_state = model_optimizer_state(model, optimizer)
+        if isinstance(parallel, PipelineParallel):
+            model_state, optimizer_state = parallel.full_state(model, optimizer)
+        else:
+            model_state, optimizer_state = model_optimizer_state(model, optimizer)
         return {**state, "model": model_state, "optimizer": optimizer_state}, None
     from engine.sharded_checkpoint import sharded_model_optimizer_state, split_dtensors
 
@@ -116,9 +122,11 @@ def load_payload(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     components: RunState,
+    parallel: Any = None,
 ) -> None:
     """Collective: load the model (and optimizer, unless None) and every registered
-    component from `ckpt`, resharding to this run's ranks and strategy."""
+    component from `ckpt`, resharding to this run's ranks and strategy (and pipeline
+    stages: `parallel`)."""
     saved = {k: v for k, v in ckpt.shared.items() if k not in RESERVED}
     if ckpt.layout == "sharded":
         from engine.sharded_checkpoint import load_sharded, with_path
@@ -127,6 +135,9 @@ def load_payload(
         load_sharded(ckpt.path, model, optimizer, {SHARDED_STATE: targets})
         for key, tensor in targets.items():
             saved = with_path(saved, key, tensor)
+    elif isinstance(parallel, PipelineParallel):
+        optimizer_state = ckpt.shared["optimizer"] if optimizer is not None else None
+        parallel.load_full_state(model, optimizer, ckpt.shared["model"], optimizer_state)
     elif optimizer is None:
         model.load_state_dict(ckpt.shared["model"])
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -149,6 +150,21 @@ class GPT(nn.Module):
     def block_modules(self) -> Sequence[nn.Module]:
         return list(self.blocks)
 
+    def pipeline_stage(self, blocks: Sequence[int], first: bool, last: bool) -> GPT:
+        """A pipeline stage sharing this model's parameters (engine/pipeline.py): blocks
+        `blocks`, from token ids when `first` (else from hidden states), to the logits when
+        `last` (else hidden states). A shallow copy with its own table of submodules."""
+        stage = copy.copy(self)
+        stage._modules = dict(self._modules)
+        stage._parameters, stage._buffers = dict(self._parameters), dict(self._buffers)
+        stage.blocks = nn.ModuleList(self.blocks[i] for i in blocks)
+        if not first:
+            stage.tok_emb = stage.pos_emb = None  # the last stage's lm_head keeps the tied weight
+        if not last:
+            stage.ln_f = stage.lm_head = None
+        stage.stage_ends = (first, last)
+        return stage
+
     def output_head(self) -> nn.Linear:
         """The output layer (engine/chunked_ce.py's `OutputHead`): its weight is `tok_emb`'s."""
         return self.lm_head
@@ -178,11 +194,16 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Logits (B, T, vocab) for token ids `idx` (B, T); with `head_loss`, instead its
         value on the final hidden states, the output layer and `head_targets` (B, T)."""
-        T = idx.size(1)
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+        first, last = getattr(self, "stage_ends", (True, True))  # a pipeline stage: either end
+        if first:
+            pos = torch.arange(idx.size(1), device=idx.device)
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+        else:
+            x = idx  # the previous stage's hidden states
         for block in self.blocks:
             x = block(x)
+        if not last:
+            return x
         x = self.ln_f(x)  # (B, T, C)
         if head_loss is not None:  # e.g. a chunked cross-entropy that never holds all logits
             return head_loss(x, self.lm_head, head_targets)

@@ -1,0 +1,609 @@
+"""Pipeline parallelism: the model's blocks split into stages over the mesh's `pp` ranks, and
+the accumulation window run as the pipeline's schedule.
+
+The window's micro-batches *are* the pipeline's micro-batches. Every stage of a data-parallel
+replica reads the same window; the item count is summed over the data-parallel ranks before
+any forward, and the last stage scales each micro-batch's loss sum by 1 / that count before
+its backward, exactly as the plain accumulation step does. Nothing inside the schedule scales
+again. After the last backward, gradients are summed over the data-parallel ranks (a plain
+sum: `sync_divisor` is 1) and a parameter held by several stages (a tied embedding) gets the
+sum of their gradients, so every copy takes the same update.
+
+The model declares how it is split (`pipeline_stage`, see docs/your-model.md); each rank keeps
+the model object itself as the *holder* of its stages' parameters, pruned to them, so the
+optimizer, the parameter names and the checkpoints stay the model's own.
+
+The runtime is small on purpose: a rank walks its schedule's list of actions
+(engine/pipeline_schedule.py); a forward receives its input from the previous stage, a
+backward the gradient of its output from the next one (blocking), and sends go out
+asynchronously, each tensor preceded by a header with its shape and dtype, so micro-batches
+may differ in length.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import chain, pairwise
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from engine.distributed import DistInfo
+from engine.pipeline_schedule import SCHEDULES, Action, actions
+
+__all__ = ["SCHEDULES", "DeclaresStages", "NotSplittable", "PipelineParallel", "stage_ranges"]
+
+
+@runtime_checkable
+class DeclaresStages(Protocol):
+    def pipeline_stage(self, blocks: Sequence[int], first: bool, last: bool) -> nn.Module:
+        """A module sharing this model's parameters that runs the blocks `blocks` (indices
+        into `block_modules()`): from the model's inputs when `first`, else from the hidden
+        state passed as its first argument; to the model's output when `last`, else to the
+        hidden state (one tensor). It must not copy parameters."""
+        ...
+
+
+class NotSplittable(ValueError):
+    """The model cannot be cut into pipeline stages as asked."""
+
+
+def stage_ranges(sizes: Sequence[int], n_stages: int, split: Sequence[int] | None) -> list[range]:
+    """Contiguous block ranges, one per stage: starting at the block indices `split` (one per
+    stage after the first) when given, else balanced so the largest stage's parameter count
+    (`sizes`, per block) is as small as it can be."""
+    n = len(sizes)
+    if n < n_stages:
+        raise NotSplittable(f"{n} blocks cannot fill {n_stages} pipeline stages")
+    if split:
+        starts = [0, *split]
+        if len(starts) != n_stages or any(b <= a for a, b in pairwise(starts)):
+            raise NotSplittable(
+                f"dist.pp_split must list {n_stages - 1} increasing block indices where stages "
+                f"2..{n_stages} begin, got {list(split)}"
+            )
+        if starts[-1] >= n:
+            raise NotSplittable(f"dist.pp_split: the model has {n} blocks, got {list(split)}")
+        return [range(a, b) for a, b in zip(starts, [*starts[1:], n])]
+    # Binary search on the largest stage; greedy packing decides whether a bound fits.
+    lo, hi = max(sizes), sum(sizes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(_pack(sizes, mid, n_stages)) <= n_stages:
+            hi = mid
+        else:
+            lo = mid + 1
+    starts = _pack(sizes, lo, n_stages)
+    return [range(a, b) for a, b in zip(starts, [*starts[1:], n])]
+
+
+def _pack(sizes: Sequence[int], bound: int, n_stages: int) -> list[int]:
+    """Stage start indices packing blocks greedily under `bound`, keeping at least one block
+    for each stage still to come."""
+    starts, total = [0], 0
+    for i, s in enumerate(sizes):
+        must_cut = len(sizes) - i <= n_stages - len(starts)  # one block left per later stage
+        if i > starts[-1] and (total + s > bound or must_cut):
+            starts.append(i)
+            total = 0
+        total += s
+    return starts
+
+
+class _Forwarded(Exception):
+    """Raised by `StageCall` on a stage that is not the last: the hidden state is out."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        super().__init__("pipeline stage output")
+        self.output = output
+
+
+class StageCall:
+    """What a task sees as "the model" on a pipeline stage.
+
+    The task calls it as it would call the model (`model(inputs)` or `model(**inputs)`); on a
+    stage after the first, the first input is replaced by the hidden state received from the
+    previous stage, and on a stage before the last the hidden state comes back out as
+    `_Forwarded`. So every stage runs the task's own code and the batch's other inputs (an
+    attention mask) reach every stage. `output_head()` answers for the whole model (the
+    chunked loss's decision is the same on every stage).
+    """
+
+    def __init__(
+        self, stage: nn.Module, hidden: torch.Tensor | None, last: bool, head: nn.Module | None
+    ) -> None:
+        self.stage, self.hidden, self.last, self.head = stage, hidden, last, head
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.hidden is not None:
+            if args:
+                args = (self.hidden, *args[1:])
+            else:  # a dict batch: the model's first input is `input_ids`
+                kwargs = {**kwargs, "input_ids": self.hidden}
+        out = self.stage(*args, **kwargs)
+        if not self.last:
+            raise _Forwarded(out)
+        return out
+
+    def output_head(self) -> nn.Module | None:
+        return self.head
+
+
+class _NoHeadCall(StageCall):
+    """A `StageCall` of a model without `output_head()`: not an `OutputHead`, plain logits."""
+
+    output_head = None  # type: ignore[assignment]
+
+
+def _call_for(head: nn.Module | None) -> type[StageCall]:
+    return StageCall if head is not None else _NoHeadCall
+
+
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+]
+_HEADER = 10  # ndim, dtype index, up to 8 sizes
+
+
+@dataclass
+class _Sent:
+    work: Any
+    tensor: torch.Tensor  # kept alive until the send completed
+
+
+class _Links:
+    """Point-to-point transfers between pipeline stages of one data-parallel replica."""
+
+    def __init__(self, parallel: PipelineParallel) -> None:
+        self.p = parallel
+        self.pending: list[_Sent] = []
+
+    def _tag(self, stage: int, micro: int, backward: bool) -> int:
+        return ((micro * self.p.n_stages + stage) * 2 + int(backward)) * 2
+
+    def send(self, t: torch.Tensor, to_stage: int, micro: int, backward: bool) -> None:
+        if t.dim() > _HEADER - 2:
+            raise ValueError(f"pipeline activations have at most 8 dimensions, got {t.dim()}")
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
+        header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        peer, tag = self.p.rank_of_stage(to_stage), self._tag(to_stage, micro, backward)
+        device = self.p.info.device
+        for i, x in enumerate((header.to(device), t.detach().contiguous())):
+            self.pending.append(_Sent(dist.isend(x, peer, tag=tag + i), x))
+
+    def recv(self, from_stage: int, at_stage: int, micro: int, backward: bool) -> torch.Tensor:
+        peer, tag = self.p.rank_of_stage(from_stage), self._tag(at_stage, micro, backward)
+        device = self.p.info.device
+        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+        dist.recv(header, peer, tag=tag)
+        ndim, kind, *shape = header.tolist()
+        out = torch.empty(shape[:ndim], dtype=_DTYPES[kind], device=device)
+        dist.recv(out, peer, tag=tag + 1)
+        return out
+
+    def flush(self) -> None:
+        """Wait for every send of the window (their tensors may be freed after)."""
+        for sent in self.pending:
+            sent.work.wait()
+        self.pending.clear()
+
+
+class PipelineParallel:
+    """`dist.pp` pipeline stages (times `dist.pp_virtual` per rank) over the mesh's `pp`
+    dimension, data parallelism over its `dp` dimension.
+
+    Gradients are summed over the data-parallel ranks after the window (no wrapper divides:
+    `sync_divisor` is 1). Checkpoints hold the whole model under its own parameter names
+    (`full`), gathered from the stages, so a pipelined run resumes without a pipeline and the
+    reverse.
+    """
+
+    name = "pp"
+    per_block = False
+    shards_parameters = False
+
+    def __init__(
+        self,
+        info: DistInfo,
+        mesh: DeviceMesh,
+        schedule: str = "1f1b",
+        virtual: int = 1,
+        split: Sequence[int] | None = None,
+    ) -> None:
+        self.info, self.mesh = info, mesh
+        self.pp = mesh["pp"].size()
+        self.pp_rank = mesh.get_local_rank("pp")
+        self.schedule, self.virtual, self.split = schedule, virtual, split
+        self.n_stages = self.pp * virtual
+        self.stages: dict[int, nn.Module] = {}  # this rank's stages by global index
+        self.head: nn.Module | None = None
+        self.names: dict[int, str] = {}  # id(parameter) -> its name in the whole model
+        self.shared: list[tuple[str, torch.Size, torch.dtype]] = []  # on several stages
+        self.links = _Links(self)
+        self.ranges: list[range] = []
+
+    # ---- coordinates ----------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("dp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("pp")
+
+    @property
+    def sync_divisor(self) -> int:
+        return 1
+
+    @property
+    def checkpoint_format(self) -> str:
+        return "full"
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The global rank holding `stage` in this rank's data-parallel replica."""
+        return int(self.mesh.mesh[stage % self.pp, self.dp_rank])
+
+    def is_last(self, stage: int) -> bool:
+        return stage == self.n_stages - 1
+
+    # ---- building -------------------------------------------------------------------------
+    def apply(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module] = (),
+        *,
+        param_dtype: torch.dtype | None = None,
+        reshard_after_forward: bool = True,
+    ) -> nn.Module:
+        """Cut `model` into stages, keep this rank's, and prune `model` to their parameters;
+        returns `model` (the holder the optimizer and checkpoints see)."""
+        del param_dtype, reshard_after_forward
+        if not isinstance(model, DeclaresStages):
+            raise NotSplittable(
+                f"{type(model).__name__} does not declare how to split it into pipeline stages: "
+                "it needs a method pipeline_stage(blocks, first, last) returning a module that "
+                "runs those blocks and shares the model's parameters (docs/your-model.md, "
+                "'Pipeline stages'); or run without dist.pp"
+            )
+        if not blocks:
+            raise NotSplittable(
+                f"{type(model).__name__} declares no blocks (block_modules()) to split into "
+                "pipeline stages"
+            )
+        get_head = getattr(model, "output_head", None)
+        self.head = get_head() if callable(get_head) else None
+        sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        self.ranges = stage_ranges(sizes, self.n_stages, self.split)
+        for s in range(self.pp_rank, self.n_stages, self.pp):
+            stage = model.pipeline_stage(list(self.ranges[s]), s == 0, self.is_last(s))
+            if not isinstance(stage, nn.Module):
+                raise NotSplittable(
+                    f"{type(model).__name__}.pipeline_stage returned a {type(stage).__name__}; "
+                    "it must return an nn.Module"
+                )
+            self.stages[s] = stage
+        _prune(model, self.stages.values())
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self._find_shared(model)
+        return model
+
+    def _find_shared(self, model: nn.Module) -> None:
+        mine = {n: (p.shape, p.dtype) for n, p in model.named_parameters() if p.requires_grad}
+        everyone: list[Any] = [None] * self.pp
+        dist.all_gather_object(everyone, sorted(mine), group=self.pp_group)
+        seen: dict[str, int] = {}
+        for names in everyone:
+            for n in names:
+                seen[n] = seen.get(n, 0) + 1
+        shared = sorted(n for n, c in seen.items() if c > 1)
+        shapes: list[Any] = [None] * self.pp
+        dist.all_gather_object(
+            shapes, {n: mine[n] for n in shared if n in mine}, group=self.pp_group
+        )
+        known = {k: v for d in shapes for k, v in d.items()}
+        self.shared = [(n, *known[n]) for n in shared]
+        # A shared parameter's gradient norm counts on the lowest pipeline rank holding it.
+        owner = {}
+        for r, names in enumerate(everyone):
+            for n in names:
+                owner.setdefault(n, r)
+        self.not_counted = {n for n in mine if owner[n] != self.pp_rank}
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        del model, enabled  # gradients are summed once, after the window (`sync_gradients`)
+        return contextlib.nullcontext()
+
+    # ---- the window -----------------------------------------------------------------------
+    def backward_window(self, ctx: Any, window: Sequence[Any], count: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of the window's micro-batches through the pipeline, in the
+        schedule's order; gradients are then summed over data-parallel ranks and shared
+        stages. Returns this rank's loss sum (zero on ranks without the last stage)."""
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.info.device)
+        for stage in self.stages.values():
+            stage.train()
+        for a in actions(self.schedule, self.pp, self.pp_rank, len(window), self.virtual):
+            if a.kind == "F":
+                micro_sum = self._forward(ctx, a, window[a.micro], count, inputs, outputs)
+                if micro_sum is not None:
+                    loss_sum = loss_sum + micro_sum.to(loss_sum.dtype).detach()
+            else:
+                self._backward(ctx, a, inputs, outputs)
+        self.links.flush()
+        self.sync_gradients([p for p in ctx.model.parameters() if p.requires_grad])
+        return loss_sum
+
+    def _forward(
+        self,
+        ctx: Any,
+        a: Action,
+        batch: Any,
+        count: torch.Tensor,
+        inputs: dict[tuple[int, int], torch.Tensor],
+        outputs: dict[tuple[int, int], torch.Tensor],
+    ) -> torch.Tensor | None:
+        hidden = None
+        if a.stage > 0:
+            hidden = self.links.recv(a.stage - 1, a.stage, a.micro, backward=False)
+            if hidden.is_floating_point():
+                hidden.requires_grad_(True)
+            inputs[a.stage, a.micro] = hidden
+        last = self.is_last(a.stage)
+        call = _call_for(self.head)(self.stages[a.stage], hidden, last, self.head)
+        try:
+            with ctx.precision.autocast():
+                out = ctx.task.loss_sum(call, batch)
+        except _Forwarded as fwd:
+            self.links.send(fwd.output, a.stage + 1, a.micro, backward=False)
+            outputs[a.stage, a.micro] = fwd.output
+            return None
+        micro_sum = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
+        # The exact normalization: the window's global item count, counted before any forward.
+        outputs[a.stage, a.micro] = micro_sum * (1.0 / count.clamp(min=1).to(micro_sum.dtype))
+        return micro_sum
+
+    def _backward(
+        self,
+        ctx: Any,
+        a: Action,
+        inputs: dict[tuple[int, int], torch.Tensor],
+        outputs: dict[tuple[int, int], torch.Tensor],
+    ) -> None:
+        out = outputs.pop((a.stage, a.micro))
+        if self.is_last(a.stage):
+            ctx.precision.backward(out)  # GradScaler scales the loss here, once
+        else:
+            grad = self.links.recv(a.stage + 1, a.stage, a.micro, backward=True)
+            torch.autograd.backward(out, grad)
+        hidden = inputs.pop((a.stage, a.micro), None)
+        if hidden is not None:
+            grad_in = hidden.grad if hidden.grad is not None else torch.zeros_like(hidden)
+            self.links.send(grad_in, a.stage - 1, a.micro, backward=True)
+
+    # ---- gradients ------------------------------------------------------------------------
+    def sync_gradients(self, params: list[nn.Parameter]) -> None:
+        """Sum gradients over the data-parallel ranks, then over the stages that share a
+        parameter (a tied embedding): afterwards every copy holds the whole gradient."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.dp_size > 1 and grads:
+            _all_reduce_flat(grads, self.dp_group)
+        if self.shared:
+            by_name = {self.names[id(p)]: p for p in params}
+            flat = []
+            for name, shape, dtype in self.shared:
+                p = by_name.get(name)
+                if p is not None and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                flat.append(
+                    p.grad
+                    if p is not None
+                    else torch.zeros(shape, dtype=dtype, device=self.info.device)
+                )
+            _all_reduce_flat(flat, self.pp_group)
+
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The total gradient norm over every stage (each shared parameter counted once), the
+        same on every rank; float64 squares, like the single-process norm."""
+        grads = [
+            p.grad
+            for p in params
+            if p.grad is not None and self.names.get(id(p)) not in self.not_counted
+        ]
+        sq = torch.zeros((), dtype=torch.float64, device=self.info.device)
+        if grads:
+            per_tensor = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+            sq = torch.stack(per_tensor).square().sum()
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return sq.sqrt().float()
+
+    def agree_found_inf(self, precision: Any, optimizer: torch.optim.Optimizer) -> None:
+        """fp16: the GradScaler of every stage skips the step when any stage overflowed."""
+        for flag in precision.found_inf_flags(optimizer):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pp_group)
+
+    # ---- evaluation -----------------------------------------------------------------------
+    def eval_sums(
+        self, task: Any, batches: Iterable[Any], sums_of: Any
+    ) -> Iterator[tuple[Any, dict[str, torch.Tensor]]]:
+        """Forward-only through the pipeline: for each batch, `(batch, the task's sums)` on the
+        rank with the last stage (`sums_of(task, model, batch)`), nothing elsewhere."""
+        for micro, batch in enumerate(batches):
+            for s, stage in self.stages.items():
+                hidden = None
+                if s > 0:
+                    hidden = self.links.recv(s - 1, s, micro, backward=False)
+                call = _call_for(self.head)(stage, hidden, self.is_last(s), self.head)
+                try:
+                    sums = sums_of(task, call, batch)
+                except _Forwarded as fwd:
+                    self.links.send(fwd.output, s + 1, micro, backward=False)
+                    continue
+                yield batch, sums
+            self.links.flush()
+
+    @contextlib.contextmanager
+    def stages_mode(self, training: bool) -> Iterator[None]:
+        modes = {s: st.training for s, st in self.stages.items()}
+        for st in self.stages.values():
+            st.train(training)
+        try:
+            yield
+        finally:
+            for s, st in self.stages.items():
+                st.train(modes[s])
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def full_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The whole model's and optimizer's state under the model's parameter names, on rank
+        0 (empty elsewhere), in the format of a single-process `full` checkpoint. Collective."""
+        local: Any = None
+        if self.dp_rank == 0:
+            model_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+            local = (model_state, named_optimizer_state(optimizer, self.names))
+        everyone: list[Any] | None = [None] * self.info.world_size if self.info.is_main else None
+        dist.gather_object(local, everyone, dst=0)
+        if everyone is None:
+            return {}, {}
+        parts = [x for x in everyone if x is not None]
+        return merge_states(parts)
+
+    def load_full_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any] | None,
+    ) -> None:
+        """Load a `full` checkpoint (saved with or without a pipeline) into this rank's stages:
+        each takes its own parameters by name; anything of this rank missing is an error."""
+        own = model.state_dict()
+        missing = sorted(k for k in own if k not in model_state)
+        if missing:
+            raise KeyError(f"the checkpoint has no {', '.join(missing[:3])}")
+        model.load_state_dict({k: model_state[k] for k in own})
+        if optimizer is not None and optimizer_state is not None:
+            load_named_optimizer_state(optimizer, self.names, optimizer_state)
+
+
+def _prune(model: nn.Module, stages: Iterable[nn.Module]) -> None:
+    """Drop from `model` every submodule whose parameters and buffers no stage uses."""
+    used = {id(t) for st in stages for t in chain(st.parameters(), st.buffers())}
+
+    def visit(module: nn.Module) -> None:
+        for name, child in list(module._modules.items()):
+            if child is None:
+                continue
+            ids = {id(t) for t in chain(child.parameters(), child.buffers())}
+            if ids and not ids & used:
+                module._modules[name] = None
+            elif ids - used:
+                visit(child)
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) not in used:
+                module._parameters[name] = None
+        for name, b in list(module._buffers.items()):
+            if b is not None and id(b) not in used:
+                module._buffers[name] = None
+
+    visit(model)
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum `tensors` over `group` in one collective per dtype, in place."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for t in ts:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def named_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> dict[str, Any]:
+    """`optimizer.state_dict()` keyed by parameter name (the format of a `full` checkpoint),
+    on the CPU."""
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    sd = optimizer.state_dict()
+    state = {
+        order[i]: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+        for i, s in sd["state"].items()
+    }
+    groups = [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def load_named_optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], saved: dict[str, Any]
+) -> None:
+    """Load a name-keyed optimizer state (any pipeline split, or none) into `optimizer`."""
+    group_of = {n: g for g in saved["param_groups"] for n in g["params"]}
+    state, groups, index = {}, [], 0
+    for g in optimizer.param_groups:
+        ids = []
+        for p in g["params"]:
+            name = names[id(p)]
+            if name not in group_of:
+                raise KeyError(f"the checkpoint's optimizer has no state for {name}")
+            if name in saved["state"]:
+                state[index] = saved["state"][name]
+            ids.append(index)
+            index += 1
+        first = names[id(g["params"][0])] if g["params"] else None
+        hyper = {k: v for k, v in (group_of[first] if first else g).items() if k != "params"}
+        groups.append({**hyper, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def merge_states(
+    parts: list[tuple[dict[str, Any], dict[str, Any]]],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One whole-model state from the stages' name-keyed ones (a name on several stages, a
+    tied parameter, holds the same value on each)."""
+    model_state: dict[str, Any] = {}
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for m, o in parts:
+        for k, v in m.items():
+            model_state.setdefault(k, v)
+        for k, v in o["state"].items():
+            state.setdefault(k, v)
+        for g in o["param_groups"]:
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            same = next((h for h in groups if _same_hyper(h, hyper)), None)
+            if same is None:
+                same = {**hyper, "params": []}
+                groups.append(same)
+            same["params"] += [n for n in g["params"] if n not in same["params"]]
+    return model_state, {"state": state, "param_groups": groups}
+
+
+def _same_hyper(group: dict[str, Any], hyper: dict[str, Any]) -> bool:
+    return {k: v for k, v in group.items() if k != "params"} == hyper
