@@ -341,6 +341,11 @@ class PipelineParallel:
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.info.device)
+        if ctx.precision.scaler is not None:
+            # fp16: stages before the last never scale a loss, yet unscale gradients scaled by
+            # the last stage's scale; every stage's scaler starts (and, agreeing on overflows,
+            # stays) at the same scale.
+            ctx.precision.scaler.scale(loss_sum)
         for stage in self.stages.values():
             stage.train()
         for a in actions(self.schedule, self.pp, self.pp_rank, len(window), self.virtual):
