@@ -23,6 +23,7 @@ may differ in length.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, pairwise
@@ -168,6 +169,7 @@ class _Links:
     def __init__(self, parallel: PipelineParallel) -> None:
         self.p = parallel
         self.pending: list[_Sent] = []
+        self.waited = 0.0  # seconds blocked in receives (the bubble, on a host-synchronous link)
 
     def _tag(self, stage: int, micro: int, backward: bool) -> int:
         return ((micro * self.p.n_stages + stage) * 2 + int(backward)) * 2
@@ -186,11 +188,13 @@ class _Links:
     def recv(self, from_stage: int, at_stage: int, micro: int, backward: bool) -> torch.Tensor:
         peer, tag = self.p.rank_of_stage(from_stage), self._tag(at_stage, micro, backward)
         device = self.p.info.device
+        started = time.perf_counter()
         header = torch.empty(_HEADER, dtype=torch.int64, device=device)
         dist.recv(header, peer, tag=tag)
         ndim, kind, *shape = header.tolist()
         out = torch.empty(shape[:ndim], dtype=_DTYPES[kind], device=device)
         dist.recv(out, peer, tag=tag + 1)
+        self.waited += time.perf_counter() - started
         return out
 
     def flush(self) -> None:
@@ -233,6 +237,7 @@ class PipelineParallel:
         self.shared: list[tuple[str, torch.Size, torch.dtype]] = []  # on several stages
         self.links = _Links(self)
         self.ranges: list[range] = []
+        self.bubble = [0.0, 0.0]  # seconds blocked in receives, seconds of schedule, since read
 
     # ---- coordinates ----------------------------------------------------------------------
     @property
@@ -348,6 +353,7 @@ class PipelineParallel:
             ctx.precision.scaler.scale(loss_sum)
         for stage in self.stages.values():
             stage.train()
+        started, self.links.waited = time.perf_counter(), 0.0
         for a in actions(self.schedule, self.pp, self.pp_rank, len(window), self.virtual):
             if a.kind == "F":
                 micro_sum = self._forward(ctx, a, window[a.micro], count, inputs, outputs)
@@ -356,6 +362,8 @@ class PipelineParallel:
             else:
                 self._backward(ctx, a, inputs, outputs)
         self.links.flush()
+        self.bubble[0] += self.links.waited
+        self.bubble[1] += time.perf_counter() - started
         self.sync_gradients([p for p in ctx.model.parameters() if p.requires_grad])
         return loss_sum
 
@@ -446,6 +454,24 @@ class PipelineParallel:
         """fp16: the GradScaler of every stage skips the step when any stage overflowed."""
         for flag in precision.found_inf_flags(optimizer):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pp_group)
+
+    def metrics(self, peak_mb: float) -> dict[str, float]:
+        """Per pipeline rank since the last call (collective over the pipeline ranks):
+        `train/pp_bubble/stageK`, the fraction of the schedule's time rank K spent blocked
+        waiting for a neighbour (host time: exact on gloo; on CUDA a lower bound, the host
+        does not wait for NCCL), their mean `train/pp_bubble`, and `train/pp_peak_mem_mb/
+        stageK`: each rank's `peak_mb` (peak CUDA memory allocated, or peak resident memory on
+        CPU)."""
+        waited, total = self.bubble
+        self.bubble = [0.0, 0.0]
+        mine = torch.tensor([waited / total if total else 0.0, peak_mb], dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.pp)]
+        dist.all_gather(everyone, mine.to(self.info.device), group=self.pp_group)
+        out: dict[str, float] = {}
+        for k, t in enumerate(everyone):
+            out[f"train/pp_bubble/stage{k}"], out[f"train/pp_peak_mem_mb/stage{k}"] = t.tolist()
+        out["train/pp_bubble"] = sum(t[0].item() for t in everyone) / self.pp
+        return out
 
     # ---- evaluation -----------------------------------------------------------------------
     def eval_sums(

@@ -413,7 +413,9 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
     check_samples(data, cfg.data["_target_"])
     check_fits(model, data, cfg.model)
     task = build_task(cfg.task)
-    flops = flops_per_token(model, data.seq_len)  # of the whole model, before stages prune it
+    # Of the whole model, before pipeline stages prune it to their own parameters.
+    flops = flops_per_token(model, data.seq_len)
+    n_params = sum(p.numel() for p in model.parameters())
     parallel = pipeline or build_parallelism(cfg.dist.strategy, info, build_mesh(info))
     wrapped = parallelize(model, model_extras, cfg.train, cfg.dist, info, parallel)
     optimizer = build_optimizer(cfg.optim, model)  # after wrapping: FSDP shards the parameters
@@ -471,7 +473,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         seed_everything(cfg.seed + 1 + info.rank)
 
     if info.is_main:
-        run.sinks = build_sinks(cfg, run, model, data, resume)
+        run.sinks = build_sinks(cfg, run, model, data, resume, n_params)
     if cfg.train.detect_anomaly:
         torch.autograd.set_detect_anomaly(True)  # slow: for debugging NaNs only
     run.stop = StopRequest(info)
@@ -494,13 +496,19 @@ def register_state(run: Run, *, task: Any, data: DataSplits, step_fn: Any) -> No
 
 
 def build_sinks(
-    cfg: Config, run: Run, model: nn.Module, data: DataSplits, resume: Path | None
+    cfg: Config,
+    run: Run,
+    model: nn.Module,
+    data: DataSplits,
+    resume: Path | None,
+    n_params: int | None = None,
 ) -> list[RecordSink]:
     """Rank 0's outputs: the resolved config, metrics.jsonl, the console, W&B."""
     plan = run.batches.plan
     (run.run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     (run.run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(run.config_dict))
-    n_params = sum(p.numel() for p in model.parameters())
+    if n_params is None:
+        n_params = sum(p.numel() for p in model.parameters())
     print(
         f"cumulus | run dir {run.run_dir} | run id {run.run_id}\n"
         f"  model {type(model).__name__} {n_params / 1e6:.2f}M params | data "

@@ -32,7 +32,7 @@ from trainer.contract import annotate_step
 from trainer.data.checks import next_window
 from trainer.data.loader import EvalBatches, TrainBatches
 from trainer.errors import UserError
-from trainer.metrics import RecordSink, TrainMeter
+from trainer.metrics import RecordSink, TrainMeter, peak_memory_mb
 from trainer.optim import horizon_dependent
 from trainer.preemption import StopRequest
 from trainer.state import RunState, load_payload, save_payload
@@ -203,6 +203,8 @@ def extra_train_metrics(run: Run) -> dict[str, Any]:
         extra["train/loss_scale"] = scale.item()
     for key, value in run.ctx.callbacks.metrics().items():
         extra[key] = value.item() if isinstance(value, torch.Tensor) else value
+    if isinstance(run.ctx.parallel, PipelineParallel):  # collective: every rank records
+        extra.update(run.ctx.parallel.metrics(peak_memory_mb(run.dist.device)))
     return extra
 
 
