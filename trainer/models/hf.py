@@ -17,8 +17,10 @@ chunk) and divides by the global count of targets, exact for every model.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from engine.chunked_ce import HeadLoss
+from engine.pipeline import NotSplittable
 from trainer.errors import UserError
 
 EXTRA = "hf"
@@ -47,10 +50,60 @@ def require_transformers() -> Any:
     return transformers
 
 
+class PipelineStage(nn.Module):
+    """One pipeline stage (engine/pipeline.py) of a transformers causal LM whose config
+    declares `base_model_pp_plan` as embedding -> layers -> norm (Llama and its kin): the base
+    model's own forward on a shallow copy holding only this stage's layers, fed `input_ids`
+    on the first stage and the previous stage's hidden states as `inputs_embeds` after it;
+    the norm and the output layer on the last stage only. Shares the model's parameters."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[int], first: bool, last: bool) -> None:
+        super().__init__()
+        embedding, layers, norm = model.config.base_model_pp_plan
+        base = model.base_model
+        stage = copy.copy(base)
+        stage._modules = dict(base._modules)
+        setattr(stage, layers, nn.ModuleList(getattr(base, layers)[i] for i in blocks))
+        if not first:
+            setattr(stage, embedding, None)  # the input arrives as `inputs_embeds`
+        if not last:
+            setattr(stage, norm, nn.Identity())
+        self.base, self.first, self.last = stage, first, last
+        self.head = model.get_output_embeddings() if last else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        head_loss: HeadLoss | None = None,
+        head_targets: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        key = "input_ids" if self.first else "inputs_embeds"
+        hidden = self.base(**{key: input_ids}, attention_mask=attention_mask, **kwargs)[0]
+        if not self.last:
+            return hidden
+        if head_loss is not None:
+            return head_loss(hidden, self.head, head_targets)
+        return self.head(hidden)  # the logits
+
+
 class CumulusHooks:
     """What cumulus asks of a model beyond `forward`, for any transformers causal LM."""
 
     config: Any
+
+    def pipeline_stage(self, blocks: Sequence[int], first: bool, last: bool) -> nn.Module:
+        """`dist.pp`: a stage sharing this model's parameters (`PipelineStage`), for families
+        whose config declares the base model as embedding -> layers -> norm."""
+        plan = getattr(self.config, "base_model_pp_plan", None) or {}
+        if len(plan) != 3 or next(iter(plan.values()))[1] != ["inputs_embeds"]:
+            raise NotSplittable(
+                f"transformers model_type {self.config.model_type!r} does not declare its base "
+                "model as embedding -> layers -> norm (config.base_model_pp_plan), which "
+                "dist.pp splits; Llama-style families do (model=hf_llama)"
+            )
+        return PipelineStage(self, blocks, first, last)  # type: ignore[arg-type]
 
     @property
     def max_seq_len(self) -> int | None:
