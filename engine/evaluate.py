@@ -13,8 +13,8 @@ from engine.distributed import (
     all_gather_object,
     all_reduce_max,
     all_reduce_sum,
-    is_sharded,
 )
+from engine.parallel import parallelism_of
 from engine.precision import Precision
 from engine.step import Batch, EvalTask, Task, item_count
 
@@ -44,9 +44,11 @@ def evaluate(
     mode and restored to its mode after. Under a pipeline (`parallel` with `eval_sums`) each
     batch flows through the stages and only the last stage's ranks sum.
     """
+    if parallel is None:  # read off the model's wrapper
+        parallel = parallelism_of(model, dist)
     pipeline = getattr(parallel, "eval_sums", None)
     n_forwards = None
-    if dist.distributed and is_sharded(model):
+    if dist.distributed and parallel.shards_parameters:
         if not isinstance(batches, Sized):
             raise TypeError("evaluating a sharded model needs batches with a length")
         n_forwards = int(all_reduce_max(torch.tensor(len(batches), device=dist.device), dist))

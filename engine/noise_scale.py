@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from engine.callbacks import Callback
-from engine.distributed import all_reduce_sum, is_sharded
+from engine.distributed import all_reduce_sum
 from engine.step import StepContext, item_count
 
 
@@ -71,7 +71,7 @@ class NoiseScale(Callback):
         self._count = torch.ones((), dtype=torch.float64)  # loss items of the last window
 
     def setup(self, ctx: StepContext) -> None:
-        if is_sharded(ctx.model):
+        if ctx.parallel.shards_parameters:
             raise ValueError(
                 "callbacks.noise_scale reads each micro-batch's full gradient, which FSDP "
                 "shards away; use dist.strategy=ddp (or one process) to measure the noise scale"

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.accumulate import count_window, finish_step, micro_backward
-from engine.distributed import DistInfo, all_reduce_sum, is_sharded
+from engine.distributed import DistInfo, all_reduce_sum
 from engine.step import Batch, StepContext, StepResult
 
 # What allocators raise when they run out: CUDA's (torch.OutOfMemoryError), and the CPU
@@ -117,7 +117,7 @@ class OomSafeAccumulateStep:
     """
 
     def __call__(self, ctx: StepContext, window: Sequence[Batch]) -> StepResult:
-        if is_sharded(ctx.model) and ctx.dist.distributed:
+        if ctx.parallel.shards_parameters and ctx.dist.distributed:
             raise RuntimeError("OomSafeAccumulateStep does not support FSDP on several ranks")
         ctx.optimizer.zero_grad(set_to_none=True)
         global_count = count_window(ctx, window)

@@ -25,7 +25,7 @@ from torch.utils.data import default_collate
 
 from engine.accumulate import AccumulateStep
 from engine.callbacks import Callback
-from engine.distributed import is_sharded, unwrap
+from engine.distributed import unwrap
 from engine.oom import (
     OomSafeAccumulateStep,
     OutOfMemoryAgreed,
@@ -57,7 +57,7 @@ def divisors(n: int) -> list[int]:
 
 def refusal(ctx: StepContext, step_fn: Any) -> str | None:
     """Why `auto` cannot run with this config (one sentence), or None."""
-    if ctx.dist.distributed and is_sharded(ctx.model):
+    if ctx.dist.distributed and ctx.parallel.shards_parameters:
         return (
             "dist.strategy=fsdp on several ranks is not supported: FSDP2 communicates inside "
             "forward and backward and an out-of-memory error there leaves it unrecoverable; "

@@ -302,7 +302,9 @@ def evaluate(run: Run) -> dict[str, Any]:
     for name, averaged in ctx.callbacks.averaged_weights().items():
         if averaged.evaluate:
             with averaged.weights_swapped(model):
-                other, _ = evaluate_model(model, ctx.task, run.val_batches, ctx.precision, run.dist)
+                other, _ = evaluate_model(
+                    model, ctx.task, run.val_batches, ctx.precision, run.dist, ctx.parallel
+                )
             metrics[f"val/loss_{name}"] = other["loss"]
     if run.cfg.eval.sample_tokens:
         # Every rank generates (a sharded model's forward is collective); rank 0 records.
