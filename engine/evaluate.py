@@ -63,11 +63,11 @@ def evaluate(
         with torch.inference_mode(), precision.autocast():
             if pipeline is not None:
                 with parallel.stages_mode(False):
-                    for batch, batch_sums in pipeline(task, batches, _sums):
+                    for batch, batch_sums in pipeline(task, batches, _sums, n_forwards):
                         for name, value in batch_sums.items():
                             sums[name] = sums.get(name, 0) + value.double()
                         count += item_count(task, batch).double()
-                batches = ()  # nothing left to do below
+                batches, n_forwards = (), None  # nothing left to do below
             for batch in batches:
                 first = batch if first is None else first
                 seen += 1

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from engine.distributed import DistInfo
 from engine.pipeline_schedule import SCHEDULES, Action, actions
@@ -216,6 +217,8 @@ class PipelineParallel:
 
     name = "pp"
     per_block = False
+    # With `fsdp`, each stage is FSDP2-sharded over the data-parallel ranks (an instance
+    # attribute then); forwards of a stage run in lockstep over its dp ranks anyway.
     shards_parameters = False
 
     def __init__(
@@ -225,8 +228,9 @@ class PipelineParallel:
         schedule: str = "1f1b",
         virtual: int = 1,
         split: Sequence[int] | None = None,
+        fsdp: bool = False,
     ) -> None:
-        self.info, self.mesh = info, mesh
+        self.info, self.mesh, self.fsdp = info, mesh, fsdp
         self.pp = mesh["pp"].size()
         self.pp_rank = mesh.get_local_rank("pp")
         self.schedule, self.virtual, self.split = schedule, virtual, split
@@ -282,7 +286,6 @@ class PipelineParallel:
     ) -> nn.Module:
         """Cut `model` into stages, keep this rank's, and prune `model` to their parameters;
         returns `model` (the holder the optimizer and checkpoints see)."""
-        del param_dtype, reshard_after_forward
         if not isinstance(model, DeclaresStages):
             raise NotSplittable(
                 f"{type(model).__name__} does not declare how to split it into pipeline stages: "
@@ -307,13 +310,36 @@ class PipelineParallel:
                     "it must return an nn.Module"
                 )
             self.stages[s] = stage
+        if self.fsdp:
+            local = [blocks[i] for s in self.stages for i in self.ranges[s]]
+            self._shard(local, param_dtype, reshard_after_forward)
+        # After sharding: FSDP swaps in new parameters on the stages' modules only.
         _prune(model, self.stages.values())
         self.names = {id(p): n for n, p in model.named_parameters()}
         self._find_shared(model)
         return model
 
+    def _shard(
+        self, blocks: list[nn.Module], param_dtype: torch.dtype | None, reshard: bool
+    ) -> None:
+        """FSDP2 over the `dp` ranks: each local block, then each stage as its root (the
+        stage's own modules: embeddings, final norm, output layer). Sums, no division, as
+        `FullyShardedDataParallel` does."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        units = [*blocks, *self.stages.values()]
+        for unit in units:
+            fully_shard(unit, mesh=self.mesh["dp"], mp_policy=policy, reshard_after_forward=reshard)
+        for unit in units:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        self.shards_parameters = True
+
     def _find_shared(self, model: nn.Module) -> None:
-        mine = {n: (p.shape, p.dtype) for n, p in model.named_parameters() if p.requires_grad}
+        mine = {
+            n: (_local(p).shape, p.dtype) for n, p in model.named_parameters() if p.requires_grad
+        }
         everyone: list[Any] = [None] * self.pp
         dist.all_gather_object(everyone, sorted(mine), group=self.pp_group)
         seen: dict[str, int] = {}
@@ -354,7 +380,14 @@ class PipelineParallel:
         for stage in self.stages.values():
             stage.train()
         started, self.links.waited = time.perf_counter(), 0.0
-        for a in actions(self.schedule, self.pp, self.pp_rank, len(window), self.virtual):
+        todo = actions(self.schedule, self.pp, self.pp_rank, len(window), self.virtual)
+        if self.fsdp:  # reduce-scatter in each stage's last backward only (FSDP's no_sync)
+            for stage in self.stages.values():
+                stage.set_requires_gradient_sync(False)
+            last_backward = {a.stage: i for i, a in enumerate(todo) if a.kind == "B"}
+        for i, a in enumerate(todo):
+            if self.fsdp and a.kind == "B" and last_backward[a.stage] == i:
+                self.stages[a.stage].set_requires_gradient_sync(True)
             if a.kind == "F":
                 micro_sum = self._forward(ctx, a, window[a.micro], count, inputs, outputs)
                 if micro_sum is not None:
@@ -419,7 +452,7 @@ class PipelineParallel:
         """Sum gradients over the data-parallel ranks, then over the stages that share a
         parameter (a tied embedding): afterwards every copy holds the whole gradient."""
         grads = [p.grad for p in params if p.grad is not None]
-        if self.dp_size > 1 and grads:
+        if self.dp_size > 1 and grads and not self.fsdp:  # FSDP reduce-scattered already
             _all_reduce_flat(grads, self.dp_group)
         if self.shared:
             by_name = {self.names[id(p)]: p for p in params}
@@ -429,7 +462,7 @@ class PipelineParallel:
                 if p is not None and p.grad is None:
                     p.grad = torch.zeros_like(p)
                 flat.append(
-                    p.grad
+                    _local(p.grad)
                     if p is not None
                     else torch.zeros(shape, dtype=dtype, device=self.info.device)
                 )
@@ -439,7 +472,7 @@ class PipelineParallel:
         """The total gradient norm over every stage (each shared parameter counted once), the
         same on every rank; float64 squares, like the single-process norm."""
         grads = [
-            p.grad
+            _local(p.grad)
             for p in params
             if p.grad is not None and self.names.get(id(p)) not in self.not_counted
         ]
@@ -447,13 +480,16 @@ class PipelineParallel:
         if grads:
             per_tensor = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
             sq = torch.stack(per_tensor).square().sum()
+        if self.fsdp:  # each dp rank holds a shard of the gradients
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.dp_group)
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.pp_group)
         return sq.sqrt().float()
 
     def agree_found_inf(self, precision: Any, optimizer: torch.optim.Optimizer) -> None:
-        """fp16: the GradScaler of every stage skips the step when any stage overflowed."""
+        """fp16: the GradScaler of every rank skips the step when any rank overflowed (any
+        stage, and any shard of a stage under FSDP)."""
         for flag in precision.found_inf_flags(optimizer):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pp_group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
     def metrics(self, peak_mb: float) -> dict[str, float]:
         """Per pipeline rank since the last call (collective over the pipeline ranks):
@@ -475,11 +511,17 @@ class PipelineParallel:
 
     # ---- evaluation -----------------------------------------------------------------------
     def eval_sums(
-        self, task: Any, batches: Iterable[Any], sums_of: Any
+        self, task: Any, batches: Iterable[Any], sums_of: Any, n_forwards: int | None = None
     ) -> Iterator[tuple[Any, dict[str, torch.Tensor]]]:
         """Forward-only through the pipeline: for each batch, `(batch, the task's sums)` on the
-        rank with the last stage (`sums_of(task, model, batch)`), nothing elsewhere."""
-        for micro, batch in enumerate(batches):
+        rank with the last stage (`sums_of(task, model, batch)`), nothing elsewhere. With
+        `n_forwards` (FSDP stages: forwards are collective over the dp ranks) the first batch
+        is run again until that many went through, and not yielded."""
+        batches = list(batches) if n_forwards else batches
+        extra = [None] * max(0, (n_forwards or 0) - len(batches))  # type: ignore[arg-type]
+        for micro, batch in enumerate(chain(batches, extra)):
+            counted = batch is not None
+            batch = batch if counted else batches[0]  # type: ignore[index]
             for s, stage in self.stages.items():
                 hidden = None
                 if s > 0:
@@ -490,7 +532,8 @@ class PipelineParallel:
                 except _Forwarded as fwd:
                     self.links.send(fwd.output, s + 1, micro, backward=False)
                     continue
-                yield batch, sums
+                if counted:
+                    yield batch, sums
             self.links.flush()
 
     @contextlib.contextmanager
@@ -511,9 +554,11 @@ class PipelineParallel:
         """The whole model's and optimizer's state under the model's parameter names, on rank
         0 (empty elsewhere), in the format of a single-process `full` checkpoint. Collective."""
         local: Any = None
+        # Every dp rank gathers (FSDP's shards are collective); the first one contributes.
+        model_state = {k: _full(v).cpu().clone() for k, v in model.state_dict().items()}
+        optimizer_state = named_optimizer_state(optimizer, self.names)
         if self.dp_rank == 0:
-            model_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-            local = (model_state, named_optimizer_state(optimizer, self.names))
+            local = (model_state, optimizer_state)
         everyone: list[Any] | None = [None] * self.info.world_size if self.info.is_main else None
         dist.gather_object(local, everyone, dst=0)
         if everyone is None:
@@ -534,9 +579,28 @@ class PipelineParallel:
         missing = sorted(k for k in own if k not in model_state)
         if missing:
             raise KeyError(f"the checkpoint has no {', '.join(missing[:3])}")
-        model.load_state_dict({k: model_state[k] for k in own})
+        model.load_state_dict({k: _like(model_state[k], v) for k, v in own.items()})
         if optimizer is not None and optimizer_state is not None:
             load_named_optimizer_state(optimizer, self.names, optimizer_state)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (collective over its mesh), or the tensor itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """`full` laid out like `ref`: sharded the same way when `ref` is a DTensor."""
+    if isinstance(ref, DTensor):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.to(ref.device, ref.dtype), ref.device_mesh, ref.placements)
+    return full
 
 
 def _prune(model: nn.Module, stages: Iterable[nn.Module]) -> None:
@@ -584,7 +648,9 @@ def named_optimizer_state(
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     sd = optimizer.state_dict()
     state = {
-        order[i]: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+        order[i]: {
+            k: (_full(v).detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in s.items()
+        }
         for i, s in sd["state"].items()
     }
     groups = [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]
@@ -603,8 +669,11 @@ def load_named_optimizer_state(
             name = names[id(p)]
             if name not in group_of:
                 raise KeyError(f"the checkpoint's optimizer has no state for {name}")
-            if name in saved["state"]:
-                state[index] = saved["state"][name]
+            if name in saved["state"]:  # moments shaped like the parameter: sharded like it
+                state[index] = {
+                    k: _like(v, p) if torch.is_tensor(v) and v.shape == p.shape else v
+                    for k, v in saved["state"][name].items()
+                }
             ids.append(index)
             index += 1
         first = names[id(g["params"][0])] if g["params"] else None

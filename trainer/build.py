@@ -190,7 +190,6 @@ def build_pipeline(cfg: Config, info: DistInfo) -> PipelineParallel | None:
             f"--nproc_per_node={d.pp} (or a multiple), or set dist.pp=1",
         )
     refused = {
-        "dist.strategy": (d.strategy == "fsdp", "FSDP2 on pipeline stages is not built yet"),
         "train.micro_batch_size": (
             cfg.train.micro_batch_size == "auto",
             "the automatic micro-batch is not probed through a pipeline yet",
@@ -208,7 +207,9 @@ def build_pipeline(cfg: Config, info: DistInfo) -> PipelineParallel | None:
     for key, (bad, why) in refused.items():
         if bad:
             raise ConfigError(key, f"not available with dist.pp={d.pp}: {why}")
-    return PipelineParallel(info, build_mesh(info, d.pp), d.pp_schedule, d.pp_virtual, d.pp_split)
+    mesh = build_mesh(info, d.pp)
+    fsdp = d.strategy == "fsdp"
+    return PipelineParallel(info, mesh, d.pp_schedule, d.pp_virtual, d.pp_split, fsdp=fsdp)
 
 
 def check_pipeline_components(
@@ -407,6 +408,17 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
     # pipeline stages.
     pipeline = build_pipeline(cfg, info)
     plan = BatchPlan.from_config(cfg.train, info.world_size // cfg.dist.pp)
+    if (
+        pipeline is not None
+        and cfg.dist.pp_schedule == "interleaved_1f1b"
+        and plan.accum % cfg.dist.pp
+    ):
+        raise ConfigError(
+            "train.grad_accum_steps",
+            f"dist.pp_schedule=interleaved_1f1b sends micro-batches through the stages in groups "
+            f"of dist.pp={cfg.dist.pp}: the micro-batches per step must be a multiple of it, got "
+            f"{plan.accum}",
+        )
     seed_everything(cfg.seed)  # same initial weights on every rank
     model, model_extras = build_model(cfg.model, info)
     data, data_extras = build_data(cfg.data)

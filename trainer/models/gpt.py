@@ -159,9 +159,11 @@ class GPT(nn.Module):
         stage._parameters, stage._buffers = dict(self._parameters), dict(self._buffers)
         stage.blocks = nn.ModuleList(self.blocks[i] for i in blocks)
         if not first:
-            stage.tok_emb = stage.pos_emb = None  # the last stage's lm_head keeps the tied weight
+            stage.pos_emb = None
         if not last:
             stage.ln_f = stage.lm_head = None
+        if not (first or last):
+            stage.tok_emb = None  # kept by the last stage too: it holds the tied weight
         stage.stage_ends = (first, last)
         return stage
 
