@@ -360,6 +360,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
             "gpipe_unpacked": torchrun(2, [*ACCUM8, *UNPACKED, *PP2, "dist.pp_schedule=gpipe"]),
             # 2 stages x 2 data-parallel replicas x micro 4 x accum 4: the same global batch.
             "pp2_dp2": torchrun(4, [*BASE, "train.grad_accum_steps=4", *PP2]),
+            # The same with each stage FSDP2-sharded over its 2 data-parallel ranks.
+            "pp2_fsdp2": torchrun(
+                4, [*BASE, *CKPT, "train.grad_accum_steps=4", *PP2, "dist.strategy=fsdp"]
+            ),
             "fp16_ref": python(FP16),
             "fp16_pp2": torchrun(2, [*FP16, *PP2]),
         }
@@ -398,6 +402,14 @@ def test_unpacked_documents_train_like_one_process(runs: Runs, name: str) -> Non
 def test_pipeline_times_data_parallel_trains_like_one_process(runs: Runs) -> None:
     """4 ranks: 2 stages x 2 data-parallel replicas of accum 4 (global batch 32 again)."""
     check_against(runs.records("pp2_dp2"), runs.records("ref"))
+
+
+@pytest.mark.multiproc
+def test_fsdp_stages_train_like_one_process(runs: Runs) -> None:
+    """4 ranks: 2 stages, each FSDP2-sharded over 2 data-parallel ranks: gradients are
+    reduce-scattered as sums in each stage's last backward, the tied embedding's shards are
+    summed across the stages, the norm adds the shards' squares."""
+    check_against(runs.records("pp2_fsdp2"), runs.records("ref"))
 
 
 @pytest.mark.multiproc
@@ -487,8 +499,16 @@ def test_checkpoints_move_between_pipelined_and_single_process(runs: Runs, tmp_p
     run's step-2 checkpoint resumed on 4 interleaved stages over 2 ranks, both continue the
     uninterrupted trajectory (steps 3..6, validation at 3 and 6) within 1e-5."""
     to_single, to_pp = tmp_path / "to_single", tmp_path / "to_pp"
+    from_fsdp = tmp_path / "from_fsdp"
     procs = launch_all(
         {
+            "from_fsdp": python(
+                [
+                    *ACCUM8,
+                    f"checkpoint.resume={checkpoint(runs.dir('pp2_fsdp2'), 2)}",
+                    f"hydra.run.dir={from_fsdp}",
+                ]
+            ),
             "to_single": python(
                 [
                     *ACCUM8,
@@ -509,7 +529,12 @@ def test_checkpoints_move_between_pipelined_and_single_process(runs: Runs, tmp_p
         TIMEOUT,
         TMPDIR=str(tmp_path),
     )
-    for name, run_dir, source in (("to_single", to_single, "1f1b"), ("to_pp", to_pp, "ref")):
+    cases = (
+        ("to_single", to_single, "1f1b"),
+        ("to_pp", to_pp, "ref"),
+        ("from_fsdp", from_fsdp, "ref"),  # FSDP-sharded stages gathered into one file
+    )
+    for name, run_dir, source in cases:
         ok(procs[name])
         assert resumed_steps(procs[name]) == [2], explain(procs[name])
         got, want = read_metrics(run_dir), runs.records(source)
@@ -563,7 +588,7 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
     root = tmp_path_factory.mktemp("pp_refusals")
     cmds = {
         "one_process": python([*REFUSE_BASE, *PP2]),
-        "fsdp": torchrun(2, [*REFUSE_BASE, *PP2, "dist.strategy=fsdp"]),
+        "noise_scale": torchrun(2, [*REFUSE_BASE, *PP2, "callbacks=noise_scale"]),
         "virtual_1f1b": python([*REFUSE_BASE, *PP2, "dist.pp_virtual=2"]),
         "no_stages": torchrun(2, ["experiment=digits", "logger=none", "train.max_steps=2", *PP2]),
         "sam": torchrun(2, [*REFUSE_BASE, *PP2, "step=sam"]),
@@ -604,7 +629,7 @@ def test_single_process_refusals(
 @pytest.mark.parametrize(
     ("name", "key", "hint"),
     [
-        ("fsdp", "dist.strategy", "FSDP"),
+        ("noise_scale", "callbacks.noise_scale", "micro-batch"),
         ("no_stages", "dist.pp", "pipeline_stage"),
         ("sam", "step", "accumulate"),
     ],
@@ -626,12 +651,6 @@ def test_torchrun_refusals(
 
 
 @pytest.mark.multiproc
-@pytest.mark.xfail(
-    strict=True,
-    reason="interleaved_1f1b with train.grad_accum_steps not a multiple of dist.pp is not "
-    "refused at startup: every worker dies in the first step with a ValueError traceback "
-    "from engine/pipeline_schedule.py instead of a one-paragraph ConfigError",
-)
 def test_interleaved_accum_not_multiple_of_pp_is_a_config_error(
     refusals: dict[str, subprocess.CompletedProcess],
 ) -> None:
@@ -642,3 +661,35 @@ def test_interleaved_accum_not_multiple_of_pp_is_a_config_error(
     assert "ValueError" not in proc.stderr, explain(proc)
     err = error_lines(proc)
     assert re.search(r"invalid config `(train\.grad_accum_steps|dist\.pp\w*)`", err), explain(proc)
+
+
+# =========================================================================== 6. transformers
+
+
+@pytest.mark.multiproc
+def test_hf_llama_stages_train_like_one_process(tmp_path: Path) -> None:
+    """A transformers Llama split by its config's `base_model_pp_plan` (embedding, layers,
+    norm; the stage runs transformers' own forward on its layers): interleaved stages and
+    padded variable-length documents, against the same model on one process."""
+    pytest.importorskip("transformers")
+    llama = [
+        *(a for a in ACCUM8 if not a.startswith("model")),
+        *UNPACKED,
+        "model=hf_llama",
+        "model.config.num_hidden_layers=4",
+        "model.config.max_position_embeddings=64",
+    ]
+    procs = launch_all(
+        {
+            "one": python([*llama, f"hydra.run.dir={tmp_path / 'one'}"]),
+            "pp": torchrun(2, [*llama, *INTERLEAVED, f"hydra.run.dir={tmp_path / 'pp'}"]),
+        },
+        TIMEOUT,
+        TMPDIR=str(tmp_path),
+    )
+    for proc in procs.values():
+        ok(proc)
+    got, want = read_metrics(tmp_path / "pp"), read_metrics(tmp_path / "one")
+    assert_close(train_records(got), train_records(want), TRAIN_KEYS, STEPS)
+    assert_close(val_records(got), val_records(want), ("val/loss",), [3, 6])
+    assert "pipeline 2 stages" in procs["pp"].stdout, explain(procs["pp"])
