@@ -76,13 +76,13 @@ class PlainLoop:
             if run.dist.distributed
             else model
         )
-        o = run.cfg.optim
+        o = run.config_dict["optim"]
         self.opt = torch.optim.AdamW(
             param_groups(model, o["weight_decay"]), lr=o["lr"], betas=tuple(o["betas"]), fused=True
         )
-        self.clip = run.cfg.train.clip_grad_norm
+        self.clip = run.settings.train.clip_grad_norm
         self.dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[
-            run.cfg.train.precision
+            run.settings.train.precision
         ]
         self.scaler = (
             torch.amp.GradScaler(run.dist.device.type) if self.dtype == torch.float16 else None
@@ -195,7 +195,7 @@ def bench_one(accum: int, args, overrides: list[str], info, check_syncs: bool) -
         plain_windows = run.batches.windows(0)  # the same batches, through the same loader
 
         def run_cumulus(steps: int) -> None:
-            run.cfg.train.max_steps = run.step + steps
+            run.settings.train.max_steps = run.step + steps
             fit(run)
 
         def run_plain(steps: int) -> None:
@@ -209,7 +209,7 @@ def bench_one(accum: int, args, overrides: list[str], info, check_syncs: bool) -
             order = [("cumulus", run_cumulus), ("plain", run_plain)]
             for name, fn in order if r % 2 == 0 else order[::-1]:
                 res[name].append(timed(fn, args.steps, info.device))
-        tokens = run.batches.sampler.global_batch_size * run.cfg.data["block_size"]
+        tokens = run.batches.sampler.global_batch_size * run.config_dict["data"]["block_size"]
         row: dict = {
             "accum": accum,
             "world": info.world_size,

@@ -103,7 +103,7 @@ def main() -> None:
             run.checkpointer.settle()
             run.checkpointer.sharded = fmt == "sharded"
             run.checkpointer.background = mode == "async"
-            run.cfg.train.max_steps = run.step + args.steps_between
+            run.settings.train.max_steps = run.step + args.steps_between
             fit(run)  # training between saves gives the background writer time to finish
             synced(info)
             t0 = time.perf_counter()
@@ -126,7 +126,7 @@ def main() -> None:
         launcher = f"torchrun --nproc_per_node={info.world_size}" if info.distributed else "python"
         lines = [
             f"\n### Checkpoints: full vs sharded, inline vs background ({dev}, "
-            f"{info.world_size} rank(s), {run.cfg.dist.strategy})",
+            f"{info.world_size} rank(s), {run.config_dict['dist']['strategy']})",
             f"\n{datetime.date.today()}, torch {torch.__version__}, parameters {state_mb:.0f} MB "
             "(a checkpoint holds ~3x: weights and AdamW moments). Command:\n\n"
             f"    {launcher} scripts/bench_checkpoint.py {' '.join(sys.argv[1:])}\n",

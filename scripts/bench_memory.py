@@ -84,10 +84,10 @@ def peak_one(ac: bool, overrides: list[str]) -> float:
             Path(tmp),
             info,
         )
-        run.cfg.train.max_steps = 1
+        run.settings.train.max_steps = 1
         fit(run)  # warm-up: allocator pools, lazy optimizer state
         peak_memory_reset(info.device)
-        run.cfg.train.max_steps = 3
+        run.settings.train.max_steps = 3
         fit(run)
         return peak_memory_mb(info.device)
 

@@ -268,7 +268,7 @@ def step_window(run: Any, window: Any, windows: Iterator[Any]) -> tuple[Any, Ite
         del window
         windows.close()
         windows = run.batches.windows(run.step)
-        window = next_window(windows, run.batches, run.cfg.data.get("_target_"), run.step + 1)
+        window = next_window(windows, run.batches, run.settings.data_target, run.step + 1)
         if run.dist.is_main:
             print(
                 f"micro_batch_size=auto: redoing step {run.step + 1} with micro-batch {size} "
@@ -298,7 +298,7 @@ def shrink(run: Any, oom: OutOfMemoryAgreed) -> int:
         )
     size = smaller[-1]
     batches.plan = plan.with_micro(size)
-    run.cfg.train.micro_batch_size = size
+    run.settings.train.micro_batch_size = size
     recorded = run.ctx.callbacks.named.get("auto_micro_batch")
     if isinstance(recorded, AutoMicroBatch):
         recorded.size = size
@@ -316,4 +316,4 @@ def wandb_extra(run: Any) -> dict[str, Any]:
     """`micro_batch_size_auto` for the W&B config: the size chosen (auto runs only)."""
     if run.config_dict.get("train", {}).get("micro_batch_size") != AUTO:
         return {}
-    return {"micro_batch_size_auto": run.cfg.train.micro_batch_size}
+    return {"micro_batch_size_auto": run.settings.train.micro_batch_size}

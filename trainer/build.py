@@ -46,7 +46,7 @@ from trainer.data import DataSplits, as_splits
 from trainer.data.checks import check_samples
 from trainer.data.loader import EvalBatches, GlobalBatchSampler, TrainBatches, eval_set_size
 from trainer.errors import ConfigError, UserError
-from trainer.fit import Run, TrainingProgress, restore
+from trainer.fit import Run, RunSettings, TrainingProgress, restore
 from trainer.identity import new_run_id
 from trainer.metrics import JsonlWriter, Progress, RecordSink, TrainMeter, supersede
 from trainer.optim import build_optimizer, build_scheduler
@@ -456,7 +456,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
     check_checkpoint_format(fmt, parallel, callbacks)
     callbacks.setup(ctx)  # before a checkpoint is restored into their state
     run = Run(
-        cfg=cfg,
+        settings=RunSettings.from_config(cfg),
         dist=info,
         run_dir=run_dir,
         ctx=ctx,

@@ -27,7 +27,7 @@ from engine.rng import rng_state, seed_everything, set_rng_state
 from engine.step import StepContext, StepStrategy
 from engine.tasks import CausalLMTask, TaskOutputError
 from trainer.auto_batch import step_window
-from trainer.config import Config
+from trainer.config import CheckpointCfg, Config, EvalCfg, TrainCfg
 from trainer.contract import annotate_step
 from trainer.data.checks import next_window
 from trainer.data.loader import EvalBatches, TrainBatches
@@ -89,12 +89,43 @@ class TrainingProgress:
 
 
 @dataclass
+class RunSettings:
+    """What the loop reads of the config, picked once by `trainer.build`: the root config does
+    not travel into the loop."""
+
+    train: TrainCfg
+    eval: EvalCfg
+    checkpoint: CheckpointCfg
+    seed: int
+    # The user-swappable nodes a failing step's header names (`model`, `task`).
+    components: dict[str, Any]
+    data_target: str | None  # `data._target_`, named when loading a window fails
+    check_sum: bool  # `task.check_sum` (trainer/sum_check.py)
+    lr: Any  # `optim.lr`, quoted in the divergence hint
+    schedule_uses_max_steps: bool  # the LR schedule decays over train.max_steps
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> RunSettings:
+        return cls(
+            train=cfg.train,
+            eval=cfg.eval,
+            checkpoint=cfg.checkpoint,
+            seed=cfg.seed,
+            components={"model": cfg.model, "task": cfg.task},
+            data_target=cfg.data.get("_target_"),
+            check_sum=bool(cfg.task.get("check_sum", True)),
+            lr=cfg.optim.get("lr"),
+            schedule_uses_max_steps=horizon_dependent(cfg.scheduler),
+        )
+
+
+@dataclass
 class Run:
     """Everything one training run is made of, assembled by `trainer.build`. Nothing in it
     refers back to the run, so it is freed (DDP's reducer with it) as soon as it is dropped,
     while the process group still exists."""
 
-    cfg: Config
+    settings: RunSettings
     dist: DistInfo
     run_dir: Path
     ctx: StepContext
@@ -134,13 +165,13 @@ class Run:
 def fit(run: Run) -> str:
     """Train until `train.max_steps` ("finished"), a stop request ("stopped by request"), or
     divergence or a failed checkpoint write (`RunEnded`)."""
-    train, eval_cfg, ckpt = run.cfg.train, run.cfg.eval, run.cfg.checkpoint
+    train, eval_cfg, ckpt = run.settings.train, run.settings.eval, run.settings.checkpoint
     run.meter.restart_clock()
     first_step, started = run.step, time.perf_counter()
     windows = run.batches.windows(run.step)  # loader workers prefetch the next windows
     try:
         while run.step < train.max_steps:
-            window = next_window(windows, run.batches, run.cfg.data.get("_target_"), run.step + 1)
+            window = next_window(windows, run.batches, run.settings.data_target, run.step + 1)
             stepping = run.step + 1  # the step this window makes (the engine counts it)
             try:
                 if run.step == first_step:
@@ -152,7 +183,7 @@ def fit(run: Run) -> str:
             except UserError:
                 raise
             except Exception as exc:  # in the user's model or task: traceback, headed
-                annotate_step(exc, {"model": run.cfg.model, "task": run.cfg.task}, stepping)
+                annotate_step(exc, run.settings.components, stepping)
                 raise
             run.meter.update(result)
             if run.step == first_step + 1:
@@ -187,10 +218,9 @@ def _due(step: int, every: int) -> bool:
 
 def check_task(run: Run, window: list[Any]) -> None:
     """Once per launch, on the first window: the task's loss is a sum over its items."""
-    node = run.cfg.task
-    if node.get("check_sum", True) and not isinstance(run.ctx.parallel, PipelineParallel):
+    if run.settings.check_sum and not isinstance(run.ctx.parallel, PipelineParallel):
         # (Pipeline stages do not hold the whole model to run the check with.)
-        name = f"task `{node.get('_target_')}`"
+        name = f"task `{run.settings.components['task'].get('_target_')}`"
         batch = next((b for b in window if b is not None), None)  # Poisson: maybe empty
         ctx = run.ctx
         check_loss_is_sum(ctx.task, ctx.model, batch, ctx.precision, run.dist, name)
@@ -211,7 +241,7 @@ def extra_train_metrics(run: Run) -> dict[str, Any]:
 def report_first_step(run: Run, started: float) -> None:
     """Once, after the first window: compile time, and parameters that should have learned
     but got no gradient."""
-    if run.cfg.train.compile and run.dist.is_main:
+    if run.settings.train.compile and run.dist.is_main:
         if run.dist.device.type == "cuda":
             torch.cuda.synchronize(run.dist.device)
         print(
@@ -231,25 +261,25 @@ def report_first_step(run: Run, started: float) -> None:
 
 def check_divergence(run: Run) -> None:
     consecutive = int(run.meter.consecutive_skips.item())
-    if consecutive >= run.cfg.train.max_consecutive_skips:
+    if consecutive >= run.settings.train.max_consecutive_skips:
         settle(run, next_checkpoint_step(run))  # a save in flight commits first (all ranks)
         last = run.checkpointer.committed_step
         raise TrainingDiverged(
             f"{consecutive} consecutive optimizer steps up to step {run.step} had non-finite "
             f"gradients and were skipped (train.max_consecutive_skips="
-            f"{run.cfg.train.max_consecutive_skips}); stopping. Parameters were never updated "
+            f"{run.settings.train.max_consecutive_skips}); stopping. Parameters were never updated "
             "with them; "
             + (f"the last checkpoint (step {last}) is intact. " if last else "no checkpoint yet. ")
-            + divergence_hints(run.cfg)
+            + divergence_hints(run.settings)
         )
 
 
-def divergence_hints(cfg: Config) -> str:
-    lr = cfg.optim.get("lr")
+def divergence_hints(settings: RunSettings) -> str:
+    lr = settings.lr
     hints = [f"lower optim.lr (now {lr:g})" if isinstance(lr, int | float) else "lower optim.lr"]
-    if cfg.train.clip_grad_norm is None:
+    if settings.train.clip_grad_norm is None:
         hints.append("set train.clip_grad_norm (e.g. 1.0)")
-    if cfg.train.precision != "fp32":
+    if settings.train.precision != "fp32":
         hints.append("try train.precision=fp32")
     hints.append("find the first non-finite value with train.detect_anomaly=true")
     return "Try: " + "; ".join(hints) + "."
@@ -270,7 +300,7 @@ def summary(run: Run, outcome: str, seconds: float) -> str:
     )
     newest = run.checkpointer.committed
     lines = [
-        f"run {outcome}: step {run.step}/{run.cfg.train.max_steps} in "
+        f"run {outcome}: step {run.step}/{run.settings.train.max_steps} in "
         + (f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}")
         + (f" | {losses}" if losses else ""),
         f"  run dir {run.run_dir}",
@@ -306,9 +336,9 @@ def evaluate(run: Run) -> dict[str, Any]:
                     model, ctx.task, run.val_batches, ctx.precision, run.dist, ctx.parallel
                 )
             metrics[f"val/loss_{name}"] = other["loss"]
-    if run.cfg.eval.sample_tokens:
+    if run.settings.eval.sample_tokens:
         # Every rank generates (a sharded model's forward is collective); rank 0 records.
-        text = sample_text(run, run.cfg.eval.sample_tokens)
+        text = sample_text(run, run.settings.eval.sample_tokens)
         if text is not None:
             metrics["val/sample"] = text
     write(run, {"step": run.step, **metrics})
@@ -351,7 +381,7 @@ def sample_text(run: Run, max_new_tokens: int) -> str | None:
     prompt = None if first is None else _prompt(first)
     if prompt is None:
         return None
-    gen = torch.Generator(run.dist.device).manual_seed(run.cfg.seed + run.step)
+    gen = torch.Generator(run.dist.device).manual_seed(run.settings.seed + run.step)
     was_training = model.training
     model.eval()
     try:
@@ -382,7 +412,7 @@ def save(run: Run, final: bool = False) -> None:
 
 
 def next_checkpoint_step(run: Run) -> int | None:
-    every, last = run.cfg.checkpoint.every_steps, run.cfg.train.max_steps
+    every, last = run.settings.checkpoint.every_steps, run.settings.train.max_steps
     step = (run.step // every + 1) * every if every else None
     return step if step is not None and step <= last else None
 
@@ -404,7 +434,7 @@ def write_failed(run: Run, exc: CheckpointWriteError, retry_at: int | None) -> N
         if exc.committed is not None
         else "No checkpoint of this run has been committed yet."
     )
-    if run.cfg.checkpoint.on_write_error == "warn":
+    if run.settings.checkpoint.on_write_error == "warn":
         if run.dist.is_main:
             retry = (
                 "has no checkpoint step left"
@@ -465,12 +495,12 @@ def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
             file=sys.stderr,
         )
     horizon = saved["max_steps"]
-    changed = horizon is not None and horizon != run.cfg.train.max_steps
-    if changed and warn and horizon_dependent(run.cfg.scheduler):
+    changed = horizon is not None and horizon != run.settings.train.max_steps
+    if changed and warn and run.settings.schedule_uses_max_steps:
         print(
             f"WARNING: the LR schedule decays over train.max_steps; it was {horizon} when "
-            f"{ckpt.path} was saved and is {run.cfg.train.max_steps} now, so the learning rate "
-            "from here on follows the new schedule",
+            f"{ckpt.path} was saved and is {run.settings.train.max_steps} now, so the learning "
+            "rate from here on follows the new schedule",
             file=sys.stderr,
         )
     # RNG last: nothing after this may consume randomness before the first step.
@@ -488,4 +518,4 @@ def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
                 "(dropout) are reseeded",
                 file=sys.stderr,
             )
-        seed_everything(run.cfg.seed + 1_000_003 * ckpt.step + run.dist.rank)
+        seed_everything(run.settings.seed + 1_000_003 * ckpt.step + run.dist.rank)
