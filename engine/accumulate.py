@@ -15,6 +15,7 @@ under FSDP as wrapped here, which sums).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -54,6 +55,11 @@ def backward_window(
             micro_sum = micro_backward(ctx, batch, count)
         ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
         loss_sum = micro_sum if loss_sum is None else loss_sum + micro_sum
+    sync = getattr(ctx.parallel, "sync_gradients", None)
+    if sync is not None:  # a parallelism that sums gradients itself, after the window
+        sync(ctx.trainable_parameters())
+    if not getattr(ctx.parallel, "reports", True):  # tensor parallel: one rank of a group
+        loss_sum = torch.zeros_like(loss_sum)
     return loss_sum
 
 
@@ -80,6 +86,11 @@ def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(per_tensor)).float()
 
 
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's values of a DTensor (a view: in-place changes reach the DTensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     # A DTensor norm over FSDP shards: reduce it to the same plain tensor on every rank.
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -100,7 +111,12 @@ def clip_gradients(
     if not grads and norm_of is None:
         raise RuntimeError("no parameter received a gradient: is the loss connected to the model?")
     norm = _norm(grads) if norm_of is None else norm_of(params)
-    if max_norm is not None:  # clip with the (possibly sharded) norm the gradients live with
+    if max_norm is not None and norm_of is not None:
+        # The norm is the total over ranks holding different parameters; the gradients may
+        # mix DTensor shards and whole tensors: scale each rank's own values in place.
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_([_shard(g) for g in grads], coef)
+    elif max_norm is not None:  # clip with the (possibly sharded) norm the gradients live with
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     norm = _local(norm).detach()
     return norm, (~torch.isfinite(norm)).to(torch.float32)
@@ -119,7 +135,10 @@ class AccumulateStep:
 def finish_step(ctx: StepContext, loss_sum: torch.Tensor, global_count: torch.Tensor) -> StepResult:
     """Unscale, clip, skip-or-update, advance the schedule and the step count: the tail every
     strategy shares. It fires the callbacks' hooks of these moments, so no loop has to."""
-    ctx.precision.unscale_(ctx.optimizer)
+    # Tensor parallel: DTensor shards and whole parameters side by side in one optimizer.
+    mixed = getattr(ctx.parallel, "mixed_tensors", contextlib.nullcontext)
+    with mixed():
+        ctx.precision.unscale_(ctx.optimizer)
     agree = getattr(ctx.parallel, "agree_found_inf", None)
     if agree is not None:  # stages hold different parameters: one overflow skips them all
         agree(ctx.precision, ctx.optimizer)
@@ -128,7 +147,8 @@ def finish_step(ctx: StepContext, loss_sum: torch.Tensor, global_count: torch.Te
     grad_norm, found_inf = clip_gradients(ctx.trainable_parameters(), ctx.clip_grad_norm, norm_of)
     ctx.callbacks.before_optimizer_step(ctx)
     lr = float(ctx.optimizer.param_groups[0]["lr"])
-    ctx.precision.optimizer_step(ctx.optimizer, found_inf)
+    with mixed():
+        ctx.precision.optimizer_step(ctx.optimizer, found_inf)
     if ctx.scheduler is not None:
         ctx.scheduler.step()
     ctx.step += 1

@@ -78,6 +78,8 @@ def evaluate(
                 task.loss_sum(model, first)  # lockstep only: not counted
     finally:
         model.train(was_training)
+    if not getattr(parallel, "reports", True):  # another rank of its tensor-parallel group reports
+        sums, count = {n: torch.zeros_like(v) for n, v in sums.items()}, torch.zeros_like(count)
     names = sorted(sums)
     if dist.distributed:  # a rank without batches does not know the task's metric names
         names = sorted(set().union(*all_gather_object(names, dist)))

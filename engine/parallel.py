@@ -29,22 +29,26 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from engine.distributed import DistInfo, is_sharded
 
-MESH_DIMS = ("pp", "dp")  # the mesh's dimension names, outermost first ("tp" later)
+MESH_DIMS = ("pp", "dp", "tp")  # the mesh's dimension names, outermost first
 
 
-def build_mesh(info: DistInfo, pp: int = 1) -> DeviceMesh | None:
+def build_mesh(info: DistInfo, pp: int = 1, tp: int = 1) -> DeviceMesh | None:
     """The job's device mesh, built once per run: `pp` pipeline ranks (consecutive blocks of
-    `world / pp` ranks each), the data-parallel ranks within each. Without a pipeline, every
-    rank along `dp`. None on one process (nothing to communicate). Needs the process group
-    (`init_distributed`)."""
+    `world / pp` ranks each), the data-parallel ranks within each, and `tp` tensor-parallel
+    ranks innermost (neighbouring ranks: the most traffic on the fastest links). Without
+    either, every rank along `dp`. None on one process (nothing to communicate). Needs the
+    process group (`init_distributed`)."""
     if not info.distributed:
         return None
-    if pp == 1:
-        return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
-    if info.world_size % pp:
-        raise ValueError(f"the world ({info.world_size} ranks) is not a multiple of dist.pp={pp}")
-    shape = (pp, info.world_size // pp)
-    return init_device_mesh(info.device.type, shape, mesh_dim_names=MESH_DIMS)
+    if info.world_size % (pp * tp):
+        raise ValueError(
+            f"the world ({info.world_size} ranks) is not a multiple of dist.pp x dist.tp = "
+            f"{pp * tp}"
+        )
+    dims = {"pp": pp, "dp": info.world_size // (pp * tp), "tp": tp}
+    names = tuple(n for n, size in dims.items() if size > 1 or n == "dp")
+    shape = tuple(dims[n] for n in names)
+    return init_device_mesh(info.device.type, shape, mesh_dim_names=names)
 
 
 @runtime_checkable

@@ -38,6 +38,7 @@ from engine.pipeline import NotSplittable, PipelineParallel
 from engine.precision import Precision
 from engine.rng import seed_everything
 from engine.step import StepContext, StepStrategy, Task
+from engine.tensor_parallel import NotParallelizable, TensorParallel
 from trainer.auto_batch import setup_auto, wandb_extra
 from trainer.batch_plan import BatchPlan
 from trainer.components import check, instantiate
@@ -174,64 +175,84 @@ def parallelize(
         )
     except NotSplittable as exc:
         raise ConfigError("dist.pp", str(exc)) from None
+    except NotParallelizable as exc:
+        raise ConfigError("dist.tp", str(exc)) from None
 
 
-def build_pipeline(cfg: Config, info: DistInfo) -> PipelineParallel | None:
-    """`dist.pp` > 1: the pipeline over a (pp, dp) mesh, after refusing what it cannot run
-    yet, each with one paragraph naming the key."""
+def build_model_parallel(cfg: Config, info: DistInfo) -> PipelineParallel | TensorParallel | None:
+    """`dist.pp` > 1: the pipeline over a (pp, dp) mesh; `dist.tp` > 1: tensor parallelism
+    over a (dp, tp) mesh. First each refuses what it cannot run yet, with one paragraph
+    naming the key."""
     d = cfg.dist
-    if d.pp == 1:
+    if d.pp == 1 and d.tp == 1:
         return None
-    if info.world_size % d.pp or info.world_size < d.pp:
+    key, n, what = ("dist.pp", d.pp, "pipeline stages") if d.pp > 1 else ("dist.tp", d.tp, "")
+    what = what or "tensor-parallel ranks"
+    if d.pp > 1 and d.tp > 1:
+        raise ConfigError("dist.tp", "pipeline and tensor parallelism together are not built yet")
+    if info.world_size % n or info.world_size < n:
         raise ConfigError(
-            "dist.pp",
-            f"{d.pp} pipeline stages need a world that is a multiple of {d.pp} ranks (world = "
-            f"pp x data-parallel size); this run has {info.world_size}: launch with torchrun "
-            f"--nproc_per_node={d.pp} (or a multiple), or set dist.pp=1",
+            key,
+            f"{n} {what} need a world that is a multiple of {n} ranks (world = {key[5:]} x "
+            f"data-parallel size); this run has {info.world_size}: launch with torchrun "
+            f"--nproc_per_node={n} (or a multiple), or set {key}=1",
         )
     refused = {
         "train.micro_batch_size": (
             cfg.train.micro_batch_size == "auto",
-            "the automatic micro-batch is not probed through a pipeline yet",
+            "the automatic micro-batch is not probed with it yet",
         ),
-        "train.compile": (cfg.train.compile, "compiling pipeline stages is not built yet"),
+        "train.compile": (cfg.train.compile, "compiling it is not built yet"),
         "checkpoint.format": (
             cfg.checkpoint.format == "sharded",
-            "pipelined runs save the full layout (auto or full), gathered from the stages",
+            "it saves the full layout (auto or full), gathered from every rank",
         ),
         "train.grad_norms": (
             cfg.train.grad_norms == "per_layer",
-            "per-layer norms would be recorded for the first stage's layers only",
+            "per-layer norms would be recorded for this rank's share of the model only",
+        ),
+        "dist.tp_sequence_parallel": (
+            d.tp_sequence_parallel,
+            "sequence parallelism is not built yet (norms and dropout run on whole sequences "
+            "on every tensor-parallel rank)",
         ),
     }
-    for key, (bad, why) in refused.items():
+    if d.tp > 1:
+        refused["dist.strategy"] = (
+            d.strategy == "fsdp",
+            "FSDP2 over the data-parallel ranks of tensor-parallel groups is not built yet",
+        )
+    for k, (bad, why) in refused.items():
         if bad:
-            raise ConfigError(key, f"not available with dist.pp={d.pp}: {why}")
-    mesh = build_mesh(info, d.pp)
+            raise ConfigError(k, f"not available with {key}={n}: {why}")
+    mesh = build_mesh(info, d.pp, d.tp)
+    if d.tp > 1:
+        return TensorParallel(info, mesh)
     fsdp = d.strategy == "fsdp"
     return PipelineParallel(info, mesh, d.pp_schedule, d.pp_virtual, d.pp_split, fsdp=fsdp)
 
 
-def check_pipeline_components(
+def check_model_parallel_components(
     parallel: Parallelism, step_fn: StepStrategy, callbacks: CallbackList
 ) -> None:
-    """What runs inside a pipelined window: the exact accumulation step, callbacks that do not
-    look at single micro-batches or keep a copy of every weight."""
-    if not isinstance(parallel, PipelineParallel):
+    """What runs with a model split over ranks: the exact accumulation step, callbacks that do
+    not look at single micro-batches or keep a copy of every weight."""
+    if not isinstance(parallel, PipelineParallel | TensorParallel):
         return
+    key = "dist.pp" if isinstance(parallel, PipelineParallel) else "dist.tp"
     if type(step_fn) is not AccumulateStep:
         raise ConfigError(
             "step",
-            f"dist.pp runs the window as a pipeline schedule, which is step=accumulate's; "
-            f"{type(step_fn).__name__} needs the whole model on one rank",
+            f"with {key} the window runs as step=accumulate's; {type(step_fn).__name__} needs "
+            "the whole model on one rank",
         )
     for name, cb in callbacks.named.items():
         per_micro = type(cb).on_after_micro_batch is not Callback.on_after_micro_batch
         if per_micro or name in callbacks.averaged_weights():
             raise ConfigError(
                 f"callbacks.{name}",
-                "not available with dist.pp: it looks at every micro-batch's gradients or "
-                "keeps a copy of every weight, which pipeline stages do not hold together",
+                f"not available with {key}: it looks at every micro-batch's gradients or keeps "
+                "a copy of every weight, which no rank holds whole",
             )
 
 
@@ -405,14 +426,11 @@ def check_checkpoint_format(fmt: str, parallel: Parallelism, callbacks: Callback
 
 def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: DistInfo) -> Run:
     # Checked before anything is built: the data-parallel size is the world's, divided by the
-    # pipeline stages.
-    pipeline = build_pipeline(cfg, info)
-    plan = BatchPlan.from_config(cfg.train, info.world_size // cfg.dist.pp)
-    if (
-        pipeline is not None
-        and cfg.dist.pp_schedule == "interleaved_1f1b"
-        and plan.accum % cfg.dist.pp
-    ):
+    # pipeline stages and the tensor-parallel ranks.
+    split = build_model_parallel(cfg, info)  # a pipeline or tensor parallelism, if asked for
+    plan = BatchPlan.from_config(cfg.train, info.world_size // (cfg.dist.pp * cfg.dist.tp))
+    interleaved = cfg.dist.pp_schedule == "interleaved_1f1b"
+    if isinstance(split, PipelineParallel) and interleaved and plan.accum % cfg.dist.pp:
         raise ConfigError(
             "train.grad_accum_steps",
             f"dist.pp_schedule=interleaved_1f1b sends micro-batches through the stages in groups "
@@ -428,14 +446,14 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
     # Of the whole model, before pipeline stages prune it to their own parameters.
     flops = flops_per_token(model, data.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
-    parallel = pipeline or build_parallelism(cfg.dist.strategy, info, build_mesh(info))
+    parallel = split or build_parallelism(cfg.dist.strategy, info, build_mesh(info))
     wrapped = parallelize(model, model_extras, cfg.train, cfg.dist, info, parallel)
     optimizer = build_optimizer(cfg.optim, model)  # after wrapping: FSDP shards the parameters
     scheduler = build_scheduler(cfg.scheduler, optimizer, cfg.train.max_steps)
     precision = Precision(cfg.train.precision, info.device.type)
     callbacks = build_callbacks(cfg.callbacks, cfg.train)
     step_fn = build_step(cfg.step)
-    check_pipeline_components(parallel, step_fn, callbacks)
+    check_model_parallel_components(parallel, step_fn, callbacks)
     ctx = StepContext(
         model=wrapped,
         optimizer=optimizer,
@@ -481,8 +499,9 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         restore(run, ckpt)
     else:
         run.run_id = broadcast_object(new_run_id(), info)
-        # Each rank its own dropout stream, independent of the initialization stream.
-        seed_everything(cfg.seed + 1 + info.rank)
+        # Each data-parallel rank its own dropout stream, independent of the initialization
+        # stream (the ranks of a tensor-parallel group compute the same activations: one).
+        seed_everything(cfg.seed + 1 + parallel.dp_rank)
 
     if info.is_main:
         run.sinks = build_sinks(cfg, run, model, data, resume, n_params)

@@ -202,6 +202,10 @@ class DistCfg:
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
     pp_split: list[int] | None = None
+    # Tensor parallelism (engine/tensor_parallel.py): the model's linear layers split over
+    # `tp` ranks by its plan; the world is pp x data-parallel x tp ranks.
+    tp: int = 1
+    tp_sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         require(
@@ -216,6 +220,7 @@ class DistCfg:
         )
         _positive(self.pp, "dist.pp")
         _positive(self.pp_virtual, "dist.pp_virtual")
+        _positive(self.tp, "dist.tp")
         require(
             self.pp_schedule in SCHEDULES,
             "dist.pp_schedule",

@@ -518,4 +518,4 @@ def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
                 "(dropout) are reseeded",
                 file=sys.stderr,
             )
-        seed_everything(run.settings.seed + 1_000_003 * ckpt.step + run.dist.rank)
+        seed_everything(run.settings.seed + 1_000_003 * ckpt.step + run.ctx.parallel.dp_rank)

@@ -12,6 +12,7 @@ registering it once; saving and restoring follow.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -146,5 +147,10 @@ def load_payload(
     elif optimizer is None:
         model.load_state_dict(ckpt.shared["model"])
     else:
-        load_model_optimizer_state(model, optimizer, ckpt.shared["model"], ckpt.shared["optimizer"])
+        # Tensor parallel: loading initializes the optimizer's state with one step over
+        # DTensor shards and whole parameters side by side.
+        with getattr(parallel, "mixed_tensors", contextlib.nullcontext)():
+            load_model_optimizer_state(
+                model, optimizer, ckpt.shared["model"], ckpt.shared["optimizer"]
+            )
     components.load_state_dict(saved)

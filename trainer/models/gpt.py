@@ -167,6 +167,13 @@ class GPT(nn.Module):
         stage.stage_ends = (first, last)
         return stage
 
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """`dist.tp` (engine/tensor_parallel.py): each block's MLP split over the ranks (the
+        hidden units colwise, the projection back rowwise). Attention stays whole on every
+        rank: its fused q/k/v projection is laid out [q | k | v], which a colwise split
+        would cut across heads."""
+        return {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
+
     def output_head(self) -> nn.Linear:
         """The output layer (engine/chunked_ce.py's `OutputHead`): its weight is `tok_emb`'s."""
         return self.lm_head

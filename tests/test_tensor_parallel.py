@@ -1,0 +1,195 @@
+"""Tensor parallelism (`dist.tp`): exactness against one process, checkpoints both ways,
+refusals.
+
+Every run goes through the real command (torchrun with gloo on CPU) and is compared with
+the same configuration on one process, which never touches engine/tensor_parallel.py. The
+transformers Llama is split by its config's own `base_model_tp_plan` (attention and MLP); the
+in-tree GPT by its plan (the MLP, whose row-split projection keeps a replicated bias: the
+gradient norm must count it once). Documents of different lengths, padded per micro-batch,
+make the item counts differ between micro-batches.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import explain, launch_all, read_metrics, train_records
+from tests.test_pipeline import (
+    EXIT_USER_ERROR,
+    TRAIN_KEYS,
+    assert_close,
+    assert_equal,
+    checkpoint,
+    ok,
+    python,
+    torchrun,
+    val_records,
+)
+
+pytest.importorskip("transformers")
+
+COMMON = [
+    "logger=none",
+    "data.block_size=32",
+    "data.packed=false",
+    "train.micro_batch_size=4",
+    "train.max_steps=6",
+    "train.log_every=1",
+    "eval.every_steps=3",
+    "eval.max_batches=2",
+    "eval.sample_tokens=0",
+    "scheduler.warmup_steps=2",
+    "checkpoint.every_steps=3",
+]
+LLAMA = ["model=hf_llama", *COMMON]
+GPT = ["model=gpt_tiny", "model.n_layer=4", *COMMON]
+ACCUM4 = ["train.grad_accum_steps=4"]  # global batch 16 on one data-parallel replica
+STEPS = list(range(1, 7))
+TIMEOUT = 420.0
+
+
+class Runs:
+    def __init__(self, root: Path, procs: dict[str, subprocess.CompletedProcess]) -> None:
+        self.root, self.procs = root, procs
+
+    def dir(self, name: str) -> Path:
+        return self.root / name
+
+    def records(self, name: str) -> list[dict]:
+        return read_metrics(self.dir(name))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    root = tmp_path_factory.mktemp("tp_runs")
+    cmds = {
+        "llama_ref": python([*LLAMA, *ACCUM4]),
+        "llama_tp2": torchrun(2, [*LLAMA, *ACCUM4, "dist.tp=2"]),
+        # 2 data-parallel replicas x 2 tensor-parallel ranks, accumulation 2: global batch 16.
+        "llama_tp2_dp2": torchrun(4, [*LLAMA, "train.grad_accum_steps=2", "dist.tp=2"]),
+        "gpt_ref": python([*GPT, *ACCUM4]),
+        "gpt_tp2": torchrun(2, [*GPT, *ACCUM4, "dist.tp=2"]),
+    }
+    cmds = {n: [*c, f"hydra.run.dir={root / n}"] for n, c in cmds.items()}
+    procs = launch_all(cmds, TIMEOUT, TMPDIR=str(root))
+    for proc in procs.values():
+        ok(proc)
+    return Runs(root, procs)
+
+
+def check_against(got: list[dict], want: list[dict], steps: list[int] = STEPS) -> None:
+    """Train records at `steps` and the validation records among them, within 1e-5."""
+
+    def pick(records: list[dict]) -> list[dict]:
+        return [r for r in records if r["step"] in steps]
+
+    assert_close(pick(train_records(got)), pick(train_records(want)), TRAIN_KEYS, steps)
+    want_val = pick(val_records(want))
+    val_steps = [r["step"] for r in want_val]
+    assert_close(pick(val_records(got)), want_val, ("val/loss", "val/items"), val_steps)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("name", "ref"),
+    [("llama_tp2", "llama_ref"), ("llama_tp2_dp2", "llama_ref"), ("gpt_tp2", "gpt_ref")],
+)
+def test_tensor_parallel_trains_like_one_process(runs: Runs, name: str, ref: str) -> None:
+    """Loss, gradient norm (every step) and validation loss and item count agree within 1e-5:
+    items counted per data-parallel replica, not once per tensor-parallel rank; the norm adds
+    the shards' squares and counts whole (and replicated) parameters once."""
+    check_against(runs.records(name), runs.records(ref))
+    assert "DTensor" not in runs.procs[name].stderr
+
+
+@pytest.mark.multiproc
+def test_checkpoints_move_between_tensor_parallel_and_one_process(
+    runs: Runs, tmp_path: Path
+) -> None:
+    """The tp=2 step-3 checkpoint continues on one process and on tp=2 again (bit for bit
+    with the uninterrupted tp=2 run), and the one-process checkpoint continues on tp=2."""
+    cmds = {
+        "to_one": python(
+            [*LLAMA, *ACCUM4, f"checkpoint.resume={checkpoint(runs.dir('llama_tp2'), 3)}"]
+        ),
+        "to_tp2": torchrun(
+            2,
+            [
+                *LLAMA,
+                *ACCUM4,
+                "dist.tp=2",
+                f"checkpoint.resume={checkpoint(runs.dir('llama_tp2'), 3)}",
+            ],
+        ),
+        "from_one": torchrun(
+            2,
+            [
+                *LLAMA,
+                *ACCUM4,
+                "dist.tp=2",
+                f"checkpoint.resume={checkpoint(runs.dir('llama_ref'), 3)}",
+            ],
+        ),
+    }
+    cmds = {n: [*c, f"hydra.run.dir={tmp_path / n}"] for n, c in cmds.items()}
+    procs = launch_all(cmds, TIMEOUT, TMPDIR=str(tmp_path))
+    later = [4, 5, 6]
+    for name in cmds:
+        ok(procs[name])
+        assert "at step 3" in procs[name].stdout, explain(procs[name])
+        check_against(read_metrics(tmp_path / name), runs.records("llama_ref"), later)
+    same = [r for r in read_metrics(tmp_path / "to_tp2") if r["step"] > 3]
+    want = [r for r in runs.records("llama_tp2") if r["step"] > 3]
+    assert_equal(same, want, ("train/loss", "train/grad_norm", "val/loss"))
+
+
+REFUSE = ["logger=none", "train.max_steps=2", "eval.every_steps=0", "checkpoint.every_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
+    root = tmp_path_factory.mktemp("tp_refusals")
+    cmds = {
+        "one_process": python(["model=gpt_tiny", *REFUSE, "dist.tp=2"]),
+        "heads": torchrun(
+            2, ["model=hf_llama", *REFUSE, "dist.tp=2", "model.config.num_key_value_heads=1"]
+        ),
+        "with_pp": torchrun(2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "dist.pp=2"]),
+        "sequence_parallel": torchrun(
+            2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "dist.tp_sequence_parallel=true"]
+        ),
+        "no_plan": torchrun(2, ["experiment=digits", *REFUSE, "dist.tp=2"]),
+        "sam": torchrun(2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "step=sam"]),
+    }
+    cmds = {n: [*c, f"hydra.run.dir={root / n}"] for n, c in cmds.items()}
+    return launch_all(cmds, TIMEOUT, TMPDIR=str(root))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("name", "key", "hint"),
+    [
+        ("one_process", "dist.tp", "--nproc_per_node=2"),
+        ("heads", "dist.tp", "num_key_value_heads=1"),
+        ("with_pp", "dist.tp", "pipeline and tensor parallelism"),
+        ("sequence_parallel", "dist.tp_sequence_parallel", "not built yet"),
+        ("no_plan", "dist.tp", "tensor_parallel_plan"),
+        ("sam", "step", "accumulate"),
+    ],
+)
+def test_refusals(
+    refusals: dict[str, subprocess.CompletedProcess], name: str, key: str, hint: str
+) -> None:
+    """One paragraph naming the key and what would work, the user-error exit code."""
+    proc = refusals[name]
+    assert proc.returncode != 0, explain(proc)
+    err = "\n".join(ln for ln in proc.stderr.splitlines() if ln.startswith("error:"))
+    assert f"invalid config `{key}`" in err, explain(proc)
+    assert hint in err, explain(proc)
+    if name == "one_process":
+        assert proc.returncode == EXIT_USER_ERROR, explain(proc)
+    else:
+        assert f"(exitcode: {EXIT_USER_ERROR})" in proc.stderr, explain(proc)
