@@ -20,14 +20,14 @@ after the window (no wrapper divides); the total gradient norm adds the shards' 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from engine.distributed import DistInfo
 
@@ -81,10 +81,11 @@ class TensorParallel:
 
     name = "tp"
     per_block = False
+    # With `fsdp` (2-D: FSDP2 over `dp` on top of the `tp` split), an instance attribute.
     shards_parameters = False
 
-    def __init__(self, info: DistInfo, mesh: DeviceMesh) -> None:
-        self.info, self.mesh = info, mesh
+    def __init__(self, info: DistInfo, mesh: DeviceMesh, fsdp: bool = False) -> None:
+        self.info, self.mesh, self.fsdp = info, mesh, fsdp
         self.tp = mesh["tp"].size()
         self.tp_rank = mesh.get_local_rank("tp")
 
@@ -126,8 +127,8 @@ class TensorParallel:
         param_dtype: torch.dtype | None = None,
         reshard_after_forward: bool = True,
     ) -> nn.Module:
-        """Split the plan's linear layers over `tp` (in place; names unchanged)."""
-        del blocks, param_dtype, reshard_after_forward
+        """Split the plan's linear layers over `tp` (in place; names unchanged); with `fsdp`,
+        then shard every block and the root with FSDP2 over `dp` (2-D parallelism)."""
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             RowwiseParallel,
@@ -148,7 +149,32 @@ class TensorParallel:
             raise NotParallelizable(
                 f"the tensor-parallel plan {plan} matched no module of {type(model).__name__}"
             )
+        if self.fsdp:
+            self._shard(model, blocks, param_dtype, reshard_after_forward)
         return model
+
+    def _shard(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module],
+        param_dtype: torch.dtype | None,
+        reshard: bool,
+    ) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not blocks:
+            raise NotParallelizable(
+                f"dist.strategy=fsdp shards the model block by block and {type(model).__name__} "
+                "declares no blocks (block_modules(), or model.block_classes)"
+            )
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        units = [*blocks, model]
+        for unit in units:
+            fully_shard(unit, mesh=self.mesh["dp"], mp_policy=policy, reshard_after_forward=reshard)
+        for unit in units:  # sums, no division (as engine/parallel.py's FSDP)
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+        self.shards_parameters = True
 
     def mixed_tensors(self) -> contextlib.AbstractContextManager:
         """Around the optimizer's step (and GradScaler's unscale): parameters left whole are
@@ -157,14 +183,18 @@ class TensorParallel:
 
         return implicit_replication()
 
-    def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        del model, enabled  # gradients are summed once, after the window (`sync_gradients`)
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
+        """FSDP2 reduce-scatters in the last micro-batch only; without it gradients are summed
+        once, after the window (`sync_gradients`)."""
+        if self.fsdp:
+            model.set_requires_gradient_sync(enabled)
+        yield
 
     def sync_gradients(self, params: list[nn.Parameter]) -> None:
         """Sum gradients (each rank's shards) over the data-parallel ranks."""
         grads = [_local(p.grad) for p in params if p.grad is not None]
-        if self.dp_size > 1 and grads:
+        if self.dp_size > 1 and grads and not self.fsdp:  # FSDP2 reduce-scattered already
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for g in grads:
                 by_dtype.setdefault(g.dtype, []).append(g)
@@ -177,16 +207,20 @@ class TensorParallel:
                     offset += t.numel()
 
     def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """The total gradient norm: the shards' squares summed over `tp`, whole parameters
-        (identical on every `tp` rank) counted once; float64 squares."""
-        grads = [p.grad for p in params if p.grad is not None]
-        sharded = [g.to_local() for g in grads if _is_shard(g)]
-        # Whole: plain tensors, and DTensors replicated over `tp` (a row-split layer's bias).
-        whole = [_local(g) for g in grads if not _is_shard(g)]
-        device = self.info.device
-        sq_sharded = _squares(sharded, device)
-        dist.all_reduce(sq_sharded, op=dist.ReduceOp.SUM, group=self.tp_group)
-        return (sq_sharded + _squares(whole, device)).sqrt().float()
+        """The total gradient norm, float64 squares: each gradient's local squares summed
+        over the mesh dimensions it is sharded along (`tp` for a split layer, `dp` too under
+        FSDP2), so whole and replicated values (a row-split layer's bias) count once."""
+        by_dims: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                by_dims.setdefault(_sharded_dims(p.grad), []).append(_local(p.grad))
+        total = torch.zeros((), dtype=torch.float64, device=self.info.device)
+        for dims, grads in by_dims.items():
+            sq = _squares(grads, self.info.device)
+            for name in dims:
+                dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.mesh.get_group(name))
+            total = total + sq
+        return total.sqrt().float()
 
     def agree_found_inf(self, precision: Any, optimizer: torch.optim.Optimizer) -> None:
         """fp16: every rank's GradScaler skips the step when any rank overflowed."""
@@ -194,8 +228,13 @@ class TensorParallel:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
 
-def _is_shard(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
+def _sharded_dims(t: torch.Tensor) -> tuple[str, ...]:
+    """The mesh dimensions a DTensor is sharded along (none for a plain tensor)."""
+    if not isinstance(t, DTensor):
+        return ()
+    names = t.device_mesh.mesh_dim_names or ()
+    # Not replicated = sharded: Shard, and FSDP2's _StridedShard on a tensor-parallel split.
+    return tuple(n for n, p in zip(names, t.placements) if not p.is_replicate())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         "llama_tp2": torchrun(2, [*LLAMA, *ACCUM4, "dist.tp=2"]),
         # 2 data-parallel replicas x 2 tensor-parallel ranks, accumulation 2: global batch 16.
         "llama_tp2_dp2": torchrun(4, [*LLAMA, "train.grad_accum_steps=2", "dist.tp=2"]),
+        # 2-D: FSDP2 over the 2 data-parallel ranks on top of the tensor-parallel split.
+        "llama_tp2_fsdp2": torchrun(
+            4, [*LLAMA, "train.grad_accum_steps=2", "dist.tp=2", "dist.strategy=fsdp"]
+        ),
         "gpt_ref": python([*GPT, *ACCUM4]),
         "gpt_tp2": torchrun(2, [*GPT, *ACCUM4, "dist.tp=2"]),
     }
@@ -95,12 +99,19 @@ def check_against(got: list[dict], want: list[dict], steps: list[int] = STEPS) -
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
     ("name", "ref"),
-    [("llama_tp2", "llama_ref"), ("llama_tp2_dp2", "llama_ref"), ("gpt_tp2", "gpt_ref")],
+    [
+        ("llama_tp2", "llama_ref"),
+        ("llama_tp2_dp2", "llama_ref"),
+        ("llama_tp2_fsdp2", "llama_ref"),
+        ("gpt_tp2", "gpt_ref"),
+    ],
 )
 def test_tensor_parallel_trains_like_one_process(runs: Runs, name: str, ref: str) -> None:
     """Loss, gradient norm (every step) and validation loss and item count agree within 1e-5:
     items counted per data-parallel replica, not once per tensor-parallel rank; the norm adds
-    the shards' squares and counts whole (and replicated) parameters once."""
+    the shards' squares over every mesh dimension they are split along (FSDP2's strided
+    shards of a tensor-parallel split too) and counts whole (and replicated) parameters
+    once."""
     check_against(runs.records(name), runs.records(ref))
     assert "DTensor" not in runs.procs[name].stderr
 
@@ -123,6 +134,9 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(
                 "dist.tp=2",
                 f"checkpoint.resume={checkpoint(runs.dir('llama_tp2'), 3)}",
             ],
+        ),
+        "from_2d": python(
+            [*LLAMA, *ACCUM4, f"checkpoint.resume={checkpoint(runs.dir('llama_tp2_fsdp2'), 3)}"]
         ),
         "from_one": torchrun(
             2,

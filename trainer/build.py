@@ -217,17 +217,12 @@ def build_model_parallel(cfg: Config, info: DistInfo) -> PipelineParallel | Tens
             "on every tensor-parallel rank)",
         ),
     }
-    if d.tp > 1:
-        refused["dist.strategy"] = (
-            d.strategy == "fsdp",
-            "FSDP2 over the data-parallel ranks of tensor-parallel groups is not built yet",
-        )
     for k, (bad, why) in refused.items():
         if bad:
             raise ConfigError(k, f"not available with {key}={n}: {why}")
     mesh = build_mesh(info, d.pp, d.tp)
     if d.tp > 1:
-        return TensorParallel(info, mesh)
+        return TensorParallel(info, mesh, fsdp=d.strategy == "fsdp")
     fsdp = d.strategy == "fsdp"
     return PipelineParallel(info, mesh, d.pp_schedule, d.pp_virtual, d.pp_split, fsdp=fsdp)
 
