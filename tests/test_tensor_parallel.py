@@ -11,6 +11,7 @@ make the item counts differ between micro-batches.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -207,3 +208,41 @@ def test_refusals(
         assert proc.returncode == EXIT_USER_ERROR, explain(proc)
     else:
         assert f"(exitcode: {EXIT_USER_ERROR})" in proc.stderr, explain(proc)
+
+
+@pytest.mark.multiproc
+def test_export_of_a_2d_checkpoint_reloads_in_transformers(runs: Runs, tmp_path: Path) -> None:
+    """scripts/export_hf.py on the tp=2 x FSDP2 run's checkpoint (gathered from 2-D shards):
+    `from_pretrained` loads it, and its mean loss over the evaluation batches equals
+    `trainer.evaluate`'s on the checkpoint (both over the same items)."""
+    import sys
+
+    import torch
+    import transformers
+    from omegaconf import OmegaConf
+
+    from tests.conftest import compose_config, launch, run_cli
+    from trainer.build import build_data
+
+    ckpt = checkpoint(runs.dir("llama_tp2_fsdp2"), 6)
+    out = tmp_path / "exported"
+    export = launch([sys.executable, "scripts/export_hf.py", f"checkpoint={ckpt}", f"out={out}"])
+    assert export.returncode == 0, explain(export)
+    evaluated = run_cli([f"checkpoint={ckpt}"], module="trainer.evaluate")
+    assert evaluated.returncode == 0, explain(evaluated)
+    want = json.loads(evaluated.stdout.strip().splitlines()[-1])
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    cfg = compose_config([*LLAMA, *ACCUM4])
+    data, _ = build_data(OmegaConf.to_container(cfg.data, resolve=True))
+    n = 2 * 16  # eval.max_batches x eval.batch_size (its default)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for sample in (data.val[i] for i in range(n)):  # a document's token ids
+            logits = model(input_ids=sample[None, :-1]).logits[0]
+            loss = torch.nn.functional.cross_entropy(logits, sample[1:], reduction="sum")
+            total += float(loss)
+            count += len(sample) - 1
+    assert count == want["val/items"], (count, want)
+    assert abs(total / count - want["val/loss"]) <= 1e-5, (total / count, want["val/loss"])
