@@ -4,8 +4,9 @@ refusals.
 Every run goes through the real command (torchrun with gloo on CPU) and is compared with
 the same configuration on one process, which never touches engine/tensor_parallel.py. The
 transformers Llama is split by its config's own `base_model_tp_plan` (attention and MLP); the
-in-tree GPT by its plan (the MLP, whose row-split projection keeps a replicated bias: the
-gradient norm must count it once). Documents of different lengths, padded per micro-batch,
+in-tree GPT by its plan (heads through its fused q/k/v projection, split third by third, and
+the MLP; its row-split projections keep a replicated bias: the gradient norm must count it
+once). Documents of different lengths, padded per micro-batch,
 make the item counts differ between micro-batches.
 """
 
@@ -77,6 +78,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         ),
         "gpt_ref": python([*GPT, *ACCUM4]),
         "gpt_tp2": torchrun(2, [*GPT, *ACCUM4, "dist.tp=2"]),
+        # 4 heads over 4 ranks: one head each (and a quarter of the MLP).
+        "gpt4_ref": python([*GPT, *ACCUM4, "model.n_head=4"]),
+        "gpt4_tp4": torchrun(4, [*GPT, *ACCUM4, "model.n_head=4", "dist.tp=4"]),
     }
     cmds = {n: [*c, f"hydra.run.dir={root / n}"] for n, c in cmds.items()}
     procs = launch_all(cmds, TIMEOUT, TMPDIR=str(root))
@@ -105,6 +109,7 @@ def check_against(got: list[dict], want: list[dict], steps: list[int] = STEPS) -
         ("llama_tp2_dp2", "llama_ref"),
         ("llama_tp2_fsdp2", "llama_ref"),
         ("gpt_tp2", "gpt_ref"),
+        ("gpt4_tp4", "gpt4_ref"),
     ],
 )
 def test_tensor_parallel_trains_like_one_process(runs: Runs, name: str, ref: str) -> None:
@@ -178,6 +183,9 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         ),
         "no_plan": torchrun(2, ["experiment=digits", *REFUSE, "dist.tp=2"]),
         "sam": torchrun(2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "step=sam"]),
+        "gpt_fsdp": torchrun(
+            2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "dist.strategy=fsdp", "dist.pp=1"]
+        ),
     }
     cmds = {n: [*c, f"hydra.run.dir={root / n}"] for n, c in cmds.items()}
     return launch_all(cmds, TIMEOUT, TMPDIR=str(root))
@@ -193,6 +201,7 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         ("sequence_parallel", "dist.tp_sequence_parallel", "not built yet"),
         ("no_plan", "dist.tp", "tensor_parallel_plan"),
         ("sam", "step", "accumulate"),
+        ("gpt_fsdp", "dist.tp", "colwise_qkv"),
     ],
 )
 def test_refusals(

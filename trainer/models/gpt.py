@@ -73,13 +73,14 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, nh, T, hs)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # Thirds and -1 heads, not C and n_head: under dist.tp this rank holds its heads only.
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        hs = C // self.n_head
+        q, k, v = (t.view(B, T, -1, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C)
         return self.resid_drop(self.proj(y))
 
 
@@ -168,11 +169,15 @@ class GPT(nn.Module):
         return stage
 
     def tensor_parallel_plan(self) -> dict[str, str]:
-        """`dist.tp` (engine/tensor_parallel.py): each block's MLP split over the ranks (the
-        hidden units colwise, the projection back rowwise). Attention stays whole on every
-        rank: its fused q/k/v projection is laid out [q | k | v], which a colwise split
-        would cut across heads."""
-        return {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
+        """`dist.tp` (engine/tensor_parallel.py): heads and MLP units split over the ranks.
+        The fused q/k/v projection is laid out [q | k | v]: `colwise_qkv` splits each third,
+        so a rank holds q, k and v of the same heads."""
+        return {
+            "blocks.*.attn.qkv": "colwise_qkv",
+            "blocks.*.attn.proj": "rowwise",
+            "blocks.*.mlp.fc": "colwise",
+            "blocks.*.mlp.proj": "rowwise",
+        }
 
     def output_head(self) -> nn.Linear:
         """The output layer (engine/chunked_ce.py's `OutputHead`): its weight is `tok_emb`'s."""
