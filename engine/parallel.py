@@ -226,6 +226,50 @@ class FullyShardedDataParallel(_OnMesh):
         yield
 
 
+class MeshSplit:
+    """The shared part of parallelisms that split the model over mesh dimensions besides
+    `dp` (pipeline stages, tensor-parallel ranks): the data-parallel coordinates from the
+    mesh, gradients summed by the parallelism itself (`sync_divisor` 1) and checkpoints in
+    the `full` layout, gathered under the model's own parameter names."""
+
+    def __init__(self, info: DistInfo, mesh: DeviceMesh) -> None:
+        self.info, self.mesh = info, mesh
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh["dp"].size()
+
+    @property
+    def dp_group(self) -> ProcessGroup:
+        return self.mesh.get_group("dp")
+
+    @property
+    def sync_divisor(self) -> int:
+        return 1
+
+    @property
+    def checkpoint_format(self) -> str:
+        return "full"
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group: ProcessGroup | None) -> None:
+    """Sum `tensors` over `group` in place, one collective per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=group)
+        offset = 0
+        for t in ts:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 PARALLELISMS: dict[str, type[DataParallel] | type[FullyShardedDataParallel]] = {
     cls.name: cls for cls in (DataParallel, FullyShardedDataParallel)
 }

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from engine.distributed import DistInfo
+from engine.parallel import MeshSplit, all_reduce_flat
 from engine.pipeline_schedule import SCHEDULES, Action, actions
 
 __all__ = ["SCHEDULES", "DeclaresStages", "NotSplittable", "PipelineParallel", "stage_ranges"]
@@ -205,7 +206,7 @@ class _Links:
         self.pending.clear()
 
 
-class PipelineParallel:
+class PipelineParallel(MeshSplit):
     """`dist.pp` pipeline stages (times `dist.pp_virtual` per rank) over the mesh's `pp`
     dimension, data parallelism over its `dp` dimension.
 
@@ -230,7 +231,8 @@ class PipelineParallel:
         split: Sequence[int] | None = None,
         fsdp: bool = False,
     ) -> None:
-        self.info, self.mesh, self.fsdp = info, mesh, fsdp
+        super().__init__(info, mesh)
+        self.fsdp = fsdp
         self.pp = mesh["pp"].size()
         self.pp_rank = mesh.get_local_rank("pp")
         self.schedule, self.virtual, self.split = schedule, virtual, split
@@ -245,28 +247,8 @@ class PipelineParallel:
 
     # ---- coordinates ----------------------------------------------------------------------
     @property
-    def dp_rank(self) -> int:
-        return self.mesh.get_local_rank("dp")
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh["dp"].size()
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("dp")
-
-    @property
     def pp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("pp")
-
-    @property
-    def sync_divisor(self) -> int:
-        return 1
-
-    @property
-    def checkpoint_format(self) -> str:
-        return "full"
 
     def rank_of_stage(self, stage: int) -> int:
         """The global rank holding `stage` in this rank's data-parallel replica."""
@@ -453,7 +435,7 @@ class PipelineParallel:
         parameter (a tied embedding): afterwards every copy holds the whole gradient."""
         grads = [p.grad for p in params if p.grad is not None]
         if self.dp_size > 1 and grads and not self.fsdp:  # FSDP reduce-scattered already
-            _all_reduce_flat(grads, self.dp_group)
+            all_reduce_flat(grads, self.dp_group)
         if self.shared:
             by_name = {self.names[id(p)]: p for p in params}
             flat = []
@@ -466,7 +448,7 @@ class PipelineParallel:
                     if p is not None
                     else torch.zeros(shape, dtype=dtype, device=self.info.device)
                 )
-            _all_reduce_flat(flat, self.pp_group)
+            all_reduce_flat(flat, self.pp_group)
 
     def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
         """The total gradient norm over every stage (each shared parameter counted once), the
@@ -624,20 +606,6 @@ def _prune(model: nn.Module, stages: Iterable[nn.Module]) -> None:
                 module._buffers[name] = None
 
     visit(model)
-
-
-def _all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Sum `tensors` over `group` in one collective per dtype, in place."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for ts in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in ts])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for t in ts:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
 
 
 def named_optimizer_state(

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from engine.distributed import DistInfo
+from engine.parallel import MeshSplit, all_reduce_flat
 
 # colwise_qkv: a fused projection whose output is [q | k | v]: each third split colwise, so a
 # rank holds the same heads' rows of q, k and v (a DTensor `_StridedShard(0, split_factor=3)`:
@@ -124,7 +125,7 @@ def fused_colwise(parts: int) -> Any:
     return FusedColwise()
 
 
-class TensorParallel:
+class TensorParallel(MeshSplit):
     """`dist.tp` tensor-parallel ranks over the mesh's `tp` dimension, data parallelism over
     its `dp` dimension (gradients summed after the window: `sync_divisor` is 1)."""
 
@@ -134,33 +135,14 @@ class TensorParallel:
     shards_parameters = False
 
     def __init__(self, info: DistInfo, mesh: DeviceMesh, fsdp: bool = False) -> None:
-        self.info, self.mesh, self.fsdp = info, mesh, fsdp
+        super().__init__(info, mesh)
+        self.fsdp = fsdp
         self.tp = mesh["tp"].size()
         self.tp_rank = mesh.get_local_rank("tp")
 
     @property
-    def dp_rank(self) -> int:
-        return self.mesh.get_local_rank("dp")
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh["dp"].size()
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("dp")
-
-    @property
     def tp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("tp")
-
-    @property
-    def sync_divisor(self) -> int:
-        return 1
-
-    @property
-    def checkpoint_format(self) -> str:
-        return "full"
 
     @property
     def reports(self) -> bool:
@@ -256,16 +238,7 @@ class TensorParallel:
         """Sum gradients (each rank's shards) over the data-parallel ranks."""
         grads = [_local(p.grad) for p in params if p.grad is not None]
         if self.dp_size > 1 and grads and not self.fsdp:  # FSDP2 reduce-scattered already
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for g in grads:
-                by_dtype.setdefault(g.dtype, []).append(g)
-            for ts in by_dtype.values():
-                flat = torch.cat([t.reshape(-1) for t in ts])
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
-                offset = 0
-                for t in ts:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+            all_reduce_flat(grads, self.dp_group)
 
     def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
         """The total gradient norm, float64 squares: each gradient's local squares summed
