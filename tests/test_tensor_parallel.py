@@ -255,3 +255,36 @@ def test_export_of_a_2d_checkpoint_reloads_in_transformers(runs: Runs, tmp_path:
             count += len(sample) - 1
     assert count == want["val/items"], (count, want)
     assert abs(total / count - want["val/loss"]) <= 1e-5, (total / count, want["val/loss"])
+
+
+@pytest.mark.multiproc
+def test_dropout_sigkill_then_rerun_continues_bit_for_bit(tmp_path: Path) -> None:
+    """With dropout, a tp=2 run SIGKILLed on rank 1 after step 4 (checkpoint at 3) and rerun
+    with the same command logs the uninterrupted run's records exactly: every rank's random
+    streams (dropout masks) come back with the checkpoint."""
+    from tests.conftest import launch
+    from tests.test_pipeline import kill_at, resumed_steps
+
+    args = [*GPT, *ACCUM4, "model.dropout=0.1", "dist.tp=2"]
+    whole, run_dir, marker = tmp_path / "whole", tmp_path / "run", tmp_path / "killed"
+    procs = launch_all(
+        {
+            "whole": torchrun(2, [*args, f"hydra.run.dir={whole}"]),
+            "killed": torchrun(2, [*args, f"hydra.run.dir={run_dir}", *kill_at(4, marker, 1)]),
+        },
+        TIMEOUT,
+        TMPDIR=str(tmp_path),
+    )
+    ok(procs["whole"])
+    assert procs["killed"].returncode != 0 and marker.exists(), explain(procs["killed"])
+    rerun = launch(
+        torchrun(2, [*args, f"hydra.run.dir={run_dir}", *kill_at(4, marker, 1)]),
+        TIMEOUT,
+        tmp=tmp_path,
+    )
+    ok(rerun)
+    assert resumed_steps(rerun) == [3], explain(rerun)
+    got, want = read_metrics(run_dir), read_metrics(whole)
+    assert [r["step"] for r in train_records(got)] == STEPS
+    assert_equal(train_records(got), train_records(want), TRAIN_KEYS)
+    assert_equal(val_records(got), val_records(want), ("val/loss",))
