@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.distributed import all_reduce_sum
+from engine.parallel import local_values, whole_tensor
 from engine.step import Batch, StepContext, StepResult, item_count
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -76,7 +77,7 @@ def micro_backward(ctx: StepContext, batch: Batch, count: torch.Tensor) -> torch
 
 def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of all `tensors` together, on the device (also for sharded DTensors)."""
-    return _local(_norm(tensors))
+    return whole_tensor(_norm(tensors))
 
 
 def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -84,16 +85,6 @@ def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     # (fp32 overflows from ~1e19), so "inf norm" means a gradient really is non-finite.
     per_tensor = torch._foreach_norm(tensors, 2.0, dtype=torch.float64)
     return torch.linalg.vector_norm(torch.stack(per_tensor)).float()
-
-
-def _shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's values of a DTensor (a view: in-place changes reach the DTensor)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # A DTensor norm over FSDP shards: reduce it to the same plain tensor on every rank.
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def clip_gradients(
@@ -115,10 +106,10 @@ def clip_gradients(
         # The norm is the total over ranks holding different parameters; the gradients may
         # mix DTensor shards and whole tensors: scale each rank's own values in place.
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_([_shard(g) for g in grads], coef)
+        torch._foreach_mul_([local_values(g) for g in grads], coef)
     elif max_norm is not None:  # clip with the (possibly sharded) norm the gradients live with
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    norm = _local(norm).detach()
+    norm = whole_tensor(norm).detach()
     return norm, (~torch.isfinite(norm)).to(torch.float32)
 
 

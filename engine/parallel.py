@@ -256,6 +256,18 @@ class MeshSplit:
         return "full"
 
 
+def local_values(t: torch.Tensor) -> torch.Tensor:
+    """This rank's values of a DTensor (a view: in-place changes reach the DTensor), or the
+    tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a DTensor, the same on every rank (collective over its mesh), or
+    the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def all_reduce_flat(tensors: list[torch.Tensor], group: ProcessGroup | None) -> None:
     """Sum `tensors` over `group` in place, one collective per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from engine.distributed import DistInfo
-from engine.parallel import MeshSplit, all_reduce_flat
+from engine.parallel import MeshSplit, all_reduce_flat, local_values, whole_tensor
 from engine.pipeline_schedule import SCHEDULES, Action, actions
 
 __all__ = ["SCHEDULES", "DeclaresStages", "NotSplittable", "PipelineParallel", "stage_ranges"]
@@ -319,9 +319,8 @@ class PipelineParallel(MeshSplit):
         self.shards_parameters = True
 
     def _find_shared(self, model: nn.Module) -> None:
-        mine = {
-            n: (_local(p).shape, p.dtype) for n, p in model.named_parameters() if p.requires_grad
-        }
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        mine = {n: (local_values(p).shape, p.dtype) for n, p in trained}
         everyone: list[Any] = [None] * self.pp
         dist.all_gather_object(everyone, sorted(mine), group=self.pp_group)
         seen: dict[str, int] = {}
@@ -444,7 +443,7 @@ class PipelineParallel(MeshSplit):
                 if p is not None and p.grad is None:
                     p.grad = torch.zeros_like(p)
                 flat.append(
-                    _local(p.grad)
+                    local_values(p.grad)
                     if p is not None
                     else torch.zeros(shape, dtype=dtype, device=self.info.device)
                 )
@@ -454,7 +453,7 @@ class PipelineParallel(MeshSplit):
         """The total gradient norm over every stage (each shared parameter counted once), the
         same on every rank; float64 squares, like the single-process norm."""
         grads = [
-            _local(p.grad)
+            local_values(p.grad)
             for p in params
             if p.grad is not None and self.names.get(id(p)) not in self.not_counted
         ]
@@ -537,7 +536,7 @@ class PipelineParallel(MeshSplit):
         0 (empty elsewhere), in the format of a single-process `full` checkpoint. Collective."""
         local: Any = None
         # Every dp rank gathers (FSDP's shards are collective); the first one contributes.
-        model_state = {k: _full(v).cpu().clone() for k, v in model.state_dict().items()}
+        model_state = {k: _on_cpu(v) for k, v in model.state_dict().items()}
         optimizer_state = named_optimizer_state(optimizer, self.names)
         if self.dp_rank == 0:
             local = (model_state, optimizer_state)
@@ -566,14 +565,8 @@ class PipelineParallel(MeshSplit):
             load_named_optimizer_state(optimizer, self.names, optimizer_state)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP), or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor (collective over its mesh), or the tensor itself."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    return whole_tensor(t).detach().cpu().clone()
 
 
 def _like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -616,9 +609,7 @@ def named_optimizer_state(
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     sd = optimizer.state_dict()
     state = {
-        order[i]: {
-            k: (_full(v).detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in s.items()
-        }
+        order[i]: {k: (_on_cpu(v) if torch.is_tensor(v) else v) for k, v in s.items()}
         for i, s in sd["state"].items()
     }
     groups = [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]

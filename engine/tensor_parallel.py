@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from engine.distributed import DistInfo
-from engine.parallel import MeshSplit, all_reduce_flat
+from engine.parallel import MeshSplit, all_reduce_flat, local_values
 
 # colwise_qkv: a fused projection whose output is [q | k | v]: each third split colwise, so a
 # rank holds the same heads' rows of q, k and v (a DTensor `_StridedShard(0, split_factor=3)`:
@@ -236,7 +236,7 @@ class TensorParallel(MeshSplit):
 
     def sync_gradients(self, params: list[nn.Parameter]) -> None:
         """Sum gradients (each rank's shards) over the data-parallel ranks."""
-        grads = [_local(p.grad) for p in params if p.grad is not None]
+        grads = [local_values(p.grad) for p in params if p.grad is not None]
         if self.dp_size > 1 and grads and not self.fsdp:  # FSDP2 reduce-scattered already
             all_reduce_flat(grads, self.dp_group)
 
@@ -247,7 +247,7 @@ class TensorParallel(MeshSplit):
         by_dims: dict[tuple[str, ...], list[torch.Tensor]] = {}
         for p in params:
             if p.grad is not None:
-                by_dims.setdefault(_sharded_dims(p.grad), []).append(_local(p.grad))
+                by_dims.setdefault(_sharded_dims(p.grad), []).append(local_values(p.grad))
         total = torch.zeros((), dtype=torch.float64, device=self.info.device)
         for dims, grads in by_dims.items():
             sq = _squares(grads, self.info.device)
@@ -269,10 +269,6 @@ def _sharded_dims(t: torch.Tensor) -> tuple[str, ...]:
     names = t.device_mesh.mesh_dim_names or ()
     # Not replicated = sharded: Shard, and FSDP2's _StridedShard on a tensor-parallel split.
     return tuple(n for n, p in zip(names, t.placements) if not p.is_replicate())
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

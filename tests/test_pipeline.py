@@ -34,6 +34,7 @@ from tests.conftest import (
     train_records,
 )
 from tests.pipeline_support import OverflowGPT
+from tests.test_checkpoint import kill_at, resumed_steps
 from trainer.cli import EXIT_USER_ERROR
 
 Records = list[dict[str, Any]]
@@ -73,7 +74,6 @@ TRAIN_KEYS = ("train/loss", "train/grad_norm")
 ATOL = 1e-5
 TIMEOUT = 420.0  # everything of a batch at once on 2 cores; alone, a 2-rank run takes ~10 s
 TRACEBACK = "Traceback (most recent call last)"
-BANNER = re.compile(r"resumed from (\S+) at step (\d+)")
 
 
 def python(args: Sequence[str]) -> list[str]:
@@ -451,20 +451,6 @@ def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(runs: Runs) ->
 
 
 # =========================================================================== 3. resume
-
-
-def kill_at(step: int, marker: Path, rank: int) -> list[str]:
-    """Overrides adding the SIGKILL callback (harmless on the rerun: the marker exists)."""
-    return [
-        "+callbacks.kill._target_=tests.ckpt_support.KillOnce",
-        f"+callbacks.kill.step={step}",
-        f"+callbacks.kill.marker={marker}",
-        f"+callbacks.kill.rank={rank}",
-    ]
-
-
-def resumed_steps(proc: subprocess.CompletedProcess) -> list[int]:
-    return [int(m.group(2)) for m in BANNER.finditer(proc.stdout + proc.stderr)]
 
 
 def checkpoint(run_dir: Path, step: int) -> Path:

@@ -263,7 +263,7 @@ def test_dropout_sigkill_then_rerun_continues_bit_for_bit(tmp_path: Path) -> Non
     with the same command logs the uninterrupted run's records exactly: every rank's random
     streams (dropout masks) come back with the checkpoint."""
     from tests.conftest import launch
-    from tests.test_pipeline import kill_at, resumed_steps
+    from tests.test_checkpoint import kill_at, resumed_steps
 
     args = [*GPT, *ACCUM4, "model.dropout=0.1", "dist.tp=2"]
     whole, run_dir, marker = tmp_path / "whole", tmp_path / "run", tmp_path / "killed"
