@@ -126,6 +126,13 @@ class AccumulateStep:
 def finish_step(ctx: StepContext, loss_sum: torch.Tensor, global_count: torch.Tensor) -> StepResult:
     """Unscale, clip, skip-or-update, advance the schedule and the step count: the tail every
     strategy shares. It fires the callbacks' hooks of these moments, so no loop has to."""
+    grad_norm, found_inf, lr = apply_update(ctx)
+    return count_step(ctx, StepResult(loss_sum, global_count, grad_norm, found_inf, lr))
+
+
+def apply_update(ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The first half of `finish_step`: unscale, clip and update (or skip); the gradient
+    norm, the non-finite flag and the learning rate used."""
     # Tensor parallel: DTensor shards and whole parameters side by side in one optimizer.
     mixed = getattr(ctx.parallel, "mixed_tensors", contextlib.nullcontext)
     with mixed():
@@ -140,8 +147,14 @@ def finish_step(ctx: StepContext, loss_sum: torch.Tensor, global_count: torch.Te
     lr = float(ctx.optimizer.param_groups[0]["lr"])
     with mixed():
         ctx.precision.optimizer_step(ctx.optimizer, found_inf)
+    return grad_norm, found_inf, lr
+
+
+def count_step(ctx: StepContext, result: StepResult) -> StepResult:
+    """The second half of `finish_step`: advance the schedule and the step count, then the
+    callbacks of a finished step."""
     if ctx.scheduler is not None:
         ctx.scheduler.step()
     ctx.step += 1
     ctx.callbacks.after_optimizer_step(ctx, ctx.step)
-    return StepResult(loss_sum, global_count, grad_norm, found_inf, lr)
+    return result

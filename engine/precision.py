@@ -80,6 +80,26 @@ class Precision:
             return None
         return self.scaler._get_scale_async()  # the public get_scale() syncs
 
+    def window_state(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The scaler's scale and growth tracker as device copies (no host sync, unlike
+        `state_dict`), for `restore_window_state` when a window is redone; None without a
+        scaler or before its first use (`scale()` initialises them lazily)."""
+        if self.scaler is None or self.scaler._scale is None:
+            return None
+        return self.scaler._scale.clone(), self.scaler._growth_tracker.clone()
+
+    def restore_window_state(self, saved: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Back to `saved` (from `window_state`), and forget that the window's gradients were
+        unscaled or stepped: the redone window unscales its own."""
+        if self.scaler is None:
+            return
+        if saved is None:  # before its first use: initialised again by the next scale()
+            self.scaler._scale = self.scaler._growth_tracker = None
+        else:
+            self.scaler._scale.copy_(saved[0])
+            self.scaler._growth_tracker.copy_(saved[1])
+        self.scaler._per_optimizer_states.clear()  # a defaultdict: refreshed on next use
+
     def state_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "scaler": self.scaler.state_dict() if self.scaler else None}
 

@@ -5,9 +5,9 @@ than `fit` samples (or, with `fit_tokens`, more padded tokens): in forward, or i
 (a custom autograd Function on the token embeddings), on the `ranks` given (None: every
 rank). `LowerLimit`, a callback, lowers the limit during a run: after optimizer step
 `at_step` (0: before the first), the limit becomes `fit` after `skip` more training
-forwards, so an OOM can land in the middle of a window. `OomBeforeStep` runs out of memory
-in an optimizer step. Optionally a BatchNorm over the embedding channels (running
-statistics: module buffers) and float64 parameters.
+forwards, so an OOM can land in the middle of a window. `OomInStep` runs out of memory
+at the end of an optimizer step (after the update). Optionally a BatchNorm over the
+embedding channels (running statistics: module buffers) and float64 parameters.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class LimitedGPT(GPT):
         self.fit_tokens = fit_tokens  # also out of memory above this many (padded) tokens
         self.armed: dict[str, Any] | None = None
         self.ooms: list[tuple[str, int]] = []  # (where, batch size) of each raised OOM
+        self.last_batch = 0  # the last training micro-batch's size
         self.norm = nn.BatchNorm1d(self.tok_emb.embedding_dim) if batchnorm else None
         self.tok_emb.register_forward_hook(self._limit)
         if float64:
@@ -72,6 +73,7 @@ class LimitedGPT(GPT):
     def _limit(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         if not (self.training and torch.is_grad_enabled()):
             return out
+        self.last_batch = out.shape[0]
         if self.armed is not None:
             if self.armed["skip"] == 0:
                 self.fit, self.where = self.armed["fit"], self.armed["where"]
@@ -109,13 +111,25 @@ class LowerLimit(Callback):
             unwrap(ctx.model).armed = dict(self.arm)
 
 
-class OomBeforeStep(Callback):
-    """Out of memory in the optimizer step of step `at_step` on `ranks` (after the gradients
-    are complete, where micro-batch size no longer matters)."""
+class OomInStep(Callback):
+    """Out of memory in the optimizer step from step `at_step` on, on `ranks`, while the
+    window's micro-batches hold more than `fit` samples (their activations fragment a GPU's
+    cache). Raised by an optimizer step post-hook: after the update was applied to every
+    parameter and Adam's moments (created on the first step), the worst case to undo."""
 
-    def __init__(self, at_step: int, ranks: list[int] | None = None) -> None:
-        self.at_step, self.ranks = at_step, ranks
+    def __init__(self, at_step: int, fit: int = 0, ranks: list[int] | None = None) -> None:
+        self.at_step, self.fit, self.ranks = at_step, fit, ranks
+        self.pending = False
+
+    def setup(self, ctx: Any) -> None:
+        ctx.optimizer.register_step_post_hook(self._raise)
 
     def on_before_optimizer_step(self, ctx: Any) -> None:
-        if ctx.step + 1 == self.at_step and (self.ranks is None or _rank() in self.ranks):
+        mine = self.ranks is None or _rank() in self.ranks
+        large = unwrap(ctx.model).last_batch > self.fit
+        self.pending = ctx.step + 1 >= self.at_step and mine and large
+
+    def _raise(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.pending:
+            self.pending = False
             raise torch.OutOfMemoryError("test limit: optimizer step")

@@ -32,7 +32,7 @@ from trainer import metrics  # noqa: F401  (imported before capsys: Progress bin
 from trainer.errors import UserError
 
 MODEL = "model._target_=tests.auto_batch_support.LimitedGPT"
-OOM_STEP = "+callbacks.oom={_target_:tests.auto_batch_support.OomBeforeStep,"
+OOM_STEP = "+callbacks.oom={_target_:tests.auto_batch_support.OomInStep,"
 LOWER = "+callbacks.lower={_target_:tests.auto_batch_support.LowerLimit,"
 
 
@@ -147,6 +147,22 @@ def test_fp16_batchnorm_window_rolled_back(tmp_path: Path) -> None:
     assert_same_run(tmp_path / "auto", tmp_path / "hand", 1e-6)
 
 
+def test_oom_in_the_optimizer_step_undoes_the_update(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """fp16 with a GradScaler: the first optimizer step runs out of memory after its update
+    (parameters changed, Adam's moments created, the scaler's scale initialised and updated).
+    The update is undone and the window redone at 4: the run equals one started at 4."""
+    common = ("train.precision=fp16", "+model.batchnorm=true")
+    oom = OOM_STEP + "at_step:1,fit:4}"
+    train_in_process(overrides(2, 16, "auto", "+model.fit=8", oom, *common), tmp_path / "auto")
+    err = capsys.readouterr().err
+    assert "optimizer step at step 1; shrinking the micro-batch to 4" in err, err
+    assert sizes(tmp_path / "auto") == [4, 4]
+    train_in_process(overrides(2, 16, 4, *common), tmp_path / "hand")
+    assert_same_run(tmp_path / "auto", tmp_path / "hand", 1e-6)
+
+
 def test_resume_probes_again(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The size is saved in checkpoints and probed again on resume (another machine); a run
     started with a number may go on with auto. With activation checkpointing and bf16."""
@@ -209,23 +225,25 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
     """DDP on 2 ranks, float64. The probe: forward OOM on rank 0 only above 5 of the per-rank
     12: both ranks choose 4. Step 2: OOM in the *last* micro-batch's backward on rank 1 only
     (DDP's bucketed all-reduce would hang here): both ranks redo the window at 2. The run
-    equals a 2-rank run at micro-batch 2 set by hand. FSDP2 on 2 ranks is refused. An OOM in
-    the optimizer step on rank 0 only (not retried: its memory does not depend on the
-    micro-batch) stops both ranks with one paragraph, no hang."""
+    equals a 2-rank run at micro-batch 2 set by hand. FSDP2 on 2 ranks is refused. An OOM at
+    the end of step 2's optimizer step on rank 0 only (its update applied, rank 1's too): both
+    ranks undo the update and redo the window at 2, again equal to the hand run."""
     lower = LOWER + "at_step:1,fit:2,skip:2,where:backward,ranks:[1]}"
     common = ("+model.float64=true", "train.log_every=1")
     runs = {
         "auto": overrides(3, 24, "auto", "+model.fit=5", "+model.ranks=[0]", lower, *common),
         "hand": overrides(3, 24, 2, *common),
         "fsdp": overrides(1, 24, "auto", "dist.strategy=fsdp"),
-        "optim": overrides(3, 24, "auto", OOM_STEP + "at_step:2,ranks:[0]}"),
+        "optim": overrides(
+            3, 24, "auto", "+model.fit=5", OOM_STEP + "at_step:2,fit:2,ranks:[0]}", *common
+        ),
     }
     cmds = {
         name: [*torchrun_cmd(2), "-m", "trainer.train", *args, f"hydra.run.dir={tmp_path / name}"]
         for name, args in runs.items()
     }
     procs = launch_all(cmds, timeout=150, TMPDIR=str(tmp_path))
-    for name in ("auto", "hand"):
+    for name in ("auto", "hand", "optim"):
         assert procs[name].returncode == 0, explain(procs[name])
     out, err = procs["auto"].stdout, procs["auto"].stderr
     assert "chose 4 of the divisors of the per-rank batch 12" in out, explain(procs["auto"])
@@ -235,10 +253,10 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
     fsdp = procs["fsdp"]  # torchrun exits 1 when a worker exits 2
     assert fsdp.returncode != 0 and "exitcode  : 2" in fsdp.stderr, explain(fsdp)
     assert fsdp.stderr.count("dist.strategy=fsdp on several ranks") == 1, explain(fsdp)
-    optim = procs["optim"]
-    assert optim.returncode != 0 and "exitcode  : 2" in optim.stderr, explain(optim)
-    assert "out of memory at step 2 in the optimizer step" in optim.stderr, explain(optim)
-    assert read_metrics(tmp_path / "optim")[0]["step"] == 1
+    err = procs["optim"].stderr
+    assert "in the gradient clipping or optimizer step at step 2; shrinking the micro" in err, err
+    assert sizes(tmp_path / "optim") == [4, 2, 2]
+    assert_same_run(tmp_path / "optim", tmp_path / "hand", 1e-12)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ step on the worst case the data produces (its longest sample, repeated), with al
 lockstep (engine/oom.py), and is undone (parameters, buffers, optimizer state, RNG), so the
 run that follows equals one started with that size by hand.
 
-During training `step_window` catches an out-of-memory error agreed by every rank, rolls the
-window back to its start (gradients, module buffers, RNG; the data position by rebuilding the
-loader at the same step), halves the micro-batch to the next divisor and redoes the window.
+During training `step_window` catches an out-of-memory error agreed by every rank (in a
+micro-batch's forward or backward, clipping or the optimizer step), rolls the window back to
+its start (gradients, module buffers, RNG, a half-applied update with the optimizer state and
+loss scale; the data position by rebuilding the loader at the same step), halves the
+micro-batch to the next divisor and redoes the window.
 """
 
 from __future__ import annotations
@@ -286,10 +288,9 @@ def shrink(run: Any, oom: OutOfMemoryAgreed) -> int:
     smaller = [d for d in divisors(plan.per_rank) if d <= plan.micro // 2]
     if not oom.retry or not smaller:
         what = (
-            "the optimizer step or gradient clipping (their memory does not depend on the "
-            "micro-batch size)"
+            f"the {oom.where} (after the step was counted: not redone)"
             if not oom.retry
-            else "a micro-batch of 1 sample"
+            else f"the {oom.where} with micro-batches of 1 sample"
         )
         raise UserError(
             f"train.micro_batch_size=auto: out of memory at step {run.step + 1} in {what}, "
