@@ -651,24 +651,53 @@ def test_interleaved_accum_not_multiple_of_pp_is_a_config_error(
 
 # =========================================================================== 6. transformers
 
+# Tiny transformers models on padded variable-length documents, a checkpoint at the last step:
+# (extra args, steps, validation steps).
+HF_CASES = {
+    # Split by the config's `base_model_pp_plan` (embedding, layers, norm): the stage runs
+    # transformers' own base forward on its layers.
+    "hf_llama": (
+        [
+            "model=hf_llama",
+            "model.config.num_hidden_layers=4",
+            "model.config.max_position_embeddings=64",
+            "checkpoint.every_steps=6",
+        ],
+        STEPS,
+        [3, 6],
+    ),
+    # GPT-2's own stage (trainer/models/hf.py `GPT2Stage`): wte + wpe on the first stage, the
+    # output layer tied to wte on the last, blocks only in the middle. No text sample on one
+    # process: 200 generated tokens overrun n_positions.
+    "hf_gpt2": (
+        [
+            "model=hf_gpt2",
+            "model.config.n_layer=4",
+            "eval.sample_tokens=0",
+            "train.max_steps=4",
+            "eval.every_steps=2",
+            "checkpoint.every_steps=4",
+        ],
+        [1, 2, 3, 4],
+        [2, 4],
+    ),
+}
+
 
 @pytest.mark.multiproc
-def test_hf_llama_stages_train_like_one_process(tmp_path: Path) -> None:
-    """A transformers Llama split by its config's `base_model_pp_plan` (embedding, layers,
-    norm; the stage runs transformers' own forward on its layers): interleaved stages and
-    padded variable-length documents, against the same model on one process."""
+@pytest.mark.parametrize("model", sorted(HF_CASES))
+def test_hf_stages_train_like_one_process(tmp_path: Path, model: str) -> None:
+    """A transformers model on 4 interleaved stages over 2 ranks (first, two middle, last)
+    with padded variable-length documents, against the same model on one process: loss and
+    gradient norm every step, validation loss, within 1e-5; the last step's checkpoint holds
+    the whole model under transformers' parameter names, the one-process run's weights."""
     pytest.importorskip("transformers")
-    llama = [
-        *(a for a in ACCUM8 if not a.startswith("model")),
-        *UNPACKED,
-        "model=hf_llama",
-        "model.config.num_hidden_layers=4",
-        "model.config.max_position_embeddings=64",
-    ]
+    extra, steps, val_steps = HF_CASES[model]
+    args = [*(a for a in ACCUM8 if not a.startswith("model")), *UNPACKED, *extra]
     procs = launch_all(
         {
-            "one": python([*llama, f"hydra.run.dir={tmp_path / 'one'}"]),
-            "pp": torchrun(2, [*llama, *INTERLEAVED, f"hydra.run.dir={tmp_path / 'pp'}"]),
+            "one": python([*args, f"hydra.run.dir={tmp_path / 'one'}"]),
+            "pp": torchrun(2, [*args, *INTERLEAVED, f"hydra.run.dir={tmp_path / 'pp'}"]),
         },
         TIMEOUT,
         TMPDIR=str(tmp_path),
@@ -676,6 +705,61 @@ def test_hf_llama_stages_train_like_one_process(tmp_path: Path) -> None:
     for proc in procs.values():
         ok(proc)
     got, want = read_metrics(tmp_path / "pp"), read_metrics(tmp_path / "one")
-    assert_close(train_records(got), train_records(want), TRAIN_KEYS, STEPS)
-    assert_close(val_records(got), val_records(want), ("val/loss",), [3, 6])
+    assert_close(train_records(got), train_records(want), TRAIN_KEYS, steps)
+    assert_close(val_records(got), val_records(want), ("val/loss",), val_steps)
     assert "pipeline 2 stages" in procs["pp"].stdout, explain(procs["pp"])
+    saved = [
+        torch.load(checkpoint(tmp_path / n, steps[-1]) / "state.pt", weights_only=False)
+        for n in ("pp", "one")
+    ]
+    mp, mo = (state["model"] for state in saved)
+    assert sorted(mp) == sorted(mo), sorted(set(mp) ^ set(mo))
+    worst = max((mp[k].float() - mo[k].float()).abs().max().item() for k in mo)
+    assert worst <= ATOL, worst
+
+
+def tiny_gpt2(attn_implementation: str) -> torch.nn.Module:
+    from trainer.models.hf import causal_lm
+
+    torch.manual_seed(0)
+    config = {"vocab_size": 64, "n_positions": 32, "n_embd": 32, "n_layer": 4, "n_head": 2}
+    config |= {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False}
+    config |= {"bos_token_id": None, "eos_token_id": None}
+    return causal_lm("gpt2", {**config, "attn_implementation": attn_implementation})
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_gpt2_stages_chained_are_the_model(attn_implementation: str) -> None:
+    """Three GPT-2 stages (blocks [0], [1, 2], [3]) called one after the other, as the
+    pipeline does, on a dict batch with an `attention_mask` (a right- and a left-padded row)
+    and `token_type_ids`, give the whole model's logits and gradients exactly: position ids,
+    the causal mask with padding and the embeddings are the base model's."""
+    pytest.importorskip("transformers")
+    model = tiny_gpt2(attn_implementation)
+    ids = torch.randint(0, 64, (3, 10))
+    mask = torch.ones(3, 10, dtype=torch.int64)
+    mask[1, 6:], mask[2, :3] = 0, 0
+    batch = {"attention_mask": mask, "token_type_ids": torch.randint(0, 64, (3, 10))}
+    grad_out = torch.randn(3, 10, 64)
+
+    model(input_ids=ids, **batch).logits.backward(grad_out)
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    splits = [[0], [1, 2], [3]]
+    stages = [model.pipeline_stage(b, i == 0, i == 2) for i, b in enumerate(splits)]
+    assert type(stages[0]).__name__ == "GPT2Stage"
+    params = {id(p) for p in model.parameters()}
+    assert all(id(p) in params for st in stages for p in st.parameters())  # shared, not copied
+    wpe, wte = model.transformer.wpe.weight, model.transformer.wte.weight
+    assert [any(p is wpe for p in st.parameters()) for st in stages] == [True, False, False]
+    assert [any(p is wte for p in st.parameters()) for st in stages] == [True, False, True]
+    hidden = ids
+    for st in stages:
+        hidden = st(hidden, **batch)
+    assert torch.equal(hidden, model(input_ids=ids, **batch).logits)
+    hidden.backward(grad_out)
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert sorted(got) == sorted(want)
+    worst = max((got[n] - want[n]).abs().max().item() for n in want)
+    assert worst == 0.0, worst

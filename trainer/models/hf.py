@@ -88,20 +88,99 @@ class PipelineStage(nn.Module):
         return self.head(hidden)  # the logits
 
 
+class GPT2Stage(nn.Module):
+    """One pipeline stage of a transformers GPT-2 (`model_type` gpt2). Its base model adds the
+    position embedding to whatever enters as `inputs_embeds`, so a later stage cannot enter
+    through the base forward: this stage runs that forward's steps itself (transformers 5's
+    `GPT2Model.forward`, training only: no cache, no cross-attention). First stage: `wte` +
+    `wpe` (+ `token_type_ids` through `wte`), dropout; every stage: the causal mask and the
+    position ids as the base model builds them (positions 0..T-1 whatever the padding, the
+    mask from the batch's `attention_mask`), then its blocks `h[i]`; last stage: `ln_f` and
+    the output layer. Shares the model's parameters."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[int], first: bool, last: bool) -> None:
+        super().__init__()
+        base = model.base_model
+        self.config = base.config
+        self.first, self.last = first, last
+        self.head = model.get_output_embeddings() if last else None
+        # The last stage holds `wte` too when the output layer's weight is its weight (GPT-2
+        # ties them): FSDP2 then swaps the sharded parameter into both modules, and the
+        # pipeline sums the tied weight's gradients of the first and last stages by its name.
+        tied = self.head is not None and self.head.weight is base.wte.weight
+        self.wte = base.wte if first or tied else None
+        self.wpe, self.drop = (base.wpe, base.drop) if first else (None, None)
+        self.h = nn.ModuleList(base.h[i] for i in blocks)
+        self.ln_f = base.ln_f if last else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        head_loss: HeadLoss | None = None,
+        head_targets: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        # `input_ids` (B, T) on the first stage, the previous stage's hidden states (B, T, C)
+        # after it.
+        hidden = self.wte(input_ids) if self.first else input_ids  # (B, T, C)
+        batch_size, seq_len = hidden.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=hidden.device).unsqueeze(0)  # (1, T)
+        if attention_mask is not None and attention_mask.ndim < 4:
+            attention_mask = attention_mask.view(batch_size, -1)
+        # From the token embeddings on the first stage, as the base model does; after it from
+        # the hidden states, which have their dtype (the residual stream keeps it).
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+        if self.first:
+            hidden = hidden + self.wpe(position_ids)
+            if token_type_ids is not None:
+                hidden = hidden + self.wte(token_type_ids.view(-1, seq_len))
+            hidden = self.drop(hidden)
+        for block in self.h:
+            hidden = block(hidden, attention_mask=causal_mask, position_ids=position_ids, **kwargs)
+        if not self.last:
+            return hidden
+        hidden = self.ln_f(hidden)
+        if head_loss is not None:
+            return head_loss(hidden, self.head, head_targets)
+        return self.head(hidden)  # the logits
+
+
+# Families whose base model needs a stage of its own; the others split by their config's
+# `base_model_pp_plan` (`PipelineStage`).
+STAGES: dict[str, type[nn.Module]] = {"gpt2": GPT2Stage}
+
+
 class CumulusHooks:
     """What cumulus asks of a model beyond `forward`, for any transformers causal LM."""
 
     config: Any
 
     def pipeline_stage(self, blocks: Sequence[int], first: bool, last: bool) -> nn.Module:
-        """`dist.pp`: a stage sharing this model's parameters (`PipelineStage`), for families
-        whose config declares the base model as embedding -> layers -> norm."""
+        """`dist.pp`: a stage sharing this model's parameters: `GPT2Stage` for GPT-2, else
+        `PipelineStage`, for families whose config declares the base model as embedding ->
+        layers -> norm."""
+        own = STAGES.get(self.config.model_type)
+        if own is not None:
+            return own(self, blocks, first, last)  # type: ignore[call-arg]
         plan = getattr(self.config, "base_model_pp_plan", None) or {}
         if len(plan) != 3 or next(iter(plan.values()))[1] != ["inputs_embeds"]:
             raise NotSplittable(
                 f"transformers model_type {self.config.model_type!r} does not declare its base "
                 "model as embedding -> layers -> norm (config.base_model_pp_plan), which "
-                "dist.pp splits; Llama-style families do (model=hf_llama)"
+                "dist.pp splits; Llama-style families do (model=hf_llama), and GPT-2 has a "
+                "stage of its own (model=hf_gpt2)"
             )
         return PipelineStage(self, blocks, first, last)  # type: ignore[arg-type]
 
