@@ -667,13 +667,12 @@ HF_CASES = {
         [3, 6],
     ),
     # GPT-2's own stage (trainer/models/hf.py `GPT2Stage`): wte + wpe on the first stage, the
-    # output layer tied to wte on the last, blocks only in the middle. No text sample on one
-    # process: 200 generated tokens overrun n_positions.
+    # output layer tied to wte on the last, blocks only in the middle. The one-process run's
+    # text sample stops at n_positions (200 tokens would overrun the position table).
     "hf_gpt2": (
         [
             "model=hf_gpt2",
             "model.config.n_layer=4",
-            "eval.sample_tokens=0",
             "train.max_steps=4",
             "eval.every_steps=2",
             "checkpoint.every_steps=4",

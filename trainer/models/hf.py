@@ -217,8 +217,14 @@ class CumulusHooks:
         **kwargs: Any,
     ) -> torch.Tensor:
         """transformers' `generate`; with `generator`, sampled from a seed drawn from it,
-        with the global RNG forked so training's random streams are untouched."""
+        with the global RNG forked so training's random streams are untouched. Stops at the
+        model's context (GPT-2's position table ends there)."""
         parent = super().generate  # type: ignore[misc]
+        limit = self.max_seq_len
+        if limit is not None and max_new_tokens is not None:
+            max_new_tokens = min(max_new_tokens, limit - input_ids.shape[1])
+            if max_new_tokens <= 0:
+                return input_ids
         if generator is None:
             return parent(input_ids, max_new_tokens=max_new_tokens, **kwargs)
         seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
