@@ -15,6 +15,17 @@ data-parallel rank) and computes the same loss, so the window's items are counte
 only and only the first `tp` rank's loss sums are reported; gradients are summed over `dp`
 after the window (no wrapper divides); the total gradient norm adds the shards' squares over
 `tp` and counts every whole parameter once.
+
+Sequence parallelism (`sequence_parallel=True`, Megatron-LM's): between the split layers the
+residual stream is split along the sequence over the `tp` ranks, so norms, dropout and the
+residual adds hold 1/tp of the tokens. A column-split layer all-gathers its input's sequence
+(reduce-scatter in backward), a row-split layer reduce-scatters its output onto the sequence
+shards (instead of all-reducing it): the same communication volume as without. The model
+declares where the stream is split and gathered (`sequence_parallel_plan()`): the sequence is
+padded to a multiple of `tp` where it is split and cut back where it is gathered, so a causal
+model sees the same tokens (padding comes last, nothing before it attends to it). A norm's
+weight then gets a partial gradient per rank, summed over `tp` after the window. Dropout acts
+on sharded activations only, so each rank draws its own masks (`dropout_stream`).
 """
 
 from __future__ import annotations
@@ -37,6 +48,11 @@ from engine.parallel import MeshSplit, all_reduce_flat, local_values
 # rank holds the same heads' rows of q, k and v (a DTensor `_StridedShard(0, split_factor=3)`:
 # whole, it is the layer's own weight, as checkpoints store it).
 STYLES = ("colwise", "rowwise", "colwise_qkv")
+# Sequence parallelism: `sequence_split` pads and splits a module's input along the sequence
+# (the whole stream -> this rank's shard), `sequence` runs a module (a norm) on the shard,
+# `sequence_gather` runs it on the shard, then gathers its output whole (cut to the length
+# before padding), for a layer every rank computes whole (the output layer and the loss).
+SEQUENCE_STYLES = ("sequence_split", "sequence", "sequence_gather")
 
 
 @runtime_checkable
@@ -46,8 +62,20 @@ class DeclaresTensorPlan(Protocol):
         ...
 
 
+@runtime_checkable
+class DeclaresSequencePlan(Protocol):
+    def sequence_parallel_plan(self) -> dict[str, str]:
+        """Module path pattern -> a `SEQUENCE_STYLES` entry: where the residual stream is
+        split along the sequence, the norms that run on its shards, where it is gathered."""
+        ...
+
+
 class NotParallelizable(ValueError):
     """The model cannot be split over tensor-parallel ranks as asked."""
+
+
+class NotSequenceParallelizable(NotParallelizable):
+    """The model cannot run with its sequence split over tensor-parallel ranks."""
 
 
 def tensor_plan(model: nn.Module) -> dict[str, str]:
@@ -96,9 +124,11 @@ class _CopyToParallel(torch.autograd.Function):
         return grad, None
 
 
-def fused_colwise(parts: int) -> Any:
+def fused_colwise(parts: int, sequence: bool = False) -> Any:
     """A ParallelStyle for an `nn.Linear` whose output is `parts` equal pieces (q, k, v):
-    each piece split colwise, computed on the local shard, the output left local."""
+    each piece split colwise, computed on the local shard, the output left local. With
+    `sequence`, the input is this rank's sequence shard, all-gathered first (its gradient
+    reduce-scattered back)."""
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.parallel import ParallelStyle
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -117,12 +147,92 @@ def fused_colwise(parts: int) -> Any:
 
             def forward(x: torch.Tensor) -> torch.Tensor:
                 bias = module.bias.to_local() if module.bias is not None else None
-                return F.linear(_CopyToParallel.apply(x, group), module.weight.to_local(), bias)
+                x = gather_sequence(x, device_mesh) if sequence else _CopyToParallel.apply(x, group)
+                return F.linear(x, module.weight.to_local(), bias)
 
             module.forward = forward  # type: ignore[method-assign]
             return module
 
     return FusedColwise()
+
+
+def gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's sequence shard -> the whole sequence, for a column-split layer: the ranks'
+    gradients are partial sums, reduce-scattered back onto the shards."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    whole = DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(
+        mesh, [Replicate()]
+    )
+    return whole.to_local(grad_placements=[Partial()])
+
+
+class SequenceSplit:
+    """Where the residual stream is split along the sequence and gathered again: the split
+    pads to a multiple of `tp` and remembers the length, which the gather cuts back to."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh, self.tp = mesh, mesh.size()
+        self.length: int | None = None
+
+    def split(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        from torch.distributed.tensor import Replicate, Shard
+
+        x, *rest = args
+        self.length = x.shape[1]
+        pad = -self.length % self.tp
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))  # (B, T, C): zeros after the last token
+        shard = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(
+            self.mesh, [Shard(1)]
+        )
+        return (shard.to_local(), *rest)
+
+    def gather(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        """Every rank computes what follows whole and alike: the gradient is this rank's
+        slice of a replicated one (no reduction)."""
+        from torch.distributed.tensor import Replicate, Shard
+
+        if self.length is None:
+            raise RuntimeError("sequence_gather ran before sequence_split in the forward")
+        whole = DTensor.from_local(out, self.mesh, [Shard(1)], run_check=False).redistribute(
+            self.mesh, [Replicate()]
+        )
+        return whole.to_local()[:, : self.length]
+
+
+def sequence_plan(model: nn.Module) -> dict[str, str]:
+    """The model's `sequence_parallel_plan()`, checked."""
+    if not isinstance(model, DeclaresSequencePlan):
+        raise NotSequenceParallelizable(
+            f"{type(model).__name__} declares no sequence-parallel plan: dist."
+            "tp_sequence_parallel=true needs a method sequence_parallel_plan() returning "
+            "{module path pattern: 'sequence_split' | 'sequence' | 'sequence_gather'} "
+            "(docs/your-model.md; the in-tree GPT has one); or set "
+            "dist.tp_sequence_parallel=false"
+        )
+    plan = dict(model.sequence_parallel_plan())
+    unknown = sorted({v for v in plan.values() if v not in SEQUENCE_STYLES})
+    ends = [v for v in plan.values() if v in ("sequence_split", "sequence_gather")]
+    if unknown or sorted(ends) != ["sequence_gather", "sequence_split"]:
+        raise NotSequenceParallelizable(
+            f"the sequence-parallel plan {plan} must name one sequence_split and one "
+            f"sequence_gather module, with norms in between as sequence (got "
+            f"{', '.join(unknown) or 'no unknown style'})"
+        )
+    return plan
+
+
+def _matching(model: nn.Module, pattern: str) -> list[nn.Module]:
+    """Modules whose path matches `pattern` (`*`: one path element)."""
+    want = pattern.split(".")
+    return [
+        m
+        for name, m in model.named_modules()
+        if name
+        and len(parts := name.split(".")) == len(want)
+        and all(w in ("*", n) for w, n in zip(want, parts, strict=True))
+    ]
 
 
 class TensorParallel(MeshSplit):
@@ -134,11 +244,24 @@ class TensorParallel(MeshSplit):
     # With `fsdp` (2-D: FSDP2 over `dp` on top of the `tp` split), an instance attribute.
     shards_parameters = False
 
-    def __init__(self, info: DistInfo, mesh: DeviceMesh, fsdp: bool = False) -> None:
+    def __init__(
+        self, info: DistInfo, mesh: DeviceMesh, fsdp: bool = False, sequence_parallel: bool = False
+    ) -> None:
         super().__init__(info, mesh)
-        self.fsdp = fsdp
+        self.fsdp, self.sequence_parallel = fsdp, sequence_parallel
         self.tp = mesh["tp"].size()
         self.tp_rank = mesh.get_local_rank("tp")
+        # Parameters that see one sequence shard per rank (norms): partial gradients.
+        self.sequence_params: list[nn.Parameter] = []
+
+    @property
+    def dropout_stream(self) -> int:
+        """Which dropout stream this rank draws from: one per data-parallel rank (a `tp`
+        group computes the same activations), one per rank with sequence parallelism
+        (every dropout acts on this rank's own shard of the sequence or of the heads)."""
+        if self.sequence_parallel:
+            return self.dp_rank + self.dp_size * self.tp_rank
+        return self.dp_rank
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -182,19 +305,59 @@ class TensorParallel(MeshSplit):
                 "GPT's attention) is not supported yet: its checkpoints would not gather "
                 "correctly; use dist.strategy=ddp with dist.tp, or separate q/k/v layers"
             )
-        styles = {
-            "colwise": ColwiseParallel,
-            "rowwise": RowwiseParallel,
-            "colwise_qkv": lambda: fused_colwise(3),
-        }
+        seq = self.sequence_parallel
+        if seq:
+            from torch.distributed.tensor import Shard
+
+            styles: dict[str, Any] = {
+                "colwise": lambda: ColwiseParallel(input_layouts=Shard(1)),
+                "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),
+                "colwise_qkv": lambda: fused_colwise(3, sequence=True),
+            }
+            sequence = sequence_plan(model)  # before anything changes
+        else:
+            styles = {
+                "colwise": ColwiseParallel,
+                "rowwise": RowwiseParallel,
+                "colwise_qkv": lambda: fused_colwise(3),
+            }
         parallelize_module(model, self.mesh["tp"], {k: styles[v]() for k, v in plan.items()})
         if not any(isinstance(p, DTensor) for p in model.parameters()):
             raise NotParallelizable(
                 f"the tensor-parallel plan {plan} matched no module of {type(model).__name__}"
             )
+        if seq:
+            self._split_sequence(model, sequence)
         if self.fsdp:
             self._shard(model, blocks, param_dtype, reshard_after_forward)
         return model
+
+    def _split_sequence(self, model: nn.Module, plan: dict[str, str]) -> None:
+        """Hooks at the split and the gather; norms run on shards (their parameters
+        replicated DTensors whose gradients are partial over `tp`)."""
+        from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+        split = SequenceSplit(self.mesh["tp"])
+        norms = {
+            k: SequenceParallel(use_local_output=True)
+            for k, v in plan.items()
+            if v != "sequence_split"
+        }
+        parallelize_module(model, self.mesh["tp"], norms)
+        for pattern, style in plan.items():
+            modules = _matching(model, pattern)
+            if not modules:
+                raise NotSequenceParallelizable(
+                    f"the sequence-parallel plan's {pattern!r} matched no module of "
+                    f"{type(model).__name__}"
+                )
+            for m in modules:
+                if style == "sequence_split":
+                    m.register_forward_pre_hook(split.split)
+                else:
+                    self.sequence_params += list(m.parameters())
+                if style == "sequence_gather":
+                    m.register_forward_hook(split.gather)
 
     def _shard(
         self,
@@ -235,10 +398,28 @@ class TensorParallel(MeshSplit):
         yield
 
     def sync_gradients(self, params: list[nn.Parameter]) -> None:
-        """Sum gradients (each rank's shards) over the data-parallel ranks."""
+        """Sum gradients (each rank's shards) over the data-parallel ranks; with sequence
+        parallelism, the norms' partial gradients over `tp` first."""
+        if self.sequence_parallel:
+            self._sum_sequence_gradients()
         grads = [local_values(p.grad) for p in params if p.grad is not None]
         if self.dp_size > 1 and grads and not self.fsdp:  # FSDP2 reduce-scattered already
             all_reduce_flat(grads, self.dp_group)
+
+    def _sum_sequence_gradients(self) -> None:
+        """A norm's gradient from each rank's sequence shard is a partial sum (DTensor
+        `Partial` over `tp`): summed, it is the whole gradient, replicated."""
+        from torch.distributed.tensor import Replicate
+
+        for p in self.sequence_params:
+            g = p.grad
+            if g is None:
+                continue
+            if isinstance(g, DTensor):
+                placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
+                p.grad = g.redistribute(g.device_mesh, placements)
+            else:
+                dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.tp_group)
 
     def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
         """The total gradient norm, float64 squares: each gradient's local squares summed

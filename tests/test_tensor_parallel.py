@@ -78,6 +78,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         ),
         "gpt_ref": python([*GPT, *ACCUM4]),
         "gpt_tp2": torchrun(2, [*GPT, *ACCUM4, "dist.tp=2"]),
+        # Sequence parallelism: padded documents of any length split over the 2 ranks.
+        "gpt_tp2_sp": torchrun(2, [*GPT, *ACCUM4, "dist.tp=2", "dist.tp_sequence_parallel=true"]),
         # 4 heads over 4 ranks: one head each (and a quarter of the MLP).
         "gpt4_ref": python([*GPT, *ACCUM4, "model.n_head=4"]),
         "gpt4_tp4": torchrun(4, [*GPT, *ACCUM4, "model.n_head=4", "dist.tp=4"]),
@@ -109,6 +111,7 @@ def check_against(got: list[dict], want: list[dict], steps: list[int] = STEPS) -
         ("llama_tp2_dp2", "llama_ref"),
         ("llama_tp2_fsdp2", "llama_ref"),
         ("gpt_tp2", "gpt_ref"),
+        ("gpt_tp2_sp", "gpt_ref"),
         ("gpt4_tp4", "gpt4_ref"),
     ],
 )
@@ -179,8 +182,9 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         ),
         "with_pp": torchrun(2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "dist.pp=2"]),
         "sequence_parallel": torchrun(
-            2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "dist.tp_sequence_parallel=true"]
+            2, ["model=hf_llama", *REFUSE, "dist.tp=2", "dist.tp_sequence_parallel=true"]
         ),
+        "sequence_no_tp": python(["model=gpt_tiny", *REFUSE, "dist.tp_sequence_parallel=true"]),
         "no_plan": torchrun(2, ["experiment=digits", *REFUSE, "dist.tp=2"]),
         "sam": torchrun(2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "step=sam"]),
         "gpt_fsdp": torchrun(
@@ -198,7 +202,8 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         ("one_process", "dist.tp", "--nproc_per_node=2"),
         ("heads", "dist.tp", "num_key_value_heads=1"),
         ("with_pp", "dist.tp", "pipeline and tensor parallelism"),
-        ("sequence_parallel", "dist.tp_sequence_parallel", "not built yet"),
+        ("sequence_parallel", "dist.tp_sequence_parallel", "sequence_parallel_plan()"),
+        ("sequence_no_tp", "dist.tp_sequence_parallel", "needs dist.tp > 1"),
         ("no_plan", "dist.tp", "tensor_parallel_plan"),
         ("sam", "step", "accumulate"),
         ("gpt_fsdp", "dist.tp", "colwise_qkv"),
@@ -213,7 +218,7 @@ def test_refusals(
     err = "\n".join(ln for ln in proc.stderr.splitlines() if ln.startswith("error:"))
     assert f"invalid config `{key}`" in err, explain(proc)
     assert hint in err, explain(proc)
-    if name == "one_process":
+    if name in ("one_process", "sequence_no_tp"):
         assert proc.returncode == EXIT_USER_ERROR, explain(proc)
     else:
         assert f"(exitcode: {EXIT_USER_ERROR})" in proc.stderr, explain(proc)
@@ -259,13 +264,14 @@ def test_export_of_a_2d_checkpoint_reloads_in_transformers(runs: Runs, tmp_path:
 
 @pytest.mark.multiproc
 def test_dropout_sigkill_then_rerun_continues_bit_for_bit(tmp_path: Path) -> None:
-    """With dropout, a tp=2 run SIGKILLed on rank 1 after step 4 (checkpoint at 3) and rerun
-    with the same command logs the uninterrupted run's records exactly: every rank's random
-    streams (dropout masks) come back with the checkpoint."""
+    """With dropout and sequence parallelism (each rank draws the masks of its own tokens
+    and heads), a tp=2 run SIGKILLed on rank 1 after step 4 (checkpoint at 3) and rerun with
+    the same command logs the uninterrupted run's records exactly: every rank's random
+    streams come back with the checkpoint."""
     from tests.conftest import launch
     from tests.test_checkpoint import kill_at, resumed_steps
 
-    args = [*GPT, *ACCUM4, "model.dropout=0.1", "dist.tp=2"]
+    args = [*GPT, *ACCUM4, "model.dropout=0.1", "dist.tp=2", "dist.tp_sequence_parallel=true"]
     whole, run_dir, marker = tmp_path / "whole", tmp_path / "run", tmp_path / "killed"
     procs = launch_all(
         {

@@ -38,7 +38,7 @@ from engine.pipeline import NotSplittable, PipelineParallel
 from engine.precision import Precision
 from engine.rng import seed_everything
 from engine.step import StepContext, StepStrategy, Task
-from engine.tensor_parallel import NotParallelizable, TensorParallel
+from engine.tensor_parallel import NotParallelizable, NotSequenceParallelizable, TensorParallel
 from trainer.auto_batch import setup_auto, wandb_extra
 from trainer.batch_plan import BatchPlan
 from trainer.components import check, instantiate
@@ -175,6 +175,8 @@ def parallelize(
         )
     except NotSplittable as exc:
         raise ConfigError("dist.pp", str(exc)) from None
+    except NotSequenceParallelizable as exc:
+        raise ConfigError("dist.tp_sequence_parallel", str(exc)) from None
     except NotParallelizable as exc:
         raise ConfigError("dist.tp", str(exc)) from None
 
@@ -211,18 +213,15 @@ def build_model_parallel(cfg: Config, info: DistInfo) -> PipelineParallel | Tens
             cfg.train.grad_norms == "per_layer",
             "per-layer norms would be recorded for this rank's share of the model only",
         ),
-        "dist.tp_sequence_parallel": (
-            d.tp_sequence_parallel,
-            "sequence parallelism is not built yet (norms and dropout run on whole sequences "
-            "on every tensor-parallel rank)",
-        ),
     }
     for k, (bad, why) in refused.items():
         if bad:
             raise ConfigError(k, f"not available with {key}={n}: {why}")
     mesh = build_mesh(info, d.pp, d.tp)
     if d.tp > 1:
-        return TensorParallel(info, mesh, fsdp=d.strategy == "fsdp")
+        return TensorParallel(
+            info, mesh, fsdp=d.strategy == "fsdp", sequence_parallel=d.tp_sequence_parallel
+        )
     fsdp = d.strategy == "fsdp"
     return PipelineParallel(info, mesh, d.pp_schedule, d.pp_virtual, d.pp_split, fsdp=fsdp)
 
@@ -495,8 +494,9 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
     else:
         run.run_id = broadcast_object(new_run_id(), info)
         # Each data-parallel rank its own dropout stream, independent of the initialization
-        # stream (the ranks of a tensor-parallel group compute the same activations: one).
-        seed_everything(cfg.seed + 1 + parallel.dp_rank)
+        # stream (the ranks of a tensor-parallel group compute the same activations: one,
+        # unless each holds its own part of them: engine/tensor_parallel.py).
+        seed_everything(cfg.seed + 1 + getattr(parallel, "dropout_stream", parallel.dp_rank))
 
     if info.is_main:
         run.sinks = build_sinks(cfg, run, model, data, resume, n_params)

@@ -205,6 +205,7 @@ class DistCfg:
     # Tensor parallelism (engine/tensor_parallel.py): the model's linear layers split over
     # `tp` ranks by its plan; the world is pp x data-parallel x tp ranks.
     tp: int = 1
+    # Megatron's sequence parallelism on top of `tp`: norms and dropout on sequence shards.
     tp_sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
@@ -221,6 +222,11 @@ class DistCfg:
         _positive(self.pp, "dist.pp")
         _positive(self.pp_virtual, "dist.pp_virtual")
         _positive(self.tp, "dist.tp")
+        require(
+            not self.tp_sequence_parallel or self.tp > 1,
+            "dist.tp_sequence_parallel",
+            "splits the sequence over tensor-parallel ranks: it needs dist.tp > 1",
+        )
         require(
             self.pp_schedule in SCHEDULES,
             "dist.pp_schedule",

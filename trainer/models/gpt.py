@@ -72,10 +72,12 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        # Thirds and -1 heads, not C and n_head: under dist.tp this rank holds its heads only.
-        q, k, v = self.qkv(x).chunk(3, dim=2)
-        hs = C // self.n_head
+        hs = x.shape[-1] // self.n_head
+        # Thirds and -1 heads, not C and n_head: under dist.tp this rank holds its heads only;
+        # B and T from qkv's output: with sequence parallelism x is this rank's token shard.
+        qkv = self.qkv(x)
+        B, T = qkv.shape[:2]
+        q, k, v = qkv.chunk(3, dim=2)
         q, k, v = (t.view(B, T, -1, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
@@ -177,6 +179,17 @@ class GPT(nn.Module):
             "blocks.*.attn.proj": "rowwise",
             "blocks.*.mlp.fc": "colwise",
             "blocks.*.mlp.proj": "rowwise",
+        }
+
+    def sequence_parallel_plan(self) -> dict[str, str]:
+        """`dist.tp_sequence_parallel` (engine/tensor_parallel.py): the residual stream is
+        split along the sequence after the embeddings (so their dropout, the blocks' norms,
+        dropout and residual adds hold this rank's tokens) and gathered after `ln_f`."""
+        return {
+            "drop": "sequence_split",
+            "blocks.*.ln1": "sequence",
+            "blocks.*.ln2": "sequence",
+            "ln_f": "sequence_gather",
         }
 
     def output_head(self) -> nn.Linear:
