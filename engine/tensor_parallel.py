@@ -225,7 +225,7 @@ class TensorParallel(MeshSplit):
                 f"dist.strategy=fsdp shards the model block by block and {type(model).__name__} "
                 "declares no blocks (block_modules(), or model.block_classes)"
             )
-        _check_dp_placements(model, self.dp_size)
+        check_dp_placements(model, self.dp_size)
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         units = [*blocks, model]
         for unit in units:
@@ -298,7 +298,7 @@ def dp_placement(param: nn.Parameter) -> Any:
     return None
 
 
-def _check_dp_placements(model: nn.Module, dp: int) -> None:
+def check_dp_placements(model: nn.Module, dp: int) -> None:
     """FSDP2 shards a parameter on dim 1 (`dp_placement`) only when that dim divides evenly."""
     for name, p in model.named_parameters():
         placement = dp_placement(p)

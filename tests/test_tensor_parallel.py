@@ -298,3 +298,40 @@ def test_dropout_sigkill_then_rerun_continues_bit_for_bit(tmp_path: Path) -> Non
     assert [r["step"] for r in train_records(got)] == STEPS
     assert_equal(train_records(got), train_records(want), TRAIN_KEYS)
     assert_equal(val_records(got), val_records(want), ("val/loss",))
+
+
+def test_fsdp_shards_a_fused_qkv_weight_on_its_input_features() -> None:
+    """On one process (a 1-rank mesh): FSDP2 is given the fused q/k/v weight (rows strided over
+    `tp`) on dim 1, everything else on its default dim 0; input features that do not divide
+    by the data-parallel size are refused with one paragraph."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from engine.tensor_parallel import (
+        NotParallelizable,
+        check_dp_placements,
+        dp_placement,
+        fused_colwise,
+    )
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        model = nn.ModuleDict({"qkv": nn.Linear(32, 96), "fc": nn.Linear(32, 64)})
+        parallelize_module(model, mesh, {"qkv": fused_colwise(3), "fc": ColwiseParallel()})
+        places = {name: dp_placement(p) for name, p in model.named_parameters()}
+        assert places == {
+            "qkv.weight": Shard(1),
+            "qkv.bias": None,
+            "fc.weight": None,
+            "fc.bias": None,
+        }
+        assert not isinstance(model["qkv"].bias, DTensor)  # whole
+        check_dp_placements(model, 4)
+        with pytest.raises(NotParallelizable, match=r"qkv\.weight .* 32 input features"):
+            check_dp_placements(model, 3)
+    finally:
+        dist.destroy_process_group()
