@@ -46,7 +46,8 @@ from engine.parallel import MeshSplit, all_reduce_flat, local_values
 
 # colwise_qkv: a fused projection whose output is [q | k | v]: each third split colwise, so a
 # rank holds the same heads' rows of q, k and v (a DTensor `_StridedShard(0, split_factor=3)`:
-# whole, it is the layer's own weight, as checkpoints store it).
+# whole, it is the layer's own weight, as checkpoints store it). Its bias stays whole on every
+# rank (each takes its rows in forward): FSDP2 could not shard a strided 1-D split again.
 STYLES = ("colwise", "rowwise", "colwise_qkv")
 # Sequence parallelism: `sequence_split` pads and splits a module's input along the sequence
 # (the whole stream -> this rank's shard), `sequence` runs a module (a norm) on the shard,
@@ -108,6 +109,25 @@ def check_heads(model: nn.Module, tp: int) -> None:
                 )
 
 
+class _LocalRows(torch.autograd.Function):
+    """A whole fused bias `[q | k | v]`: forward gives this rank's rows of each of its `parts`
+    (the rows its weight shard computes); backward puts the gradient back in place and sums it
+    over the group (the ranks' rows are disjoint), so every rank holds the whole gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, bias: torch.Tensor, parts: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.parts, ctx.group = parts, group
+        ctx.size, ctx.rank = dist.get_world_size(group), dist.get_rank(group)
+        return bias.view(parts, ctx.size, -1)[:, ctx.rank].reshape(-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        whole = grad.new_zeros(ctx.parts, ctx.size, grad.numel() // ctx.parts)
+        whole[:, ctx.rank] = grad.view(ctx.parts, -1)
+        dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=ctx.group)
+        return whole.view(-1), None, None
+
+
 class _CopyToParallel(torch.autograd.Function):
     """Megatron's `f`: the input as it is in forward; in backward, the partial gradients of
     the ranks' column shares summed over the group."""
@@ -140,15 +160,18 @@ def fused_colwise(parts: int, sequence: bool = False) -> Any:
                     f"colwise_qkv splits an nn.Linear, not a {type(module).__name__}"
                 )
             placement = [_StridedShard(0, split_factor=parts)]
-            for name, p in list(module.named_parameters(recurse=False)):
-                dtensor = distribute_tensor(p.data, device_mesh, placement)
-                module.register_parameter(name, nn.Parameter(dtensor, p.requires_grad))
+            w = module.weight
+            weight = distribute_tensor(w.data, device_mesh, placement)
+            module.weight = nn.Parameter(weight, w.requires_grad)
             group = device_mesh.get_group()
 
             def forward(x: torch.Tensor) -> torch.Tensor:
-                bias = module.bias.to_local() if module.bias is not None else None
+                bias = module.bias
+                if bias is not None:
+                    bias = _LocalRows.apply(local_values(bias), parts, group)
+                weight = local_values(module.weight)
                 x = gather_sequence(x, device_mesh) if sequence else _CopyToParallel.apply(x, group)
-                return F.linear(x, module.weight.to_local(), bias)
+                return F.linear(x, weight, bias)
 
             module.forward = forward  # type: ignore[method-assign]
             return module
@@ -297,14 +320,6 @@ class TensorParallel(MeshSplit):
                 f"{', '.join(STYLES)}"
             )
         check_heads(model, self.tp)
-        if self.fsdp and "colwise_qkv" in plan.values():
-            # Measured: trains exactly, but gathering FSDP2's shards of a strided q/k/v split
-            # for a checkpoint does not give the whole weight back.
-            raise NotParallelizable(
-                "dist.strategy=fsdp on top of a fused q/k/v split (colwise_qkv, the in-tree "
-                "GPT's attention) is not supported yet: its checkpoints would not gather "
-                "correctly; use dist.strategy=ddp with dist.tp, or separate q/k/v layers"
-            )
         seq = self.sequence_parallel
         if seq:
             from torch.distributed.tensor import Shard
@@ -373,10 +388,17 @@ class TensorParallel(MeshSplit):
                 f"dist.strategy=fsdp shards the model block by block and {type(model).__name__} "
                 "declares no blocks (block_modules(), or model.block_classes)"
             )
+        check_dp_placements(model, self.dp_size)
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         units = [*blocks, model]
         for unit in units:
-            fully_shard(unit, mesh=self.mesh["dp"], mp_policy=policy, reshard_after_forward=reshard)
+            fully_shard(
+                unit,
+                mesh=self.mesh["dp"],
+                mp_policy=policy,
+                reshard_after_forward=reshard,
+                shard_placement_fn=dp_placement,
+            )
         for unit in units:  # sums, no division (as engine/parallel.py's FSDP)
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
@@ -441,6 +463,33 @@ class TensorParallel(MeshSplit):
         """fp16: every rank's GradScaler skips the step when any rank overflowed."""
         for flag in precision.found_inf_flags(optimizer):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+
+
+def dp_placement(param: nn.Parameter) -> Any:
+    """FSDP2's data-parallel placement of a parameter: dim 0 (its default), except a strided
+    tensor-parallel split (colwise_qkv's weight), sharded on dim 1. FSDP2 would shard dim 0 of
+    each rank's q/k/v rows again, a layout DTensor cannot describe (it records
+    `(_StridedShard(0, sf=2), _StridedShard(0, sf=3))`, whose `full_tensor()` puts the rows out
+    of order): training ran right but gathered checkpoints held a wrong weight."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements):
+        return Shard(1)
+    return None
+
+
+def check_dp_placements(model: nn.Module, dp: int) -> None:
+    """FSDP2 shards a parameter on dim 1 (`dp_placement`) only when that dim divides evenly."""
+    for name, p in model.named_parameters():
+        placement = dp_placement(p)
+        if placement is not None and p.shape[placement.dim] % dp:
+            raise NotParallelizable(
+                f"dist.strategy=fsdp shards {name} (a fused q/k/v split, colwise_qkv) on its "
+                f"{p.shape[placement.dim]} input features, which do not split over {dp} "
+                "data-parallel ranks: use a data-parallel size that divides them, or "
+                "dist.strategy=ddp"
+            )
 
 
 def _sharded_dims(t: torch.Tensor) -> tuple[str, ...]:

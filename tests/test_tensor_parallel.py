@@ -49,6 +49,8 @@ COMMON = [
 LLAMA = ["model=hf_llama", *COMMON]
 GPT = ["model=gpt_tiny", "model.n_layer=4", *COMMON]
 ACCUM4 = ["train.grad_accum_steps=4"]  # global batch 16 on one data-parallel replica
+# 4 ranks: 2 data-parallel replicas x 2 tensor-parallel ranks, FSDP2 over the replicas.
+GPT_2D = ["train.grad_accum_steps=2", "dist.tp=2", "dist.strategy=fsdp"]
 STEPS = list(range(1, 7))
 TIMEOUT = 420.0
 
@@ -80,6 +82,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         "gpt_tp2": torchrun(2, [*GPT, *ACCUM4, "dist.tp=2"]),
         # Sequence parallelism: padded documents of any length split over the 2 ranks.
         "gpt_tp2_sp": torchrun(2, [*GPT, *ACCUM4, "dist.tp=2", "dist.tp_sequence_parallel=true"]),
+        # FSDP2 on top of the fused q/k/v split: its weight sharded over dp on dim 1.
+        "gpt_tp2_fsdp2": torchrun(4, [*GPT, *GPT_2D]),
         # 4 heads over 4 ranks: one head each (and a quarter of the MLP).
         "gpt4_ref": python([*GPT, *ACCUM4, "model.n_head=4"]),
         "gpt4_tp4": torchrun(4, [*GPT, *ACCUM4, "model.n_head=4", "dist.tp=4"]),
@@ -112,6 +116,7 @@ def check_against(got: list[dict], want: list[dict], steps: list[int] = STEPS) -
         ("llama_tp2_fsdp2", "llama_ref"),
         ("gpt_tp2", "gpt_ref"),
         ("gpt_tp2_sp", "gpt_ref"),
+        ("gpt_tp2_fsdp2", "gpt_ref"),
         ("gpt4_tp4", "gpt4_ref"),
     ],
 )
@@ -130,7 +135,13 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(
     runs: Runs, tmp_path: Path
 ) -> None:
     """The tp=2 step-3 checkpoint continues on one process and on tp=2 again (bit for bit
-    with the uninterrupted tp=2 run), and the one-process checkpoint continues on tp=2."""
+    with the uninterrupted tp=2 run), and the one-process checkpoint continues on tp=2. The
+    GPT's tp=2 x FSDP2 checkpoint (its fused q/k/v weight gathered from 2-D shards) continues
+    on one process, and the one-process checkpoint continues as tp=2 x FSDP2."""
+    llama_2d, gpt_2d = (
+        checkpoint(runs.dir("llama_tp2_fsdp2"), 3),
+        checkpoint(runs.dir("gpt_tp2_fsdp2"), 3),
+    )
     cmds = {
         "to_one": python(
             [*LLAMA, *ACCUM4, f"checkpoint.resume={checkpoint(runs.dir('llama_tp2'), 3)}"]
@@ -144,9 +155,7 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(
                 f"checkpoint.resume={checkpoint(runs.dir('llama_tp2'), 3)}",
             ],
         ),
-        "from_2d": python(
-            [*LLAMA, *ACCUM4, f"checkpoint.resume={checkpoint(runs.dir('llama_tp2_fsdp2'), 3)}"]
-        ),
+        "from_2d": python([*LLAMA, *ACCUM4, f"checkpoint.resume={llama_2d}"]),
         "from_one": torchrun(
             2,
             [
@@ -156,6 +165,10 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(
                 f"checkpoint.resume={checkpoint(runs.dir('llama_ref'), 3)}",
             ],
         ),
+        "gpt_from_2d": python([*GPT, *ACCUM4, f"checkpoint.resume={gpt_2d}"]),
+        "gpt_to_2d": torchrun(
+            4, [*GPT, *GPT_2D, f"checkpoint.resume={checkpoint(runs.dir('gpt_ref'), 3)}"]
+        ),
     }
     cmds = {n: [*c, f"hydra.run.dir={tmp_path / n}"] for n, c in cmds.items()}
     procs = launch_all(cmds, TIMEOUT, TMPDIR=str(tmp_path))
@@ -163,7 +176,8 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(
     for name in cmds:
         ok(procs[name])
         assert "at step 3" in procs[name].stdout, explain(procs[name])
-        check_against(read_metrics(tmp_path / name), runs.records("llama_ref"), later)
+        ref = "gpt_ref" if name.startswith("gpt") else "llama_ref"
+        check_against(read_metrics(tmp_path / name), runs.records(ref), later)
     same = [r for r in read_metrics(tmp_path / "to_tp2") if r["step"] > 3]
     want = [r for r in runs.records("llama_tp2") if r["step"] > 3]
     assert_equal(same, want, ("train/loss", "train/grad_norm", "val/loss"))
@@ -187,9 +201,6 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         "sequence_no_tp": python(["model=gpt_tiny", *REFUSE, "dist.tp_sequence_parallel=true"]),
         "no_plan": torchrun(2, ["experiment=digits", *REFUSE, "dist.tp=2"]),
         "sam": torchrun(2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "step=sam"]),
-        "gpt_fsdp": torchrun(
-            2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "dist.strategy=fsdp", "dist.pp=1"]
-        ),
     }
     cmds = {n: [*c, f"hydra.run.dir={root / n}"] for n, c in cmds.items()}
     return launch_all(cmds, TIMEOUT, TMPDIR=str(root))
@@ -206,7 +217,6 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         ("sequence_no_tp", "dist.tp_sequence_parallel", "needs dist.tp > 1"),
         ("no_plan", "dist.tp", "tensor_parallel_plan"),
         ("sam", "step", "accumulate"),
-        ("gpt_fsdp", "dist.tp", "colwise_qkv"),
     ],
 )
 def test_refusals(
@@ -294,3 +304,40 @@ def test_dropout_sigkill_then_rerun_continues_bit_for_bit(tmp_path: Path) -> Non
     assert [r["step"] for r in train_records(got)] == STEPS
     assert_equal(train_records(got), train_records(want), TRAIN_KEYS)
     assert_equal(val_records(got), val_records(want), ("val/loss",))
+
+
+def test_fsdp_shards_a_fused_qkv_weight_on_its_input_features() -> None:
+    """On one process (a 1-rank mesh): FSDP2 is given the fused q/k/v weight (rows strided over
+    `tp`) on dim 1, everything else on its default dim 0; input features that do not divide
+    by the data-parallel size are refused with one paragraph."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from engine.tensor_parallel import (
+        NotParallelizable,
+        check_dp_placements,
+        dp_placement,
+        fused_colwise,
+    )
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        model = nn.ModuleDict({"qkv": nn.Linear(32, 96), "fc": nn.Linear(32, 64)})
+        parallelize_module(model, mesh, {"qkv": fused_colwise(3), "fc": ColwiseParallel()})
+        places = {name: dp_placement(p) for name, p in model.named_parameters()}
+        assert places == {
+            "qkv.weight": Shard(1),
+            "qkv.bias": None,
+            "fc.weight": None,
+            "fc.bias": None,
+        }
+        assert not isinstance(model["qkv"].bias, DTensor)  # whole
+        check_dp_placements(model, 4)
+        with pytest.raises(NotParallelizable, match=r"qkv\.weight .* 32 input features"):
+            check_dp_placements(model, 3)
+    finally:
+        dist.destroy_process_group()
