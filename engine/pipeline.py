@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from engine.distributed import DistInfo
 from engine.parallel import MeshSplit, all_reduce_flat, local_values, whole_tensor
 from engine.pipeline_schedule import SCHEDULES, Action, actions
+from engine.tensor_parallel import check_dp_placements, dp_placement, sharded_dims
 
 __all__ = ["SCHEDULES", "DeclaresStages", "NotSplittable", "PipelineParallel", "stage_ranges"]
 
@@ -235,6 +236,16 @@ class PipelineParallel(MeshSplit):
         self.fsdp = fsdp
         self.pp = mesh["pp"].size()
         self.pp_rank = mesh.get_local_rank("pp")
+        # With a `tp` dimension (3-D: pp x dp x tp), each stage's linear layers are split over
+        # the tensor-parallel ranks (engine/tensor_parallel.py), and a stage's activations go
+        # to the rank of the next stage with the same dp and tp coordinates.
+        names = mesh.mesh_dim_names or ()
+        self.tensor = None
+        if "tp" in names:
+            from engine.tensor_parallel import TensorParallel
+
+            self.tensor = TensorParallel(info, mesh)
+        self.tp_rank = self.tensor.tp_rank if self.tensor is not None else 0
         self.schedule, self.virtual, self.split = schedule, virtual, split
         self.n_stages = self.pp * virtual
         self.stages: dict[int, nn.Module] = {}  # this rank's stages by global index
@@ -251,8 +262,23 @@ class PipelineParallel(MeshSplit):
         return self.mesh.get_group("pp")
 
     def rank_of_stage(self, stage: int) -> int:
-        """The global rank holding `stage` in this rank's data-parallel replica."""
+        """The global rank holding `stage` in this rank's data-parallel replica (and at this
+        rank's tensor-parallel coordinate)."""
+        if self.tensor is not None:
+            return int(self.mesh.mesh[stage % self.pp, self.dp_rank, self.tp_rank])
         return int(self.mesh.mesh[stage % self.pp, self.dp_rank])
+
+    @property
+    def reports(self) -> bool:
+        """Whether this rank's loss and evaluation sums count: the ranks of a tensor-parallel
+        group compute the same ones, the first reports."""
+        return self.tp_rank == 0
+
+    def mixed_tensors(self) -> contextlib.AbstractContextManager:
+        """With tensor parallelism: DTensor shards beside whole parameters in one optimizer."""
+        if self.tensor is None:
+            return contextlib.nullcontext()
+        return self.tensor.mixed_tensors()
 
     def is_last(self, stage: int) -> bool:
         return stage == self.n_stages - 1
@@ -280,6 +306,8 @@ class PipelineParallel(MeshSplit):
                 f"{type(model).__name__} declares no blocks (block_modules()) to split into "
                 "pipeline stages"
             )
+        if self.tensor is not None:  # split the layers first: the stages share them
+            self.tensor.apply(model)
         get_head = getattr(model, "output_head", None)
         self.head = get_head() if callable(get_head) else None
         sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
@@ -311,8 +339,16 @@ class PipelineParallel(MeshSplit):
 
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         units = [*blocks, *self.stages.values()]
+        for stage in self.stages.values():
+            check_dp_placements(stage, self.dp_size)
         for unit in units:
-            fully_shard(unit, mesh=self.mesh["dp"], mp_policy=policy, reshard_after_forward=reshard)
+            fully_shard(
+                unit,
+                mesh=self.mesh["dp"],
+                mp_policy=policy,
+                reshard_after_forward=reshard,
+                shard_placement_fn=dp_placement,  # a tensor-parallel q/k/v split: on dim 1
+            )
         for unit in units:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
@@ -379,7 +415,7 @@ class PipelineParallel(MeshSplit):
         self.bubble[0] += self.links.waited
         self.bubble[1] += time.perf_counter() - started
         self.sync_gradients([p for p in ctx.model.parameters() if p.requires_grad])
-        return loss_sum
+        return loss_sum if self.reports else torch.zeros_like(loss_sum)
 
     def _forward(
         self,
@@ -432,7 +468,7 @@ class PipelineParallel(MeshSplit):
     def sync_gradients(self, params: list[nn.Parameter]) -> None:
         """Sum gradients over the data-parallel ranks, then over the stages that share a
         parameter (a tied embedding): afterwards every copy holds the whole gradient."""
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [local_values(p.grad) for p in params if p.grad is not None]
         if self.dp_size > 1 and grads and not self.fsdp:  # FSDP reduce-scattered already
             all_reduce_flat(grads, self.dp_group)
         if self.shared:
@@ -452,17 +488,18 @@ class PipelineParallel(MeshSplit):
     def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
         """The total gradient norm over every stage (each shared parameter counted once), the
         same on every rank; float64 squares, like the single-process norm."""
-        grads = [
-            local_values(p.grad)
-            for p in params
-            if p.grad is not None and self.names.get(id(p)) not in self.not_counted
-        ]
+        # Squares summed over the mesh dimensions each gradient is sharded along (dp under
+        # FSDP, tp for a split layer), then over the stages.
+        by_dims: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None and self.names.get(id(p)) not in self.not_counted:
+                by_dims.setdefault(sharded_dims(p.grad), []).append(local_values(p.grad))
         sq = torch.zeros((), dtype=torch.float64, device=self.info.device)
-        if grads:
-            per_tensor = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
-            sq = torch.stack(per_tensor).square().sum()
-        if self.fsdp:  # each dp rank holds a shard of the gradients
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.dp_group)
+        for dims, grads in by_dims.items():
+            part = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)).square().sum()
+            for name in dims:
+                dist.all_reduce(part, op=dist.ReduceOp.SUM, group=self.mesh.get_group(name))
+            sq = sq + part
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.pp_group)
         return sq.sqrt().float()
 
@@ -538,7 +575,7 @@ class PipelineParallel(MeshSplit):
         # Every dp rank gathers (FSDP's shards are collective); the first one contributes.
         model_state = {k: _on_cpu(v) for k, v in model.state_dict().items()}
         optimizer_state = named_optimizer_state(optimizer, self.names)
-        if self.dp_rank == 0:
+        if self.dp_rank == 0 and self.tp_rank == 0:
             local = (model_state, optimizer_state)
         everyone: list[Any] | None = [None] * self.info.world_size if self.info.is_main else None
         dist.gather_object(local, everyone, dst=0)

@@ -450,7 +450,7 @@ class TensorParallel(MeshSplit):
         by_dims: dict[tuple[str, ...], list[torch.Tensor]] = {}
         for p in params:
             if p.grad is not None:
-                by_dims.setdefault(_sharded_dims(p.grad), []).append(local_values(p.grad))
+                by_dims.setdefault(sharded_dims(p.grad), []).append(local_values(p.grad))
         total = torch.zeros((), dtype=torch.float64, device=self.info.device)
         for dims, grads in by_dims.items():
             sq = _squares(grads, self.info.device)
@@ -492,7 +492,7 @@ def check_dp_placements(model: nn.Module, dp: int) -> None:
             )
 
 
-def _sharded_dims(t: torch.Tensor) -> tuple[str, ...]:
+def sharded_dims(t: torch.Tensor) -> tuple[str, ...]:
     """The mesh dimensions a DTensor is sharded along (none for a plain tensor)."""
     if not isinstance(t, DTensor):
         return ()

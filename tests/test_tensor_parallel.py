@@ -84,6 +84,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         "gpt_tp2_sp": torchrun(2, [*GPT, *ACCUM4, "dist.tp=2", "dist.tp_sequence_parallel=true"]),
         # FSDP2 on top of the fused q/k/v split: its weight sharded over dp on dim 1.
         "gpt_tp2_fsdp2": torchrun(4, [*GPT, *GPT_2D]),
+        # 3-D mesh, pp=2 x dp=1 x tp=2: each pipeline stage split over 2 ranks.
+        "gpt_pp2_tp2": torchrun(4, [*GPT, *ACCUM4, "dist.pp=2", "dist.tp=2"]),
         # 4 heads over 4 ranks: one head each (and a quarter of the MLP).
         "gpt4_ref": python([*GPT, *ACCUM4, "model.n_head=4"]),
         "gpt4_tp4": torchrun(4, [*GPT, *ACCUM4, "model.n_head=4", "dist.tp=4"]),
@@ -116,6 +118,7 @@ def check_against(got: list[dict], want: list[dict], steps: list[int] = STEPS) -
         ("llama_tp2_fsdp2", "llama_ref"),
         ("gpt_tp2", "gpt_ref"),
         ("gpt_tp2_sp", "gpt_ref"),
+        ("gpt_pp2_tp2", "gpt_ref"),
         ("gpt_tp2_fsdp2", "gpt_ref"),
         ("gpt4_tp4", "gpt4_ref"),
     ],
@@ -137,7 +140,9 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(
     """The tp=2 step-3 checkpoint continues on one process and on tp=2 again (bit for bit
     with the uninterrupted tp=2 run), and the one-process checkpoint continues on tp=2. The
     GPT's tp=2 x FSDP2 checkpoint (its fused q/k/v weight gathered from 2-D shards) continues
-    on one process, and the one-process checkpoint continues as tp=2 x FSDP2."""
+    on one process, and the one-process checkpoint continues as tp=2 x FSDP2. The pp=2 x
+    tp=2 checkpoint (gathered from stages split over tensor-parallel ranks) continues on one
+    process."""
     llama_2d, gpt_2d = (
         checkpoint(runs.dir("llama_tp2_fsdp2"), 3),
         checkpoint(runs.dir("gpt_tp2_fsdp2"), 3),
@@ -166,6 +171,9 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(
             ],
         ),
         "gpt_from_2d": python([*GPT, *ACCUM4, f"checkpoint.resume={gpt_2d}"]),
+        "gpt_from_pp_tp": python(
+            [*GPT, *ACCUM4, f"checkpoint.resume={checkpoint(runs.dir('gpt_pp2_tp2'), 3)}"]
+        ),
         "gpt_to_2d": torchrun(
             4, [*GPT, *GPT_2D, f"checkpoint.resume={checkpoint(runs.dir('gpt_ref'), 3)}"]
         ),
@@ -194,7 +202,10 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         "heads": torchrun(
             2, ["model=hf_llama", *REFUSE, "dist.tp=2", "model.config.num_key_value_heads=1"]
         ),
-        "with_pp": torchrun(2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "dist.pp=2"]),
+        "sequence_with_pp": torchrun(
+            2,
+            ["model=gpt_tiny", *REFUSE, "dist.tp=2", "dist.pp=2", "dist.tp_sequence_parallel=true"],
+        ),
         "sequence_parallel": torchrun(
             2, ["model=hf_llama", *REFUSE, "dist.tp=2", "dist.tp_sequence_parallel=true"]
         ),
@@ -212,7 +223,7 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
     [
         ("one_process", "dist.tp", "--nproc_per_node=2"),
         ("heads", "dist.tp", "num_key_value_heads=1"),
-        ("with_pp", "dist.tp", "pipeline and tensor parallelism"),
+        ("sequence_with_pp", "dist.tp_sequence_parallel", "dist.pp > 1"),
         ("sequence_parallel", "dist.tp_sequence_parallel", "sequence_parallel_plan()"),
         ("sequence_no_tp", "dist.tp_sequence_parallel", "needs dist.tp > 1"),
         ("no_plan", "dist.tp", "tensor_parallel_plan"),

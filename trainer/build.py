@@ -183,15 +183,21 @@ def parallelize(
 
 def build_model_parallel(cfg: Config, info: DistInfo) -> PipelineParallel | TensorParallel | None:
     """`dist.pp` > 1: the pipeline over a (pp, dp) mesh; `dist.tp` > 1: tensor parallelism
-    over a (dp, tp) mesh. First each refuses what it cannot run yet, with one paragraph
-    naming the key."""
+    over a (dp, tp) mesh; both: the pipeline over a (pp, dp, tp) mesh, its stages split over
+    `tp`. First each refuses what it cannot run yet, with one paragraph naming the key."""
     d = cfg.dist
     if d.pp == 1 and d.tp == 1:
         return None
     key, n, what = ("dist.pp", d.pp, "pipeline stages") if d.pp > 1 else ("dist.tp", d.tp, "")
     what = what or "tensor-parallel ranks"
     if d.pp > 1 and d.tp > 1:
-        raise ConfigError("dist.tp", "pipeline and tensor parallelism together are not built yet")
+        if d.tp_sequence_parallel:
+            raise ConfigError(
+                "dist.tp_sequence_parallel",
+                "not available with dist.pp > 1 yet (the sequence is split on the first "
+                "stage and gathered on the last); use dist.tp without it",
+            )
+        n, what = d.pp * d.tp, "pipeline x tensor-parallel ranks"
     if info.world_size % n or info.world_size < n:
         raise ConfigError(
             key,
@@ -218,12 +224,10 @@ def build_model_parallel(cfg: Config, info: DistInfo) -> PipelineParallel | Tens
         if bad:
             raise ConfigError(k, f"not available with {key}={n}: {why}")
     mesh = build_mesh(info, d.pp, d.tp)
-    if d.tp > 1:
-        return TensorParallel(
-            info, mesh, fsdp=d.strategy == "fsdp", sequence_parallel=d.tp_sequence_parallel
-        )
     fsdp = d.strategy == "fsdp"
-    return PipelineParallel(info, mesh, d.pp_schedule, d.pp_virtual, d.pp_split, fsdp=fsdp)
+    if d.pp > 1:  # with dist.tp, its stages split over the tensor-parallel ranks
+        return PipelineParallel(info, mesh, d.pp_schedule, d.pp_virtual, d.pp_split, fsdp=fsdp)
+    return TensorParallel(info, mesh, fsdp=fsdp, sequence_parallel=d.tp_sequence_parallel)
 
 
 def check_model_parallel_components(
@@ -543,6 +547,8 @@ def build_sinks(
         f"  world {plan.dp_size} x micro {plan.micro} x accum {plan.accum} = "
         f"global batch {plan.global_batch}"
         + (f" | pipeline {cfg.dist.pp} stages, {cfg.dist.pp_schedule}" if cfg.dist.pp > 1 else "")
+        + (f" | tensor parallel {cfg.dist.tp}" if cfg.dist.tp > 1 else "")
+        + (" + sequence" if cfg.dist.tp_sequence_parallel else "")
         + " | precision "
         f"{cfg.train.precision} | device {run.dist.device}"
         + (f"\n  resumed from {resume} at step {run.step}" if resume else ""),

@@ -143,7 +143,8 @@ def load_payload(
             saved = with_path(saved, key, tensor)
     elif isinstance(parallel, PipelineParallel):
         optimizer_state = ckpt.shared["optimizer"] if optimizer is not None else None
-        parallel.load_full_state(model, optimizer, ckpt.shared["model"], optimizer_state)
+        with parallel.mixed_tensors():  # stages split over tensor-parallel ranks
+            parallel.load_full_state(model, optimizer, ckpt.shared["model"], optimizer_state)
     elif optimizer is None:
         model.load_state_dict(ckpt.shared["model"])
     else:
