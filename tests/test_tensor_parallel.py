@@ -186,6 +186,10 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         "gpt_fsdp": torchrun(
             2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "dist.strategy=fsdp", "dist.pp=1"]
         ),
+        # Lifted for pipeline stages (their parameters keep the model's names), not for tp.
+        "sharded": torchrun(
+            2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "checkpoint.format=sharded"]
+        ),
     }
     cmds = {n: [*c, f"hydra.run.dir={root / n}"] for n, c in cmds.items()}
     return launch_all(cmds, TIMEOUT, TMPDIR=str(root))
@@ -202,6 +206,7 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         ("no_plan", "dist.tp", "tensor_parallel_plan"),
         ("sam", "step", "accumulate"),
         ("gpt_fsdp", "dist.tp", "colwise_qkv"),
+        ("sharded", "checkpoint.format", "full layout"),
     ],
 )
 def test_refusals(
