@@ -375,7 +375,15 @@ def sharded_model_optimizer_state(
     template `load_sharded` fills in place."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(layout))
+    try:
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(layout))
+    except NotImplementedError:
+        # Per-parameter state DCP cannot flatten (a list, None: a user's optimizer) is saved
+        # nested, as before; such a checkpoint resumes on stages only if its groups, saved
+        # from one rank, name every parameter (not when a pipeline saved it).
+        if layout != FLAT:
+            raise
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(NESTED))
     return {"model": model_state, "optimizer": optimizer_state}
 
 

@@ -480,6 +480,45 @@ def test_both_optimizer_layouts_load(tmp_path: Path, layout: str) -> None:
         assert torch.equal(a, b), name
 
 
+class _ListStateSGD(torch.optim.SGD):
+    """SGD that also keeps a Python list per parameter: state DCP cannot flatten."""
+
+    def step(self, closure: Any = None) -> Any:
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("seen", []).append(len(self.state[p]["seen"]) + 1)
+        return out
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_and_unflattenable_optimizer_state_round_trip(tmp_path: Path, momentum: float) -> None:
+    """SGD without state (momentum 0) and with it saves flattened; an optimizer whose state
+    holds a list saves nested instead, and loads back."""
+    for cls, layout in ((torch.optim.SGD, "flat"), (_ListStateSGD, "nested")):
+        path = tmp_path / cls.__name__
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = cls(model.parameters(), lr=0.1, momentum=momentum)
+        model(torch.randn(2, 4)).square().sum().backward()
+        optimizer.step()
+        save_shards(sharded_model_optimizer_state(model, optimizer), path / "shards")
+        assert optimizer_layout(path / "shards") == layout
+        fresh = torch.nn.Linear(4, 3)
+        fresh_optimizer = cls(fresh.parameters(), lr=0.5, momentum=momentum)
+        load_sharded(path, fresh, fresh_optimizer)
+        assert torch.equal(fresh.weight, model.weight)
+        want, got = optimizer.state_dict(), fresh_optimizer.state_dict()
+        assert got["param_groups"] == want["param_groups"]
+        for i, s in want["state"].items():
+            for k, v in s.items():
+                assert (
+                    torch.equal(got["state"][i][k], v)
+                    if torch.is_tensor(v)
+                    else v == got["state"][i][k]
+                ), (i, k)
+
+
 def _rewrite_storage(path: Path, **changes: Any) -> None:
     """Change the first storage entry of `path/.metadata` (plain pickle: trusted here)."""
     metadata = pickle.loads((path / ".metadata").read_bytes())
