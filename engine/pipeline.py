@@ -212,9 +212,12 @@ class PipelineParallel(MeshSplit):
     dimension, data parallelism over its `dp` dimension.
 
     Gradients are summed over the data-parallel ranks after the window (no wrapper divides:
-    `sync_divisor` is 1). Checkpoints hold the whole model under its own parameter names
-    (`full`), gathered from the stages, so a pipelined run resumes without a pipeline and the
-    reverse.
+    `sync_divisor` is 1). Checkpoints hold the whole model under its own parameter names,
+    gathered from the stages (`full`) or written by each stage for its own parameters
+    (`sharded`: a parameter held by several stages, a tied embedding, has the same value and
+    key on each and is written once), so a pipelined run resumes without a pipeline and the
+    reverse. `checkpoint.format=auto` is `sharded` when the stages are FSDP-sharded, as
+    under FSDP alone.
     """
 
     name = "pp"
@@ -255,6 +258,11 @@ class PipelineParallel(MeshSplit):
         self.links = _Links(self)
         self.ranges: list[range] = []
         self.bubble = [0.0, 0.0]  # seconds blocked in receives, seconds of schedule, since read
+
+    @property
+    def checkpoint_format(self) -> str:
+        # Not with tensor parallelism: DCP cannot save its strided q/k/v shards.
+        return "sharded" if self.fsdp and self.tensor is None else "full"
 
     # ---- coordinates ----------------------------------------------------------------------
     @property

@@ -19,6 +19,7 @@ import contextlib
 import io
 import pathlib
 import pickle
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -342,15 +343,47 @@ def write_sharded_checkpoint(
     return commit(root, tmp, step, len(per_rank), "sharded", files, keep_last)
 
 
+# Optimizer state in DCP's flattened layout: every per-parameter value, the group's
+# hyper-parameters included, is its own key (`optimizer.param_groups.<name>.lr`). In the nested
+# layout the groups are keyed by their index (`optimizer.param_groups.0.params`, the list of
+# their parameters' names), the same keys on every rank, which DCP saves from one rank only: a
+# pipeline stage holding other parameters would load another stage's groups.
+FLAT = "flat"
+NESTED = "nested"  # checkpoints written before the flattened layout; still read
+# Only the nested layout stores a group's parameter list (the flattened one drops it).
+_NESTED_GROUP = re.compile(r"optimizer\.param_groups\.\d+\.params")
+
+
+def _options(layout: str) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=layout == FLAT)
+
+
+def optimizer_layout(path: Path) -> str:
+    """`FLAT` or `NESTED`: how the DCP checkpoint in directory `path` stores the optimizer."""
+    keys = read_metadata(path).state_dict_metadata
+    return NESTED if any(_NESTED_GROUP.fullmatch(k) for k in keys) else FLAT
+
+
 def sharded_model_optimizer_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: str = FLAT
 ) -> dict[str, Any]:
     """This rank's model and optimizer state keyed by parameter name, no communication: FSDP's
-    shards as DTensors, DDP's (replicated) tensors as they are. For `CheckpointWriter` with
-    `sharded=True`, and as the template `load_sharded` fills in place."""
+    shards as DTensors, DDP's (replicated) tensors as they are, a pipeline stage's parameters
+    under the whole model's names. For `CheckpointWriter` with `sharded=True`, and as the
+    template `load_sharded` fills in place."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    try:
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(layout))
+    except NotImplementedError:
+        # Per-parameter state DCP cannot flatten (a list, None: a user's optimizer) is saved
+        # nested, as before; such a checkpoint resumes on stages only if its groups, saved
+        # from one rank, name every parameter (not when a pipeline saved it).
+        if layout != FLAT:
+            raise
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(NESTED))
     return {"model": model_state, "optimizer": optimizer_state}
 
 
@@ -361,21 +394,23 @@ def load_sharded(
     extra: dict[str, Any] | None = None,
 ) -> None:
     """Collective: load the `sharded` checkpoint `path` into `model` (and `optimizer`, and the
-    tensors of `extra` in place, e.g. callbacks' state), resharding from whatever world size
-    and strategy saved it. Unsafe or unreadable files raise CheckpointError; state that does
-    not fit raises RuntimeError."""
+    tensors of `extra` in place, e.g. callbacks' state), resharding from whatever world size,
+    strategy and pipeline split saved it (each rank reads its own parameters by name).
+    Either optimizer layout is read. Unsafe or unreadable files raise CheckpointError; state
+    that does not fit raises RuntimeError."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         set_model_state_dict,
         set_state_dict,
     )
 
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        state = sharded_model_optimizer_state(model, optimizer)
-    state |= extra or {}
     try:
+        if optimizer is None:
+            state = {"model": get_model_state_dict(model)}
+        else:
+            layout = optimizer_layout(path / SHARDS)
+            state = sharded_model_optimizer_state(model, optimizer, layout)
+        state |= extra or {}
         load_shards(state, path / SHARDS)
     except UnsafeCheckpoint as exc:
         raise CheckpointError(
@@ -387,7 +422,11 @@ def load_sharded(
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=_options(layout),
         )
 
 

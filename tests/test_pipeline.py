@@ -518,7 +518,7 @@ def test_checkpoints_move_between_pipelined_and_single_process(runs: Runs, tmp_p
     cases = (
         ("to_single", to_single, "1f1b"),
         ("to_pp", to_pp, "ref"),
-        ("from_fsdp", from_fsdp, "ref"),  # FSDP-sharded stages gathered into one file
+        ("from_fsdp", from_fsdp, "ref"),  # FSDP-sharded stages: `auto` wrote them sharded
     )
     for name, run_dir, source in cases:
         ok(procs[name])
@@ -560,6 +560,122 @@ def find_model_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
             if found:
                 return found
     return {}
+
+
+# =========================================================================== 3b. sharded (DCP)
+
+SHARDED = ["checkpoint.format=sharded"]
+PP2_SHARDED = [*ACCUM8, *PP2, *CKPT, *SHARDED, "dist.pp_schedule=1f1b"]
+# 2 data-parallel ranks x micro 4 x accum 4 (global batch 32), FSDP2: `auto` is sharded.
+FSDP2 = [*BASE, *CKPT, "train.grad_accum_steps=4", "dist.strategy=fsdp"]
+
+
+@pytest.fixture(scope="module")
+def dcp_runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Uninterrupted runs writing sharded checkpoints at steps 2, 4, 6: 2 pipeline stages, 2
+    FSDP ranks without a pipeline, and one process writing the old nested optimizer layout."""
+    r = Runs(tmp_path_factory.mktemp("pp_dcp_runs"))
+    r.launch(
+        {
+            "pp2": torchrun(2, PP2_SHARDED),
+            "fsdp2": torchrun(2, FSDP2),
+            "nested": [sys.executable, "-m", "tests.old_dcp_layout", *ACCUM8, *CKPT, *SHARDED],
+        }
+    )
+    return r
+
+
+def optimizer_layout_of(ckpt: Path) -> str:
+    from engine.sharded_checkpoint import optimizer_layout
+
+    assert (ckpt / "shards" / ".metadata").is_file(), sorted(p.name for p in ckpt.iterdir())
+    return optimizer_layout(ckpt / "shards")
+
+
+@pytest.mark.multiproc
+def test_sharded_sigkill_then_rerun_continues_bit_for_bit(dcp_runs: Runs, tmp_path: Path) -> None:
+    """2 stages writing sharded checkpoints, each stage its own parameters (the tied embedding
+    on both), SIGKILLed on rank 1 after step 5: the rerun resumes at step 4 and logs the
+    uninterrupted run's records exactly."""
+    run_dir, marker = tmp_path / "run", tmp_path / "killed"
+    args = [*PP2_SHARDED, f"hydra.run.dir={run_dir}", *kill_at(5, marker, 1)]
+    first = launch(torchrun(2, args), TIMEOUT, tmp=tmp_path)
+    assert first.returncode != 0 and marker.exists(), explain(first)
+    assert not (run_dir / "checkpoints" / "step_00000006").exists()
+    assert optimizer_layout_of(checkpoint(run_dir, 4)) == "flat"
+    rerun = launch(torchrun(2, args), TIMEOUT, tmp=tmp_path)
+    ok(rerun)
+    assert resumed_steps(rerun) == [4], explain(rerun)
+    got, want = read_metrics(run_dir), dcp_runs.records("pp2")
+    assert [r["step"] for r in train_records(got)] == STEPS
+    assert_equal(train_records(got), train_records(want), TRAIN_KEYS)
+    assert_equal(val_records(got), val_records(want), ("val/loss",))
+
+
+# name: (command without resume and run dir, the run whose step-2 checkpoint it resumes)
+DCP_RESUMES = {
+    "pp2_to_single": (python(ACCUM8), "pp2"),
+    "fsdp2_to_pp2": (torchrun(2, [*ACCUM8, *PP2]), "fsdp2"),
+    "nested_to_pp2": (torchrun(2, [*ACCUM8, *PP2]), "nested"),
+}
+
+
+@pytest.fixture(scope="module")
+def dcp_resumes(
+    dcp_runs: Runs, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Each of `DCP_RESUMES` launched once (all at once): (process, run dir)."""
+    root = tmp_path_factory.mktemp("pp_dcp_resumes")
+    cmds = {
+        name: [
+            *cmd,
+            f"checkpoint.resume={checkpoint(dcp_runs.dir(source), 2)}",
+            f"hydra.run.dir={root / name}",
+        ]
+        for name, (cmd, source) in DCP_RESUMES.items()
+    }
+    procs = launch_all(cmds, TIMEOUT, TMPDIR=str(root))
+    return {name: (procs[name], root / name) for name in cmds}
+
+
+def check_resumed_at_2(
+    dcp_resumes: dict[str, tuple[subprocess.CompletedProcess, Path]], dcp_runs: Runs, name: str
+) -> None:
+    """Resumed at step 2, the run continues its source's trajectory (steps 3..6, validation
+    at 3 and 6) within 1e-5."""
+    proc, run_dir = dcp_resumes[name]
+    ok(proc)
+    assert resumed_steps(proc) == [2], explain(proc)
+    got, want = read_metrics(run_dir), dcp_runs.records(DCP_RESUMES[name][1])
+    assert_close(
+        [r for r in train_records(got) if r["step"] > 2],
+        [r for r in train_records(want) if r["step"] > 2],
+        TRAIN_KEYS,
+        [s for s in STEPS if s > 2],
+    )
+    assert_close(val_records(got), val_records(want), ("val/loss",), [3, 6])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["pp2_to_single", "fsdp2_to_pp2"])
+def test_sharded_checkpoints_move_between_pipelined_and_not(
+    dcp_resumes: dict[str, tuple[subprocess.CompletedProcess, Path]], dcp_runs: Runs, name: str
+) -> None:
+    """The 2-stage run's step-2 sharded checkpoint resumed on one process, and the 2-rank FSDP
+    run's on 2 stages (1 data-parallel rank): DCP reads each rank's parameters by name."""
+    assert optimizer_layout_of(checkpoint(dcp_runs.dir(DCP_RESUMES[name][1]), 2)) == "flat"
+    check_resumed_at_2(dcp_resumes, dcp_runs, name)
+
+
+@pytest.mark.multiproc
+def test_old_nested_sharded_checkpoint_resumes_on_stages(
+    dcp_resumes: dict[str, tuple[subprocess.CompletedProcess, Path]], dcp_runs: Runs
+) -> None:
+    """A sharded checkpoint of the old nested optimizer layout (parameter groups keyed by
+    index, written by the old code on one process) resumes on 2 stages: its groups name
+    every parameter, and each stage takes its own."""
+    assert optimizer_layout_of(checkpoint(dcp_runs.dir("nested"), 2)) == "nested"
+    check_resumed_at_2(dcp_resumes, dcp_runs, "nested_to_pp2")
 
 
 # =========================================================================== 5. refusals

@@ -30,9 +30,19 @@ import yaml
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from engine.checkpoint import CheckpointError, verify
-from engine.sharded_checkpoint import UnsafeCheckpoint, load_shards, read_metadata, save_shards
+from engine.sharded_checkpoint import (
+    UnsafeCheckpoint,
+    load_sharded,
+    load_shards,
+    optimizer_layout,
+    read_metadata,
+    save_shards,
+    sharded_model_optimizer_state,
+)
 from tests.conftest import CONFIG_DIR, TINY, explain, launch, read_metrics, torchrun_cmd
+from tests.old_dcp_layout import old_state
 from trainer.models.gpt import GPT
+from trainer.optim import param_groups
 
 pytestmark = [
     pytest.mark.multiproc,
@@ -428,6 +438,85 @@ def test_save_and_load_shards_in_one_process(tmp_path: Path) -> None:
     # A key the checkpoint lacks is an error, not silently left as it was.
     with pytest.raises(RuntimeError, match=r"Missing key .*model\.missing"):
         load_shards({"model": {"w": torch.zeros(3, 4), "missing": torch.zeros(2)}}, path)
+
+
+def _stepped_gpt(seed: int, steps: int) -> tuple[GPT, torch.optim.Optimizer]:
+    """The tiny GPT (tied embedding) and AdamW with its two weight-decay groups, `steps` steps
+    taken."""
+    torch.manual_seed(seed)
+    model = GPT(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
+    for _ in range(steps):
+        model(torch.randint(0, 64, (2, 8))).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("layout", ["nested", "flat"])
+def test_both_optimizer_layouts_load(tmp_path: Path, layout: str) -> None:
+    """The flattened optimizer layout this version writes and the nested one of older sharded
+    checkpoints (written here by the old code) are told apart by their keys, and both load
+    into a fresh model and optimizer exactly: parameters, moments, step and groups, and the
+    next step agrees bit for bit."""
+    model, optimizer = _stepped_gpt(0, 2)
+    write = old_state if layout == "nested" else sharded_model_optimizer_state
+    save_shards(write(model, optimizer), tmp_path / "shards")
+    assert optimizer_layout(tmp_path / "shards") == layout
+    fresh, fresh_optimizer = _stepped_gpt(1, 0)
+    load_sharded(tmp_path, fresh, fresh_optimizer)
+    assert fresh.lm_head.weight is fresh.tok_emb.weight  # still tied
+    want, got = optimizer.state_dict(), fresh_optimizer.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for i, s in want["state"].items():
+        assert sorted(got["state"][i]) == sorted(s)
+        assert all(torch.equal(got["state"][i][k], v) for k, v in s.items()), i
+    idx = torch.randint(0, 64, (2, 8))
+    for m, o in ((model, optimizer), (fresh, fresh_optimizer)):
+        m(idx).square().mean().backward()
+        o.step()
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+class _ListStateSGD(torch.optim.SGD):
+    """SGD that also keeps a Python list per parameter: state DCP cannot flatten."""
+
+    def step(self, closure: Any = None) -> Any:
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("seen", []).append(len(self.state[p]["seen"]) + 1)
+        return out
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_and_unflattenable_optimizer_state_round_trip(tmp_path: Path, momentum: float) -> None:
+    """SGD without state (momentum 0) and with it saves flattened; an optimizer whose state
+    holds a list saves nested instead, and loads back."""
+    for cls, layout in ((torch.optim.SGD, "flat"), (_ListStateSGD, "nested")):
+        path = tmp_path / cls.__name__
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = cls(model.parameters(), lr=0.1, momentum=momentum)
+        model(torch.randn(2, 4)).square().sum().backward()
+        optimizer.step()
+        save_shards(sharded_model_optimizer_state(model, optimizer), path / "shards")
+        assert optimizer_layout(path / "shards") == layout
+        fresh = torch.nn.Linear(4, 3)
+        fresh_optimizer = cls(fresh.parameters(), lr=0.5, momentum=momentum)
+        load_sharded(path, fresh, fresh_optimizer)
+        assert torch.equal(fresh.weight, model.weight)
+        want, got = optimizer.state_dict(), fresh_optimizer.state_dict()
+        assert got["param_groups"] == want["param_groups"]
+        for i, s in want["state"].items():
+            for k, v in s.items():
+                assert (
+                    torch.equal(got["state"][i][k], v)
+                    if torch.is_tensor(v)
+                    else v == got["state"][i][k]
+                ), (i, k)
 
 
 def _rewrite_storage(path: Path, **changes: Any) -> None:

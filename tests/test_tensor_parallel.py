@@ -212,6 +212,10 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         "sequence_no_tp": python(["model=gpt_tiny", *REFUSE, "dist.tp_sequence_parallel=true"]),
         "no_plan": torchrun(2, ["experiment=digits", *REFUSE, "dist.tp=2"]),
         "sam": torchrun(2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "step=sam"]),
+        # Lifted for pipeline stages (their parameters keep the model's names), not for tp.
+        "sharded": torchrun(
+            2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "checkpoint.format=sharded"]
+        ),
     }
     cmds = {n: [*c, f"hydra.run.dir={root / n}"] for n, c in cmds.items()}
     return launch_all(cmds, TIMEOUT, TMPDIR=str(root))
@@ -228,6 +232,7 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         ("sequence_no_tp", "dist.tp_sequence_parallel", "needs dist.tp > 1"),
         ("no_plan", "dist.tp", "tensor_parallel_plan"),
         ("sam", "step", "accumulate"),
+        ("sharded", "checkpoint.format", "full layout"),
     ],
 )
 def test_refusals(

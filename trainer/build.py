@@ -211,8 +211,8 @@ def build_model_parallel(cfg: Config, info: DistInfo) -> PipelineParallel | Tens
             "the automatic micro-batch is not probed with it yet",
         ),
         "train.compile": (cfg.train.compile, "compiling it is not built yet"),
-        "checkpoint.format": (
-            cfg.checkpoint.format == "sharded",
+        "checkpoint.format": (  # the pipeline saves sharded too (stages' own names)
+            d.tp > 1 and cfg.checkpoint.format == "sharded",
             "it saves the full layout (auto or full), gathered from every rank",
         ),
         "train.grad_norms": (

@@ -163,8 +163,8 @@ class CheckpointCfg:
     # full: rank 0 gathers the whole model and optimizer state into one file (portable; needs
     # the full state in one host's memory). sharded: every rank writes its own shards with
     # torch.distributed.checkpoint (run dir on a shared filesystem). auto: sharded under
-    # dist.strategy=fsdp on several ranks, full otherwise. Both resume on any world size and
-    # strategy.
+    # dist.strategy=fsdp on several ranks (pipeline stages too), full otherwise. Both resume on
+    # any world size, strategy and pipeline split.
     format: str = "auto"
     # A checkpoint that cannot be written (disk full, quota): stop with a non-zero exit, or
     # warn and try again at the next checkpoint step. Either way the last one stays intact.

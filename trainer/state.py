@@ -129,11 +129,6 @@ def load_payload(
     component from `ckpt`, resharding to this run's ranks and strategy (and pipeline
     stages: `parallel`)."""
     saved = {k: v for k, v in ckpt.shared.items() if k not in RESERVED}
-    if ckpt.layout == "sharded" and isinstance(parallel, PipelineParallel):
-        raise ValueError(
-            "a sharded checkpoint does not load into pipeline stages yet; resume it without "
-            "dist.pp once with checkpoint.format=full to convert it"
-        )
     if ckpt.layout == "sharded":
         from engine.sharded_checkpoint import load_sharded, with_path
 
