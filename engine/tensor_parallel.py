@@ -472,11 +472,17 @@ def dp_placement(param: nn.Parameter) -> Any:
     `(_StridedShard(0, sf=2), _StridedShard(0, sf=3))`, whose `full_tensor()` puts the rows out
     of order): training ran right but gathered checkpoints held a wrong weight."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements):
+    if is_strided(param):
         return Shard(1)
     return None
+
+
+def is_strided(t: torch.Tensor) -> bool:
+    """A DTensor with a strided placement (colwise_qkv's split)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
 
 
 def check_dp_placements(model: nn.Module, dp: int) -> None:

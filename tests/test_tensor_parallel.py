@@ -72,8 +72,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     cmds = {
         "llama_ref": python([*LLAMA, *ACCUM4]),
         "llama_tp2": torchrun(2, [*LLAMA, *ACCUM4, "dist.tp=2"]),
-        # 2 data-parallel replicas x 2 tensor-parallel ranks, accumulation 2: global batch 16.
-        "llama_tp2_dp2": torchrun(4, [*LLAMA, "train.grad_accum_steps=2", "dist.tp=2"]),
+        # 2 data-parallel replicas x 2 tensor-parallel ranks, accumulation 2: global batch 16;
+        # sharded (DCP) checkpoints of the tensor-parallel shards.
+        "llama_tp2_dp2": torchrun(
+            4, [*LLAMA, "train.grad_accum_steps=2", "dist.tp=2", "checkpoint.format=sharded"]
+        ),
         # 2-D: FSDP2 over the 2 data-parallel ranks on top of the tensor-parallel split.
         "llama_tp2_fsdp2": torchrun(
             4, [*LLAMA, "train.grad_accum_steps=2", "dist.tp=2", "dist.strategy=fsdp"]
@@ -140,7 +143,8 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(
     """The tp=2 step-3 checkpoint continues on one process and on tp=2 again (bit for bit
     with the uninterrupted tp=2 run), and the one-process checkpoint continues on tp=2. The
     GPT's tp=2 x FSDP2 checkpoint (its fused q/k/v weight gathered from 2-D shards) continues
-    on one process, and the one-process checkpoint continues as tp=2 x FSDP2. The pp=2 x
+    on one process, and the one-process checkpoint continues as tp=2 x FSDP2. The sharded
+    (DCP) checkpoint of tp=2 x dp=2 continues on one process. The pp=2 x
     tp=2 checkpoint (gathered from stages split over tensor-parallel ranks) continues on one
     process."""
     llama_2d, gpt_2d = (
@@ -161,6 +165,9 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(
             ],
         ),
         "from_2d": python([*LLAMA, *ACCUM4, f"checkpoint.resume={llama_2d}"]),
+        "from_sharded": python(
+            [*LLAMA, *ACCUM4, f"checkpoint.resume={checkpoint(runs.dir('llama_tp2_dp2'), 3)}"]
+        ),
         "from_one": torchrun(
             2,
             [
@@ -212,7 +219,7 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         "sequence_no_tp": python(["model=gpt_tiny", *REFUSE, "dist.tp_sequence_parallel=true"]),
         "no_plan": torchrun(2, ["experiment=digits", *REFUSE, "dist.tp=2"]),
         "sam": torchrun(2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "step=sam"]),
-        # Lifted for pipeline stages (their parameters keep the model's names), not for tp.
+        # The GPT's fused q/k/v split is a strided DTensor, which DCP cannot save.
         "sharded": torchrun(
             2, ["model=gpt_tiny", *REFUSE, "dist.tp=2", "checkpoint.format=sharded"]
         ),
@@ -232,7 +239,7 @@ def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         ("sequence_no_tp", "dist.tp_sequence_parallel", "needs dist.tp > 1"),
         ("no_plan", "dist.tp", "tensor_parallel_plan"),
         ("sam", "step", "accumulate"),
-        ("sharded", "checkpoint.format", "full layout"),
+        ("sharded", "checkpoint.format", "strided DTensor"),
     ],
 )
 def test_refusals(

@@ -38,7 +38,12 @@ from engine.pipeline import NotSplittable, PipelineParallel
 from engine.precision import Precision
 from engine.rng import seed_everything
 from engine.step import StepContext, StepStrategy, Task
-from engine.tensor_parallel import NotParallelizable, NotSequenceParallelizable, TensorParallel
+from engine.tensor_parallel import (
+    NotParallelizable,
+    NotSequenceParallelizable,
+    TensorParallel,
+    is_strided,
+)
 from trainer.auto_batch import setup_auto, wandb_extra
 from trainer.batch_plan import BatchPlan
 from trainer.components import check, instantiate
@@ -211,10 +216,6 @@ def build_model_parallel(cfg: Config, info: DistInfo) -> PipelineParallel | Tens
             "the automatic micro-batch is not probed with it yet",
         ),
         "train.compile": (cfg.train.compile, "compiling it is not built yet"),
-        "checkpoint.format": (  # the pipeline saves sharded too (stages' own names)
-            d.tp > 1 and cfg.checkpoint.format == "sharded",
-            "it saves the full layout (auto or full), gathered from every rank",
-        ),
         "train.grad_norms": (
             cfg.train.grad_norms == "per_layer",
             "per-layer norms would be recorded for this rank's share of the model only",
@@ -412,7 +413,18 @@ def checkpoint_format(cfg: CheckpointCfg, parallel: Parallelism) -> str:
     return parallel.checkpoint_format
 
 
-def check_checkpoint_format(fmt: str, parallel: Parallelism, callbacks: CallbackList) -> None:
+def check_checkpoint_format(
+    fmt: str, parallel: Parallelism, callbacks: CallbackList, model: nn.Module
+) -> None:
+    strided = [n for n, p in model.named_parameters() if is_strided(p)]
+    if fmt == "sharded" and strided:
+        raise ConfigError(
+            "checkpoint.format",
+            f"sharded checkpoints cannot hold {strided[0]}: a fused q/k/v weight split third "
+            "by third over dist.tp (colwise_qkv) is a strided DTensor, which "
+            "torch.distributed.checkpoint cannot save; use checkpoint.format=full (or auto): "
+            "gathered, it resumes on any layout",
+        )
     if parallel.shards_parameters and fmt == "full" and callbacks.averaged_weights():
         raise ConfigError(
             "checkpoint.format",
@@ -469,7 +481,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
     val_batches = build_val_batches(data, data_extras, cfg, info, parallel)
     attach_privacy(step_fn, ctx, batches, data_extras)
     fmt = checkpoint_format(cfg.checkpoint, parallel)
-    check_checkpoint_format(fmt, parallel, callbacks)
+    check_checkpoint_format(fmt, parallel, callbacks, wrapped)
     callbacks.setup(ctx)  # before a checkpoint is restored into their state
     run = Run(
         settings=RunSettings.from_config(cfg),

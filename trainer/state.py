@@ -133,7 +133,8 @@ def load_payload(
         from engine.sharded_checkpoint import load_sharded, with_path
 
         targets = _sharded_targets(ckpt, components.state_dict())
-        load_sharded(ckpt.path, model, optimizer, {SHARDED_STATE: targets})
+        with getattr(parallel, "mixed_tensors", contextlib.nullcontext)():  # tensor parallel
+            load_sharded(ckpt.path, model, optimizer, {SHARDED_STATE: targets})
         for key, tensor in targets.items():
             saved = with_path(saved, key, tensor)
     elif isinstance(parallel, PipelineParallel):
