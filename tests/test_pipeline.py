@@ -467,13 +467,21 @@ def test_sigkill_then_rerun_continues_bit_for_bit(runs: Runs, tmp_path: Path, ra
     run_dir, marker = tmp_path / "run", tmp_path / "killed"
     args = [*ACCUM8, *PP2, *CKPT, "dist.pp_schedule=1f1b", f"hydra.run.dir={run_dir}"]
     args += kill_at(5, marker, rank)
+    assert_killed_run_continues(args, run_dir, marker, tmp_path, runs.records("1f1b"))
+
+
+def assert_killed_run_continues(
+    args: list[str], run_dir: Path, marker: Path, tmp_path: Path, want: list[dict]
+) -> None:
+    """`args` SIGKILL one rank after step 5 (`kill_at`): it dies before the step-6 checkpoint;
+    the same command again resumes at step 4 and logs `want`'s records exactly."""
     first = launch(torchrun(2, args), TIMEOUT, tmp=tmp_path)
     assert first.returncode != 0 and marker.exists(), explain(first)
     assert not (run_dir / "checkpoints" / "step_00000006").exists()
     rerun = launch(torchrun(2, args), TIMEOUT, tmp=tmp_path)
     ok(rerun)
     assert resumed_steps(rerun) == [4], explain(rerun)
-    got, want = read_metrics(run_dir), runs.records("1f1b")
+    got = read_metrics(run_dir)
     assert [r["step"] for r in train_records(got)] == STEPS
     assert_equal(train_records(got), train_records(want), TRAIN_KEYS)
     assert_equal(val_records(got), val_records(want), ("val/loss",))
@@ -599,17 +607,8 @@ def test_sharded_sigkill_then_rerun_continues_bit_for_bit(dcp_runs: Runs, tmp_pa
     uninterrupted run's records exactly."""
     run_dir, marker = tmp_path / "run", tmp_path / "killed"
     args = [*PP2_SHARDED, f"hydra.run.dir={run_dir}", *kill_at(5, marker, 1)]
-    first = launch(torchrun(2, args), TIMEOUT, tmp=tmp_path)
-    assert first.returncode != 0 and marker.exists(), explain(first)
-    assert not (run_dir / "checkpoints" / "step_00000006").exists()
+    assert_killed_run_continues(args, run_dir, marker, tmp_path, dcp_runs.records("pp2"))
     assert optimizer_layout_of(checkpoint(run_dir, 4)) == "flat"
-    rerun = launch(torchrun(2, args), TIMEOUT, tmp=tmp_path)
-    ok(rerun)
-    assert resumed_steps(rerun) == [4], explain(rerun)
-    got, want = read_metrics(run_dir), dcp_runs.records("pp2")
-    assert [r["step"] for r in train_records(got)] == STEPS
-    assert_equal(train_records(got), train_records(want), TRAIN_KEYS)
-    assert_equal(val_records(got), val_records(want), ("val/loss",))
 
 
 # name: (command without resume and run dir, the run whose step-2 checkpoint it resumes)
