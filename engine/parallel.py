@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -199,7 +199,7 @@ class FullyShardedDataParallel(_OnMesh):
         in fp32."""
         if not self.info.distributed:
             return model
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import FSDPModule
 
         if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
             raise RuntimeError(
@@ -207,16 +207,8 @@ class FullyShardedDataParallel(_OnMesh):
                 f"comms (this is {torch.__version__}); use dist.strategy=ddp or upgrade torch"
             )
 
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         mesh = self.mesh["dp"] if self.mesh is not None else None  # None: FSDP's default mesh
-        for module in [*blocks, model]:
-            fully_shard(
-                module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
-            )
-        for module in [*blocks, model]:  # a setting of each FSDP module, not inherited
-            module.set_gradient_divide_factor(1.0)
-            # gloo lacks PREMUL_SUM; plain sums are exact for every backend.
-            module.set_force_sum_reduction_for_comms(True)
+        shard_units([*blocks, model], mesh, param_dtype, reshard_after_forward)
         return model
 
     @contextlib.contextmanager
@@ -224,6 +216,33 @@ class FullyShardedDataParallel(_OnMesh):
         # FSDP2 keeps unsharded gradients until a micro-batch with sync enabled reduce-scatters.
         model.set_requires_gradient_sync(enabled)
         yield
+
+
+def shard_units(
+    units: Sequence[nn.Module],
+    mesh: DeviceMesh | None,
+    param_dtype: torch.dtype | None,
+    reshard: bool,
+    placement: Any = None,
+) -> None:
+    """FSDP2 (`fully_shard`) on each unit, in order (blocks first, the root last), over
+    `mesh`; gradients reduced in fp32 as plain sums, never divided (the loss is already
+    normalized by the global item count). `placement`: FSDP2's `shard_placement_fn`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for unit in units:
+        fully_shard(
+            unit,
+            mesh=mesh,
+            mp_policy=policy,
+            reshard_after_forward=reshard,
+            shard_placement_fn=placement,
+        )
+    for unit in units:  # a setting of each FSDP module, not inherited
+        unit.set_gradient_divide_factor(1.0)
+        # gloo lacks PREMUL_SUM; plain sums are exact for every backend.
+        unit.set_force_sum_reduction_for_comms(True)
 
 
 class MeshSplit:

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from engine.distributed import DistInfo
-from engine.parallel import MeshSplit, all_reduce_flat, local_values, whole_tensor
+from engine.parallel import MeshSplit, all_reduce_flat, local_values, shard_units, whole_tensor
 from engine.pipeline_schedule import SCHEDULES, Action, actions
 from engine.tensor_parallel import check_dp_placements, dp_placement, sharded_dims
 
@@ -343,23 +343,11 @@ class PipelineParallel(MeshSplit):
         """FSDP2 over the `dp` ranks: each local block, then each stage as its root (the
         stage's own modules: embeddings, final norm, output layer). Sums, no division, as
         `FullyShardedDataParallel` does."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        units = [*blocks, *self.stages.values()]
         for stage in self.stages.values():
             check_dp_placements(stage, self.dp_size)
-        for unit in units:
-            fully_shard(
-                unit,
-                mesh=self.mesh["dp"],
-                mp_policy=policy,
-                reshard_after_forward=reshard,
-                shard_placement_fn=dp_placement,  # a tensor-parallel q/k/v split: on dim 1
-            )
-        for unit in units:
-            unit.set_gradient_divide_factor(1.0)
-            unit.set_force_sum_reduction_for_comms(True)
+        units = [*blocks, *self.stages.values()]
+        # dp_placement: a tensor-parallel q/k/v split is sharded on dim 1.
+        shard_units(units, self.mesh["dp"], param_dtype, reshard, dp_placement)
         self.shards_parameters = True
 
     def _find_shared(self, model: nn.Module) -> None:

@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from engine.distributed import DistInfo
-from engine.parallel import MeshSplit, all_reduce_flat, local_values
+from engine.parallel import MeshSplit, all_reduce_flat, local_values, shard_units
 
 # colwise_qkv: a fused projection whose output is [q | k | v]: each third split colwise, so a
 # rank holds the same heads' rows of q, k and v (a DTensor `_StridedShard(0, split_factor=3)`:
@@ -381,27 +381,13 @@ class TensorParallel(MeshSplit):
         param_dtype: torch.dtype | None,
         reshard: bool,
     ) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         if not blocks:
             raise NotParallelizable(
                 f"dist.strategy=fsdp shards the model block by block and {type(model).__name__} "
                 "declares no blocks (block_modules(), or model.block_classes)"
             )
         check_dp_placements(model, self.dp_size)
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        units = [*blocks, model]
-        for unit in units:
-            fully_shard(
-                unit,
-                mesh=self.mesh["dp"],
-                mp_policy=policy,
-                reshard_after_forward=reshard,
-                shard_placement_fn=dp_placement,
-            )
-        for unit in units:  # sums, no division (as engine/parallel.py's FSDP)
-            unit.set_gradient_divide_factor(1.0)
-            unit.set_force_sum_reduction_for_comms(True)
+        shard_units([*blocks, model], self.mesh["dp"], param_dtype, reshard, dp_placement)
         self.shards_parameters = True
 
     def mixed_tensors(self) -> contextlib.AbstractContextManager:
