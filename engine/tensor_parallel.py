@@ -419,15 +419,11 @@ class TensorParallel(MeshSplit):
         `Partial` over `tp`): summed, it is the whole gradient, replicated."""
         from torch.distributed.tensor import Replicate
 
-        for p in self.sequence_params:
+        for p in self.sequence_params:  # DTensors: `SequenceParallel` replicated them
             g = p.grad
-            if g is None:
-                continue
-            if isinstance(g, DTensor):
+            if g is not None:
                 placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
                 p.grad = g.redistribute(g.device_mesh, placements)
-            else:
-                dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.tp_group)
 
     def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
         """The total gradient norm, float64 squares: each gradient's local squares summed
