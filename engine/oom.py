@@ -7,9 +7,10 @@ freed, so the caller can roll the window back and redo it with smaller micro-bat
 
 Why no rank is ever left waiting in a collective:
 
-- Ranks agree after every micro-batch (one all-reduce of a 0/1 flag). A rank that ran out of
-  memory stops there, and so does every other rank, before anyone starts the next
-  micro-batch (whose forward may itself communicate, e.g. DDP's buffer broadcast).
+- Ranks agree after every micro-batch (`Agreement`: one all-reduce of a 0/1 flag, on the
+  host). A rank that ran out of memory stops there, and so does every other rank, before
+  anyone starts the next micro-batch (whose forward may itself communicate, e.g. DDP's
+  buffer broadcast).
 - Under DDP every micro-batch runs in `no_sync`, and the window's gradients are all-reduced
   by hand only after the ranks agreed that the last backward finished everywhere. With DDP's
   own bucketed all-reduce, an OOM in the last backward on one rank leaves the other ranks
@@ -17,9 +18,15 @@ Why no rank is ever left waiting in a collective:
   can happen from inside autograd. The price is that communication no longer overlaps the
   last backward. The hand all-reduce averages like DDP (sum / world size), so
   `ctx.grad_sync_divisor` keeps its meaning.
-- FSDP2 gathers parameters inside forward and backward; an OOM there leaves its state
-  illegal (Composer's open FSDP2 issue). The trainer refuses FSDP2 on several ranks with
-  `micro_batch_size=auto` instead of risking a hang.
+- FSDP2 all-gathers and reduce-scatters inside forward and backward, from its module hooks.
+  `agree_in_collectives` replaces its communication by one that agrees before every
+  collective: a rank that ran out of memory anywhere (in a layer, or allocating FSDP's own
+  buffers) unwinds and agrees at the top, which is the collective its peers are waiting in;
+  they learn it there and unwind too (`PeerOutOfMemory`). FSDP2's state after the unwinding
+  is put back by its `reset_iter_state` (`reset_window`). Agreements go through a gloo group
+  on the host, so they never wait for the device. Not covered: the few scalars that fp16's
+  unscaling and the gradient norm allocate between their local work and their all-reduce
+  under FSDP2 (the update's own allocations, Adam's moments and temporaries, are).
 
 An OOM in unscaling, gradient clipping or the optimizer step is retried too: on a GPU the
 activations of large micro-batches leave the cache fragmented, and an update that needs one
@@ -36,18 +43,21 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from engine.accumulate import apply_update, count_step, count_window, micro_backward
-from engine.distributed import DistInfo, all_reduce_sum
+from engine.distributed import DistInfo, unwrap
 from engine.parallel import local_values
 from engine.precision import Precision
 from engine.step import Batch, StepContext, StepResult
+
+T = TypeVar("T")
 
 # What allocators raise when they run out: CUDA's (torch.OutOfMemoryError), and the CPU
 # allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory").
@@ -75,12 +85,106 @@ class OutOfMemoryAgreed(Exception):
         self.where, self.ranks, self.retry = where, ranks, retry
 
 
-def agree_oom(oom: bool, info: DistInfo) -> int:
-    """Collective: how many ranks ran out of memory (0 on every rank when none did)."""
-    if not info.distributed:
-        return int(oom)  # no device round trip: the allocator raised on the host
-    flag = torch.tensor(int(oom), device=info.device)
-    return int(all_reduce_sum(flag, info).item())
+class PeerOutOfMemory(Exception):
+    """Raised inside a collective's agreement on a rank that did not run out of memory itself:
+    `ranks` other ranks did. The agreement has happened; the caller must not agree again."""
+
+    def __init__(self, ranks: int) -> None:
+        super().__init__(f"out of memory on {ranks} other rank(s)")
+        self.ranks = ranks
+
+
+class Agreement:
+    """How many ranks ran out of memory: one all-reduce of a 0/1 flag. On the host: through the
+    default group when it is gloo, else through a gloo group made for it (collective: every
+    rank builds its `Agreement` at the same point), so no agreement waits for the device."""
+
+    def __init__(self, info: DistInfo) -> None:
+        self.info = info
+        self.group: dist.ProcessGroup | None = None
+        if info.distributed and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")
+
+    def __call__(self, oom: bool) -> int:
+        if not self.info.distributed:
+            return int(oom)
+        flag = torch.tensor([int(oom)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.group)
+        return int(flag[0])
+
+    def attempt(self, fn: Callable[[], T]) -> tuple[T | None, int]:
+        """Collective: run `fn`, then agree. Its result (None on an OOM anywhere) and how many
+        ranks ran out of memory. A `PeerOutOfMemory` means the agreement already happened."""
+        oom, out = False, None
+        try:
+            out = fn()
+        except PeerOutOfMemory as exc:
+            return None, exc.ranks
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            oom = True  # agreed below, once the traceback (and the graph it holds) is gone
+        return out, self(oom)
+
+
+def agree_in_collectives(model: nn.Module, agreement: Agreement) -> None:
+    """FSDP2 agrees before each of its all-gathers and reduce-scatters (module docstring)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    gather, scatter = _AgreedAllGather(agreement), _AgreedReduceScatter(agreement)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(gather)
+            module.set_custom_reduce_scatter(scatter)
+
+
+def _agreed(agreement: Agreement) -> None:
+    failed = agreement(False)
+    if failed:
+        raise PeerOutOfMemory(failed)
+
+
+class _AgreedAllGather:
+    """FSDP2's all-gather (its `AllGather` interface), agreed first."""
+
+    def __init__(self, agreement: Agreement) -> None:
+        self.agreement = agreement
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        async_op: bool = False,
+    ) -> Any:
+        _agreed(self.agreement)
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _AgreedReduceScatter:
+    """FSDP2's reduce-scatter (its `ReduceScatter` interface), agreed first."""
+
+    def __init__(self, agreement: Agreement) -> None:
+        self.agreement = agreement
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        _agreed(self.agreement)
+        return dist.reduce_scatter_single(
+            output_tensor, input_tensor, group=group, op=op, async_op=async_op
+        )
 
 
 def release_memory(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -90,6 +194,33 @@ def release_memory(optimizer: torch.optim.Optimizer, device: torch.device) -> No
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def reset_window(ctx: StepContext) -> None:
+    """After an agreed OOM: FSDP2's per-iteration state back to idle and resharded, its
+    unreduced gradients dropped, then `release_memory`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root = unwrap(ctx.model)
+    if isinstance(root, FSDPModule):
+        root.reset_iter_state()
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                drop_unreduced_gradients(module)
+    release_memory(ctx.optimizer, ctx.dist.device)
+
+
+def drop_unreduced_gradients(module: Any) -> None:
+    """The gradients an FSDP2 unit accumulated without reducing them (micro-batches with
+    gradient sync off): `reset_iter_state` (torch 2.13) leaves them on the unsharded
+    parameters, where the redone window would add to them. Not reachable through a public
+    API: FSDP2's per-parameter records."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
 
 
 @contextlib.contextmanager
@@ -205,16 +336,16 @@ class OomSafeAccumulateStep:
 
     The same arithmetic as `AccumulateStep` (one count of the window, each micro-batch's
     backward of loss_sum * divisor / global_count, `finish_step`'s two halves), with an
-    agreement after every micro-batch, the gradient all-reduce after the last one, and the
-    update undone (`StepUndo`) when the step's tail runs out of memory on any rank.
+    agreement after every micro-batch, the gradients reduced after the last one (by hand
+    under DDP; by FSDP2's agreed reduce-scatters in the last backward), and the update undone
+    (`StepUndo`) when the step's tail runs out of memory on any rank.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, agreement: Agreement) -> None:
+        self.agree = agreement
         self.undo: StepUndo | None = None
 
     def __call__(self, ctx: StepContext, window: Sequence[Batch]) -> StepResult:
-        if ctx.parallel.shards_parameters and ctx.dist.distributed:
-            raise RuntimeError("OomSafeAccumulateStep does not support FSDP on several ranks")
         ctx.optimizer.zero_grad(set_to_none=True)
         if self.undo is None or self.undo.optimizer is not ctx.optimizer:
             self.undo = StepUndo(ctx.optimizer, ctx.precision)
@@ -223,49 +354,35 @@ class OomSafeAccumulateStep:
         count = global_count.clamp(min=1)
         loss_sum: torch.Tensor | None = None
         last = len(window) - 1
-        with local_gradients(ctx.model):
-            for i, batch in enumerate(window):
-                micro_sum = self.try_micro_backward(ctx, batch, count)
-                failed = agree_oom(micro_sum is None, ctx.dist)
-                if failed:
-                    release_memory(ctx.optimizer, ctx.dist.device)
-                    raise OutOfMemoryAgreed(f"micro-batch {i + 1}/{len(window)}", failed)
-                ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
-                loss_sum = micro_sum if loss_sum is None else loss_sum + micro_sum
-        all_reduce_gradients(ctx.trainable_parameters(), ctx.dist)
+        for i, batch in enumerate(window):
+            with window_sync(ctx, i == last):
+                micro_sum, failed = self.agree.attempt(partial(micro_backward, ctx, batch, count))
+            if failed or micro_sum is None:
+                reset_window(ctx)
+                raise OutOfMemoryAgreed(f"micro-batch {i + 1}/{len(window)}", failed)
+            ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
+            loss_sum = micro_sum if loss_sum is None else loss_sum + micro_sum
+        if not ctx.parallel.shards_parameters:
+            all_reduce_gradients(ctx.trainable_parameters(), ctx.dist)
         self.undo.ready()
-        try:
-            update = apply_update(ctx)
-            failed = agree_oom(False, ctx.dist)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            failed = agree_oom(True, ctx.dist)
-        if failed:
+        update, failed = self.agree.attempt(lambda: apply_update(ctx))
+        if failed or update is None:
             self.undo.restore()
-            release_memory(ctx.optimizer, ctx.dist.device)
+            reset_window(ctx)
             raise OutOfMemoryAgreed("gradient clipping or optimizer step", failed)
-        try:
-            result = count_step(ctx, StepResult(loss_sum, global_count, *update))
-            failed = agree_oom(False, ctx.dist)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            failed = agree_oom(True, ctx.dist)
-        if failed:  # the step is counted and callbacks ran: nothing left to redo
-            release_memory(ctx.optimizer, ctx.dist.device)
+        result, failed = self.agree.attempt(
+            lambda: count_step(ctx, StepResult(loss_sum, global_count, *update))
+        )
+        if failed or result is None:  # the step is counted and callbacks ran: not redone
+            reset_window(ctx)
             raise OutOfMemoryAgreed("callbacks after the optimizer step", failed, retry=False)
         return result
 
-    @staticmethod
-    def try_micro_backward(
-        ctx: StepContext, batch: Batch, count: torch.Tensor
-    ) -> torch.Tensor | None:
-        """Forward + backward of one micro-batch: its detached loss sum, or None on OOM (the
-        graph is freed when the failed frame and the exception's traceback go)."""
-        try:
-            return micro_backward(ctx, batch, count)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            return None
+
+def window_sync(ctx: StepContext, last: bool) -> contextlib.AbstractContextManager:
+    """Around a micro-batch of the OOM-safe step: DDP never communicates (the window is
+    all-reduced by hand once every rank finished); FSDP2 reduce-scatters in the last
+    micro-batch's backward, each collective agreed first (`agree_in_collectives`)."""
+    if ctx.parallel.shards_parameters:
+        return ctx.parallel.gradient_sync(ctx.model, enabled=last)
+    return local_gradients(ctx.model)

@@ -226,11 +226,15 @@ def shard_units(
     placement: Any = None,
 ) -> None:
     """FSDP2 (`fully_shard`) on each unit, in order (blocks first, the root last), over
-    `mesh`; gradients reduced in fp32 as plain sums, never divided (the loss is already
-    normalized by the global item count). `placement`: FSDP2's `shard_placement_fn`."""
+    `mesh`; gradients reduced in fp32 (float64 models: float64) as plain sums, never divided
+    (the loss is already normalized by the global item count). `placement`: FSDP2's
+    `shard_placement_fn`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # Low-precision parameters reduce in fp32; otherwise in the parameters' own dtype (a
+    # float64 model stays float64).
+    reduce_dtype = torch.float32 if param_dtype is not None else None
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in units:
         fully_shard(
             unit,

@@ -29,13 +29,14 @@ from engine.accumulate import AccumulateStep
 from engine.callbacks import Callback
 from engine.distributed import unwrap
 from engine.oom import (
+    Agreement,
     OomSafeAccumulateStep,
     OutOfMemoryAgreed,
-    agree_oom,
-    is_oom,
+    agree_in_collectives,
     local_gradients,
-    release_memory,
+    reset_window,
 )
+from engine.parallel import local_values
 from engine.rng import rng_state, set_rng_state
 from engine.step import StepContext
 from trainer.batch_plan import AUTO, BatchPlan
@@ -60,11 +61,14 @@ def divisors(n: int) -> list[int]:
 def refusal(ctx: StepContext, step_fn: Any) -> str | None:
     """Why `auto` cannot run with this config (one sentence), or None."""
     if ctx.dist.distributed and ctx.parallel.shards_parameters:
-        return (
-            "dist.strategy=fsdp on several ranks is not supported: FSDP2 communicates inside "
-            "forward and backward and an out-of-memory error there leaves it unrecoverable; "
-            "set train.micro_batch_size to a number, or use dist.strategy=ddp"
-        )
+        from torch.distributed.fsdp import FSDPModule
+
+        if not hasattr(FSDPModule, "reset_iter_state"):
+            return (
+                f"dist.strategy=fsdp on several ranks needs FSDPModule.reset_iter_state (torch "
+                f"2.13 or later; this is {torch.__version__}) to recover from an out-of-memory "
+                "error; set train.micro_batch_size to a number, or use dist.strategy=ddp"
+            )
     if type(step_fn) is not AccumulateStep:
         return (
             f"step {type(step_fn).__name__} is not supported (auto redoes windows of the "
@@ -122,7 +126,10 @@ def setup_auto(
     if reason is not None:
         raise ConfigError("train.micro_batch_size", f"auto: {reason}")
     per_rank = plan.per_rank
-    size, tried = probe(ctx, data, per_rank)
+    agreement = Agreement(ctx.dist)
+    if ctx.dist.distributed and ctx.parallel.shards_parameters:
+        agree_in_collectives(ctx.model, agreement)
+    size, tried = probe(ctx, data, per_rank, agreement)
     plan = plan.with_micro(size)
     cfg.train.micro_batch_size = size
     ctx.callbacks.named["auto_micro_batch"] = AutoMicroBatch(size, ctx.dist.is_main)
@@ -132,7 +139,7 @@ def setup_auto(
             f"{per_rank} (tried {', '.join(tried)}); accumulation {plan.accum}",
             flush=True,
         )
-    return OomSafeAccumulateStep(), plan
+    return OomSafeAccumulateStep(agreement), plan
 
 
 def _size(sample: Any) -> int:
@@ -161,8 +168,10 @@ class ProbeUndo:
     def __init__(self, ctx: StepContext) -> None:
         self.ctx = ctx
         module = unwrap(ctx.model)
-        self.tensors = list(module.parameters()) + list(module.buffers())
-        self.values = [t.detach().to("cpu", copy=True) for t in self.tensors]
+        # This rank's values (FSDP2 shards its parameters: DTensors), restored in place.
+        with torch.no_grad():
+            self.tensors = [local_values(t) for t in [*module.parameters(), *module.buffers()]]
+            self.values = [t.detach().to("cpu", copy=True) for t in self.tensors]
         self.optimizer = copy.deepcopy(ctx.optimizer.state_dict())
         self.rng = rng_state()
 
@@ -175,29 +184,28 @@ class ProbeUndo:
         set_rng_state(self.rng)
 
 
-def fits(ctx: StepContext, batch: Any) -> bool:
+def fits(ctx: StepContext, batch: Any, agreement: Agreement) -> bool:
     """Collective: forward, backward and an optimizer step of `batch` ran on every rank.
 
     fp16 runs back-propagate without the GradScaler (scale 1: same memory, and no skipped
     step hides the optimizer's allocation)."""
-    oom = False
-    try:
+
+    def step() -> None:
         with local_gradients(ctx.model):
             with ctx.precision.autocast():
                 loss = ctx.task.loss_sum(ctx.model, batch)
             loss.float().backward()
         del loss
         ctx.optimizer.step()
-    except Exception as exc:
-        if not is_oom(exc):
-            raise
-        oom = True
-    failed = agree_oom(oom, ctx.dist)
-    release_memory(ctx.optimizer, ctx.dist.device)
+
+    _, failed = agreement.attempt(step)
+    reset_window(ctx)
     return failed == 0
 
 
-def probe(ctx: StepContext, data: Any, per_rank: int) -> tuple[int, list[str]]:
+def probe(
+    ctx: StepContext, data: Any, per_rank: int, agreement: Agreement
+) -> tuple[int, list[str]]:
     """The largest divisor of `per_rank` that fits: the whole batch first, then bisection."""
     from trainer.data.loader import to_device
 
@@ -209,7 +217,7 @@ def probe(ctx: StepContext, data: Any, per_rank: int) -> tuple[int, list[str]]:
 
     def attempt(size: int) -> bool:
         try:
-            ok = fits(ctx, to_device(collate([sample] * size), ctx.dist.device))
+            ok = fits(ctx, to_device(collate([sample] * size), ctx.dist.device), agreement)
         finally:
             undo.restore()
         tried.append(f"{size} {'fits' if ok else 'out of memory'}")
