@@ -234,9 +234,14 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
     its all-gather buffer; rank 1 is entering that all-gather): 4. Step 2: the last
     micro-batch's backward on rank 1 (rank 0 is entering a reduce-scatter; the window's
     earlier micro-batches left unreduced gradients in FSDP2): redone at 2. Step 3: rank 0's
-    optimizer step, after its update: undone, redone at 1. Equal to the DDP hand run at 2."""
+    optimizer step, after its update: undone, redone at 1. Equal to the DDP hand run at 2.
+    FSDP2 with fp16 (GradScaler) and BatchNorm: the first window's second micro-batch runs out
+    of memory on rank 1 after the first updated the running statistics and left unreduced
+    gradients; redone at 4, equal to an FSDP2 fp16 run at 4 (1e-6)."""
     lower = LOWER + "at_step:1,fit:2,skip:2,where:backward,ranks:[1]}"
     common = ("+model.float64=true", "train.log_every=1", "checkpoint.format=full")
+    fp16 = ("dist.strategy=fsdp", "train.precision=fp16", "+model.batchnorm=true")
+    fp16 = (*fp16, "checkpoint.format=full")
     runs = {
         "auto": overrides(3, 24, "auto", "+model.fit=5", "+model.ranks=[0]", lower, *common),
         "hand": overrides(3, 24, 2, *common),
@@ -255,12 +260,16 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
         "optim": overrides(
             3, 24, "auto", "+model.fit=5", OOM_STEP + "at_step:2,fit:2,ranks:[0]}", *common
         ),
+        "fsdp16": overrides(
+            2, 32, "auto", "+model.fit=8", LOWER + "at_step:0,fit:4,skip:1,ranks:[1]}", *fp16
+        ),
+        "fsdp16_hand": overrides(2, 32, 4, *fp16),
     }
     cmds = {
         name: [*torchrun_cmd(2), "-m", "trainer.train", *args, f"hydra.run.dir={tmp_path / name}"]
         for name, args in runs.items()
     }
-    procs = launch_all(cmds, timeout=150, TMPDIR=str(tmp_path))
+    procs = launch_all(cmds, timeout=240, TMPDIR=str(tmp_path))
     for name in runs:
         assert procs[name].returncode == 0, explain(procs[name])
     out, err = procs["auto"].stdout, procs["auto"].stderr
@@ -278,6 +287,10 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
     assert "optimizer step at step 3; shrinking the micro-batch to 1" in err, err
     assert sizes(tmp_path / "fsdp") == [4, 2, 1]
     assert_same_run(tmp_path / "fsdp", tmp_path / "hand", 1e-12)
+    err = procs["fsdp16"].stderr
+    assert "micro-batch 2/2 at step 1; shrinking the micro-batch to 4" in err, err
+    assert sizes(tmp_path / "fsdp16") == [4, 4]
+    assert_same_run(tmp_path / "fsdp16", tmp_path / "fsdp16_hand", 1e-6)
 
 
 if __name__ == "__main__":
