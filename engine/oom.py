@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from functools import partial
 from typing import Any, TypeVar
 
@@ -68,6 +69,8 @@ def is_oom(exc: BaseException) -> bool:
     """True for an allocator's out-of-memory error, on any device."""
     if isinstance(exc, torch.OutOfMemoryError):
         return True
+    if isinstance(exc, dist.DistError):  # e.g. NCCL's "Cuda failure 'out of memory'"
+        return False  # a collective failed after the agreement: not recoverable here
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _CPU_OOM)
 
 
@@ -99,11 +102,11 @@ class Agreement:
     default group when it is gloo, else through a gloo group made for it (collective: every
     rank builds its `Agreement` at the same point), so no agreement waits for the device."""
 
-    def __init__(self, info: DistInfo) -> None:
+    def __init__(self, info: DistInfo, timeout: timedelta | None = None) -> None:
         self.info = info
         self.group: dist.ProcessGroup | None = None
         if info.distributed and dist.get_backend() != "gloo":
-            self.group = dist.new_group(backend="gloo")
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
 
     def __call__(self, oom: bool) -> int:
         if not self.info.distributed:
@@ -203,24 +206,29 @@ def reset_window(ctx: StepContext) -> None:
 
     root = unwrap(ctx.model)
     if isinstance(root, FSDPModule):
-        root.reset_iter_state()
+        if root._get_fsdp_state()._is_root is not None:  # None: no forward has started yet
+            root.reset_iter_state()
         for module in root.modules():
             if isinstance(module, FSDPModule):
-                drop_unreduced_gradients(module)
+                drop_unsharded(module)
     release_memory(ctx.optimizer, ctx.dist.device)
 
 
-def drop_unreduced_gradients(module: Any) -> None:
-    """The gradients an FSDP2 unit accumulated without reducing them (micro-batches with
-    gradient sync off): `reset_iter_state` (torch 2.13) leaves them on the unsharded
-    parameters, where the redone window would add to them. Not reachable through a public
-    API: FSDP2's per-parameter records."""
+def drop_unsharded(module: Any) -> None:
+    """What `reset_iter_state` (torch 2.13) leaves of an FSDP2 unit's failed iteration: the
+    gradients accumulated without reducing them (micro-batches with gradient sync off), on
+    the unsharded parameters, where the redone window would add to them; and unsharded
+    parameter storage allocated by an all-gather's copy-out that ran out of memory part way
+    (the group still counts as sharded, so the reset frees nothing). Not reachable through
+    a public API: FSDP2's per-parameter records."""
     for group in module._get_fsdp_state()._fsdp_param_groups:
         for fsdp_param in group.fsdp_params:
             fsdp_param.unsharded_accumulated_grad = None
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
                 unsharded.grad = None
+            if group.is_sharded and hasattr(fsdp_param, "_unsharded_inner_tensors"):
+                fsdp_param.free_unsharded_param()
 
 
 @contextlib.contextmanager
@@ -382,7 +390,8 @@ class OomSafeAccumulateStep:
 def window_sync(ctx: StepContext, last: bool) -> contextlib.AbstractContextManager:
     """Around a micro-batch of the OOM-safe step: DDP never communicates (the window is
     all-reduced by hand once every rank finished); FSDP2 reduce-scatters in the last
-    micro-batch's backward, each collective agreed first (`agree_in_collectives`)."""
+    micro-batch's backward (every one's with `dist.fsdp_sync_every_micro_batch`), each
+    collective agreed first (`agree_in_collectives`)."""
     if ctx.parallel.shards_parameters:
-        return ctx.parallel.gradient_sync(ctx.model, enabled=last)
+        return ctx.parallel.gradient_sync(ctx.model, enabled=last or ctx.sync_every_micro_batch)
     return local_gradients(ctx.model)

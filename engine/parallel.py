@@ -231,9 +231,9 @@ def shard_units(
     `shard_placement_fn`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # Low-precision parameters reduce in fp32; otherwise in the parameters' own dtype (a
-    # float64 model stays float64).
-    reduce_dtype = torch.float32 if param_dtype is not None else None
+    # fp32, or float64 for a float64 model (fp32 would round its gradients).
+    wide = any(p.dtype == torch.float64 for unit in units for p in unit.parameters())
+    reduce_dtype = torch.float64 if wide else torch.float32
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in units:
         fully_shard(

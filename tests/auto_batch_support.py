@@ -2,9 +2,10 @@
 
 `LimitedGPT` raises a real `torch.OutOfMemoryError` when a training micro-batch holds more
 than `fit` samples (or, with `fit_tokens`, more padded tokens): in forward, in backward
-(a custom autograd Function on the token embeddings), or in `gather`: as the first block
-starts (under FSDP2: where its all-gather allocates its buffer, before the collective), on
-the `ranks` given (None: every rank). `LowerLimit`, a callback, lowers the limit during a
+(a custom autograd Function on the token embeddings), or in `block`: as the first block
+starts (under FSDP2 inside that unit, after its all-gather; in forward, the token embeddings
+run in the root unit, between the root's all-gather and the first block's), on the `ranks`
+given (None: every rank). `LowerLimit`, a callback, lowers the limit during a
 run: after optimizer step `at_step` (0: before the first), the limit becomes `fit` after
 `skip` more training forwards, so an OOM can land in the middle of a window. `OomInStep`
 runs out of memory at the end of an optimizer step (after the update). Optionally a
@@ -62,8 +63,8 @@ class LimitedGPT(GPT):
         self.last_batch = 0  # the last training micro-batch's size
         self.norm = nn.BatchNorm1d(self.tok_emb.embedding_dim) if batchnorm else None
         self.tok_emb.register_forward_hook(self._limit)
-        # Registered before FSDP2 wraps the block: runs before its all-gather.
-        self.blocks[0].register_forward_pre_hook(self._limit_gather)
+        # FSDP2 prepends its own pre-hook when it wraps the block: this runs after it.
+        self.blocks[0].register_forward_pre_hook(self._limit_block)
         if float64:
             self.double()
 
@@ -90,9 +91,9 @@ class LimitedGPT(GPT):
             out = self.norm(out.transpose(1, 2)).transpose(1, 2)  # (B, C, T) for BatchNorm1d
         return _OomInBackward.apply(out, self)
 
-    def _limit_gather(self, module: nn.Module, args: Any) -> None:
+    def _limit_block(self, module: nn.Module, args: Any) -> None:
         if self.training and torch.is_grad_enabled():
-            self.check(args[0].shape[0], "gather")
+            self.check(args[0].shape[0], "block")
 
 
 class LowerLimit(Callback):

@@ -229,9 +229,9 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
     step on rank 0 only (its update applied, rank 1's too): both ranks undo the update and
     redo the window at 2, again equal to the hand run.
 
-    FSDP2 on 2 ranks, float64, each OOM on one rank while the other waits to communicate:
-    the probe runs out of memory on rank 0 as the first block starts (where FSDP2 allocates
-    its all-gather buffer; rank 1 is entering that all-gather): 4. Step 2: the last
+    FSDP2 on 2 ranks, float64, each OOM on one rank while the other goes on to communicate:
+    the probe runs out of memory on rank 0 inside the first block's unit (rank 1 goes on to
+    the next unit's all-gather): 4. Step 2: the last
     micro-batch's backward on rank 1 (rank 0 is entering a reduce-scatter; the window's
     earlier micro-batches left unreduced gradients in FSDP2): redone at 2. Step 3: rank 0's
     optimizer step, after its update: undone, redone at 1. Equal to the DDP hand run at 2.
@@ -251,7 +251,7 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
             "auto",
             "dist.strategy=fsdp",
             "+model.fit=5",
-            "+model.where=gather",
+            "+model.where=block",
             "+model.ranks=[0]",
             lower,
             OOM_STEP + "at_step:3,fit:1,ranks:[0]}",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -126,7 +127,7 @@ def setup_auto(
     if reason is not None:
         raise ConfigError("train.micro_batch_size", f"auto: {reason}")
     per_rank = plan.per_rank
-    agreement = Agreement(ctx.dist)
+    agreement = Agreement(ctx.dist, timedelta(seconds=cfg.dist.timeout_s))
     if ctx.dist.distributed and ctx.parallel.shards_parameters:
         agree_in_collectives(ctx.model, agreement)
     size, tried = probe(ctx, data, per_rank, agreement)
