@@ -141,14 +141,8 @@ def agree_in_collectives(model: nn.Module, agreement: Agreement) -> None:
             module.set_custom_reduce_scatter(scatter)
 
 
-def _agreed(agreement: Agreement) -> None:
-    failed = agreement(False)
-    if failed:
-        raise PeerOutOfMemory(failed)
-
-
-class _AgreedAllGather:
-    """FSDP2's all-gather (its `AllGather` interface), agreed first."""
+class _AgreedComm:
+    """FSDP2's communication interface (`allocate`, then the call), agreed before the call."""
 
     def __init__(self, agreement: Agreement) -> None:
         self.agreement = agreement
@@ -156,6 +150,13 @@ class _AgreedAllGather:
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
+    def agree(self) -> None:
+        failed = self.agreement(False)
+        if failed:
+            raise PeerOutOfMemory(failed)
+
+
+class _AgreedAllGather(_AgreedComm):
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -163,19 +164,11 @@ class _AgreedAllGather:
         group: Any,
         async_op: bool = False,
     ) -> Any:
-        _agreed(self.agreement)
+        self.agree()
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class _AgreedReduceScatter:
-    """FSDP2's reduce-scatter (its `ReduceScatter` interface), agreed first."""
-
-    def __init__(self, agreement: Agreement) -> None:
-        self.agreement = agreement
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
+class _AgreedReduceScatter(_AgreedComm):
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -184,7 +177,7 @@ class _AgreedReduceScatter:
         op: Any,
         async_op: bool = False,
     ) -> Any:
-        _agreed(self.agreement)
+        self.agree()
         return dist.reduce_scatter_single(
             output_tensor, input_tensor, group=group, op=op, async_op=async_op
         )
