@@ -21,12 +21,14 @@ Why no rank is ever left waiting in a collective:
 - FSDP2 all-gathers and reduce-scatters inside forward and backward, from its module hooks.
   `agree_in_collectives` replaces its communication by one that agrees before every
   collective: a rank that ran out of memory anywhere (in a layer, or allocating FSDP's own
-  buffers) unwinds and agrees at the top, which is the collective its peers are waiting in;
-  they learn it there and unwind too (`PeerOutOfMemory`). FSDP2's state after the unwinding
-  is put back by its `reset_iter_state` (`reset_window`). Agreements go through a gloo group
-  on the host, so they never wait for the device. Not covered: the few scalars that fp16's
-  unscaling and the gradient norm allocate between their local work and their all-reduce
-  under FSDP2 (the update's own allocations, Adam's moments and temporaries, are).
+  buffers) unwinds and agrees at the top, which is the agreement its peers reach next
+  (before their next collective, or at the end of the micro-batch); they learn it there and
+  unwind too (`PeerOutOfMemory`). FSDP2's state after the unwinding is put back by its
+  `reset_iter_state` (`reset_window`). Agreements go through a gloo group on the host, so
+  they never wait for the device. Not covered: under FSDP2, the collectives between the last
+  agreement and the update (fp16's found-inf all-reduce, the gradient norm's, per-layer
+  norms): an OOM in their scalar allocations on one rank leaves the others waiting there
+  until the timeout. The update's own allocations (Adam's moments, temporaries) are covered.
 
 An OOM in unscaling, gradient clipping or the optimizer step is retried too: on a GPU the
 activations of large micro-batches leave the cache fragmented, and an update that needs one
