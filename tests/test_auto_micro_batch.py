@@ -231,17 +231,16 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
 
     FSDP2 on 2 ranks, float64, each OOM on one rank while the other goes on to communicate:
     the probe runs out of memory on rank 0 inside the first block's unit (rank 1 goes on to
-    the next unit's all-gather): 4. Step 2: the last
-    micro-batch's backward on rank 1 (rank 0 is entering a reduce-scatter; the window's
-    earlier micro-batches left unreduced gradients in FSDP2): redone at 2. Step 3: rank 0's
-    optimizer step, after its update: undone, redone at 1. Equal to the DDP hand run at 2.
+    the next unit's all-gather): 4. Step 2: the last micro-batch's backward on rank 1 (rank 0
+    is entering a reduce-scatter; the window's earlier micro-batches left unreduced gradients
+    in FSDP2): redone at 2. Step 3: rank 0's optimizer step, after its update: undone, redone
+    at 1. Equal to the DDP hand run at 2.
     FSDP2 with fp16 (GradScaler) and BatchNorm: the first window's second micro-batch runs out
     of memory on rank 1 after the first updated the running statistics and left unreduced
     gradients; redone at 4, equal to an FSDP2 fp16 run at 4 (1e-6)."""
     lower = LOWER + "at_step:1,fit:2,skip:2,where:backward,ranks:[1]}"
     common = ("+model.float64=true", "train.log_every=1", "checkpoint.format=full")
-    fp16 = ("dist.strategy=fsdp", "train.precision=fp16", "+model.batchnorm=true")
-    fp16 = (*fp16, "checkpoint.format=full")
+    fp16 = ("dist.strategy=fsdp", "train.precision=fp16", "+model.batchnorm=true", *common[1:])
     runs = {
         "auto": overrides(3, 24, "auto", "+model.fit=5", "+model.ranks=[0]", lower, *common),
         "hand": overrides(3, 24, 2, *common),

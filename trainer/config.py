@@ -194,6 +194,7 @@ class DistCfg:
     # unsharded gradients until the last one (less memory, more communication). Under DDP it
     # likewise all-reduces every micro-batch.
     fsdp_sync_every_micro_batch: bool = False
+    # How long a collective (and auto micro-batch's out-of-memory agreement) may wait.
     timeout_s: float = 600.0
     # Pipeline parallelism (engine/pipeline.py): the model's blocks in `pp` stages (times
     # `pp_virtual` per rank with interleaved_1f1b), balanced by parameter count or starting
