@@ -14,8 +14,8 @@ from engine.distributed import (
     all_reduce_max,
     all_reduce_sum,
 )
+from engine.numerics.precision import Precision
 from engine.parallel import parallelism_of
-from engine.precision import Precision
 from engine.step import Batch, EvalTask, Task, item_count
 
 

@@ -8,7 +8,7 @@
   6 x parameters.
 - `generate(idx, max_new_tokens, generator=...)`: text samples at evaluation; none without.
 - `output_head()`: the output layer, for `task=causal_lm`'s chunked loss over a large
-  vocabulary (engine/chunked_ce.py's `OutputHead`); the plain logits without.
+  vocabulary (engine/numerics/chunked_ce.py's `OutputHead`); the plain logits without.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from torch import nn
 
 from engine.callbacks import CallbackList
 from engine.distributed import DistInfo
+from engine.numerics.precision import Precision
 from engine.parallel import Parallelism, parallelism_of
-from engine.precision import Precision
 from engine.tasks import TaskOutputError
 
 Batch = Any
@@ -80,7 +80,7 @@ class StepContext:
     sync_every_micro_batch: bool = False
     # Optimizer steps completed; `finish_step` advances it (restored from checkpoints).
     step: int = 0
-    # How `model` is spread over ranks (engine/parallel.py); left out, it is read off the
+    # How `model` is spread over ranks (engine/parallel/); left out, it is read off the
     # model's wrapper (DDP, FSDP2, or none).
     parallel: Parallelism = None  # type: ignore[assignment]
     # What the data-parallel wrapper divides synchronized gradients by (DDP averages).

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.chunked_ce import IGNORE_INDEX, ChunkedCrossEntropy, OutputHead
 from engine.distributed import unwrap
+from engine.numerics.chunked_ce import IGNORE_INDEX, ChunkedCrossEntropy, OutputHead
 
 
 class TaskOutputError(TypeError):
@@ -83,7 +83,7 @@ class CausalLMTask:
     shifted here: the logits at t predict `labels[:, t + 1]`, so the loss items are the
     non-ignored `labels[:, 1:]` (one fewer per row than the labels).
 
-    Large vocabularies: when the model declares `OutputHead` (engine/chunked_ce.py) and its
+    Large vocabularies: when the model declares `OutputHead` (engine/numerics/chunked_ce.py) and its
     output layer has at least `chunked_vocab_threshold` classes, the loss is computed
     `chunk_size` tokens at a time inside the model's forward (the same sum, never the logits
     of the whole micro-batch); `chunk_size=None` always uses the plain logits.
@@ -159,7 +159,8 @@ class CausalLMTask:
             raise TaskOutputError(
                 f"{self.name}: {type(unwrap(model)).__name__} declares output_head(), so its "
                 "forward(..., head_loss=fn, head_targets=targets) must return fn's scalar loss; "
-                f"it returned a {type(loss).__name__}. See engine/chunked_ce.py's OutputHead"
+                f"it returned a {type(loss).__name__}. See engine/numerics/chunked_ce.py's "
+                "OutputHead"
             )
         return loss
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from engine.chunked_ce import chunked_cross_entropy  # noqa: E402
+from engine.numerics.chunked_ce import chunked_cross_entropy  # noqa: E402
 
 
 def rss_peak_mb() -> float:

@@ -28,11 +28,11 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from engine.accumulate import AccumulateStep  # noqa: E402
 from engine.callbacks import Callback, CallbackList  # noqa: E402
 from engine.distributed import DistInfo  # noqa: E402
-from engine.precision import Precision  # noqa: E402
+from engine.numerics.precision import Precision  # noqa: E402
 from engine.step import StepContext  # noqa: E402
+from engine.steps.accumulate import AccumulateStep  # noqa: E402
 from engine.tasks import CausalLMTask  # noqa: E402
 from scripts.bench import report  # noqa: E402
 from trainer.data.text import text_data  # noqa: E402

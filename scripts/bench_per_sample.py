@@ -33,13 +33,13 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.accumulate import AccumulateStep
 from engine.callbacks import CallbackList
+from engine.callbacks.noise_scale import NoiseScale
 from engine.distributed import DistInfo
-from engine.dp_sgd import DPSGDStep
-from engine.noise_scale import NoiseScale
-from engine.precision import Precision
+from engine.numerics.precision import Precision
 from engine.step import StepContext
+from engine.steps.accumulate import AccumulateStep
+from engine.steps.dp_sgd import DPSGDStep
 from engine.tasks import CausalLMTask, ClassificationTask
 from trainer.models.gpt import GPT
 

@@ -7,7 +7,7 @@ For each accumulation count, one process without a pipeline (the reference), the
 `dist.pp_virtual=2`), all on the same model and global batch, and reads their
 `metrics.jsonl`: the median step time over the steps after the first log interval, the
 measured bubble (`train/pp_bubble`: the fraction of the schedule's time the ranks spent
-blocked in receives) and the ideal bubble of the schedule (engine/pipeline_schedule.py's
+blocked in receives) and the ideal bubble of the schedule (engine/parallel/pipeline/schedule.py's
 `simulate`, forward and backward costing the same), and the largest difference of
 `train/loss` against the reference (the exactness check, per run).
 
@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from engine.pipeline_schedule import actions, simulate  # noqa: E402
+from engine.parallel.pipeline.schedule import actions, simulate  # noqa: E402
 
 MODEL = [
     "model=gpt_tiny",

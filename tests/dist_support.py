@@ -90,10 +90,10 @@ def run_accum(info: DistInfo, accum: int, steps: int, hooked: bool) -> dict[str,
     import torch
     import torch.distributed as dist
 
-    from engine.accumulate import AccumulateStep
     from engine.distributed import unwrap, wrap_model
-    from engine.precision import Precision
+    from engine.numerics.precision import Precision
     from engine.step import StepContext
+    from engine.steps.accumulate import AccumulateStep
     from engine.tasks import CausalLMTask
     from trainer.models.gpt import GPT
 

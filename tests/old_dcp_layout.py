@@ -4,7 +4,7 @@ in the layout of cumulus before the flattened optimizer state: `get_state_dict`'
 one rank.
 
 For tests that old sharded checkpoints still resume (tests/test_pipeline.py). This is the old
-code, not a mode of the engine's: `engine.sharded_checkpoint` only reads that layout.
+code, not a mode of the engine's: `engine.checkpoint.sharded` only reads that layout.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-import engine.sharded_checkpoint
+import engine.checkpoint.sharded
 
 
 def old_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -26,5 +26,5 @@ def old_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 if __name__ == "__main__":
     # trainer.state imports the function when it saves: patching the module attribute is enough.
-    engine.sharded_checkpoint.sharded_model_optimizer_state = old_state  # type: ignore[assignment]
+    engine.checkpoint.sharded.sharded_model_optimizer_state = old_state  # type: ignore[assignment]
     runpy.run_module("trainer.train", run_name="__main__", alter_sys=True)

@@ -113,7 +113,7 @@ class DetachEmbeddingStep:
     """
 
     def __init__(self, module: str = "pos_emb") -> None:
-        from engine.accumulate import AccumulateStep
+        from engine.steps.accumulate import AccumulateStep
 
         self.module = module
         self.inner: Callable[[StepContext, Sequence[Batch]], StepResult] = AccumulateStep()

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from engine.accumulate import AccumulateStep
 from engine.callbacks import Callback
+from engine.steps.accumulate import AccumulateStep
 
 if TYPE_CHECKING:
     from engine.step import Batch, StepContext, StepResult

@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.accumulate import AccumulateStep, backward_window, count_window
 from engine.callbacks import Callback, CallbackList
 from engine.distributed import DistInfo
-from engine.precision import Precision
+from engine.numerics.precision import Precision
 from engine.step import StepContext, StepResult, Task
+from engine.steps.accumulate import AccumulateStep, backward_window, count_window
 from engine.tasks import CausalLMTask
 from trainer.data.text import Batch, Samples, TextCfg, collate, load_splits
 from trainer.models.gpt import GPT

@@ -472,7 +472,7 @@ def test_checkpoint_modules_import_one_way() -> None:
     nothing of DCP is imported until a sharded checkpoint is written or read."""
     code = (
         "import sys, engine.checkpoint, trainer.state, trainer.build\n"
-        "bad = [m for m in ('engine.sharded_checkpoint', 'torch.distributed.checkpoint')"
+        "bad = [m for m in ('engine.checkpoint.sharded', 'torch.distributed.checkpoint')"
         " if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
@@ -481,4 +481,4 @@ def test_checkpoint_modules_import_one_way() -> None:
     for module in ("checkpoint_manifest", "checkpoint_writer"):
         source = (REPO / "engine" / f"{module}.py").read_text()
         assert "sharded_checkpoint import" not in source, module
-    assert "checkpoint_writer import" not in (REPO / "engine/checkpoint_manifest.py").read_text()
+    assert "checkpoint_writer import" not in (REPO / "engine/checkpoint/manifest.py").read_text()

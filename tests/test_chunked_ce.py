@@ -1,4 +1,4 @@
-"""The chunked cross-entropy (engine/chunked_ce.py) is the plain loss, without its logits.
+"""The chunked cross-entropy (engine/numerics/chunked_ce.py) is the plain loss, without its logits.
 
 References are computed here with `F.cross_entropy(F.linear(...), reduction="sum")` over the
 full logits, and the trainer's chunked runs are compared with its plain (`task.chunk_size=
@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from engine.chunked_ce import ChunkedCrossEntropy, OutputHead, chunked_cross_entropy
+from engine.numerics.chunked_ce import ChunkedCrossEntropy, OutputHead, chunked_cross_entropy
 from engine.tasks import CausalLMTask
 from tests.conftest import (
     compose_config,

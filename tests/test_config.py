@@ -23,7 +23,7 @@ from torch.utils.data import default_collate
 
 from engine.callbacks import CallbackList
 from engine.distributed import DistInfo
-from engine.precision import Precision
+from engine.numerics.precision import Precision
 from engine.step import StepContext, StepResult, Task
 from tests.conftest import CONFIG_DIR, compose_config
 from trainer.build import (
@@ -335,7 +335,7 @@ def test_contract_defaults() -> None:
     """Defaults the contract names: W&B logger, accumulate step, ddp, resume=auto."""
     cfg = _compose([])
     assert cfg.logger.name == "wandb"
-    assert cfg.step["_target_"] == "engine.accumulate.AccumulateStep"
+    assert cfg.step["_target_"] == "engine.steps.accumulate.AccumulateStep"
     assert cfg.dist.strategy == "ddp"
     assert cfg.dist.backend is None  # chosen by device: nccl with CUDA, gloo otherwise
     assert cfg.checkpoint.resume == "auto"

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 from engine.callbacks import CallbackList
 from engine.distributed import DistInfo
-from engine.dp_sgd import DPSGDStep
-from engine.precision import Precision
-from engine.privacy import RDPAccountant
+from engine.numerics.precision import Precision
 from engine.step import StepContext
+from engine.steps.dp_sgd import DPSGDStep
+from engine.steps.privacy import RDPAccountant
 from engine.tasks import ClassificationTask
 from tests.conftest import explain, read_metrics, run_cli, run_torchrun, train_in_process
 from tests.dp_support import blobs, mlp64

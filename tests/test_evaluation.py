@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.distributed import DistInfo
 from engine.evaluate import evaluate
-from engine.precision import Precision
+from engine.numerics.precision import Precision
 from tests.conftest import (
     CONFIG_DIR,
     TINY,

@@ -18,7 +18,7 @@ from torch.autograd import gradcheck, gradgradcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from engine.functional import fake_quantize, logsumexp, masked_softmax
+from engine.numerics.functional import fake_quantize, logsumexp, masked_softmax
 
 F64 = torch.float64
 # (shape, dim): 1-D, both dims of 2-D, a middle and a negative dim of 3-D, a size-1 reduced dim.

@@ -18,12 +18,12 @@ import pytest
 import torch
 from torch import nn
 
-from engine.accumulate import AccumulateStep
 from engine.callbacks import CallbackList
+from engine.callbacks.noise_scale import NoiseScale
 from engine.distributed import DistInfo
-from engine.noise_scale import NoiseScale
-from engine.precision import Precision
+from engine.numerics.precision import Precision
 from engine.step import StepContext
+from engine.steps.accumulate import AccumulateStep
 from tests.conftest import (
     TINY,
     explain,

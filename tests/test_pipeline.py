@@ -5,7 +5,7 @@ together covers each forward and backward exactly once and runs without deadlock
 `simulate`; the balanced split is checked against brute force). Everything else goes through
 the real command (`python -m trainer.train`, torchrun with gloo on CPU) and is compared with
 an independent reference: the same configuration on one process without a pipeline, which
-never touches engine/pipeline.py. Runs that several tests read are launched once per module,
+never touches engine/parallel/pipeline/. Runs that several tests read are launched once per module,
 all at once (`launch_all`): most of a launch is imports, which overlap well on 2 cores.
 """
 
@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.pipeline import NotSplittable, stage_ranges
-from engine.pipeline_schedule import SCHEDULES, Action, actions, simulate
+from engine.parallel.pipeline import NotSplittable, stage_ranges
+from engine.parallel.pipeline.schedule import SCHEDULES, Action, actions, simulate
 from tests.conftest import (
     explain,
     launch,
@@ -594,7 +594,7 @@ def dcp_runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 
 
 def optimizer_layout_of(ckpt: Path) -> str:
-    from engine.sharded_checkpoint import optimizer_layout
+    from engine.checkpoint.sharded import optimizer_layout
 
     assert (ckpt / "shards" / ".metadata").is_file(), sorted(p.name for p in ckpt.iterdir())
     return optimizer_layout(ckpt / "shards")

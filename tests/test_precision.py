@@ -36,10 +36,10 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from engine.accumulate import AccumulateStep
 from engine.distributed import DistInfo
-from engine.precision import Precision
+from engine.numerics.precision import Precision
 from engine.step import StepContext, StepResult
+from engine.steps.accumulate import AccumulateStep
 from engine.tasks import CausalLMTask
 from tests.conftest import (
     CONFIG_DIR,

@@ -30,7 +30,7 @@ import yaml
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from engine.checkpoint import CheckpointError, verify
-from engine.sharded_checkpoint import (
+from engine.checkpoint.sharded import (
     UnsafeCheckpoint,
     load_sharded,
     load_shards,
@@ -694,7 +694,7 @@ def test_metadata_without_its_tables_is_refused(tmp_path: Path) -> None:
 def test_paths_into_callback_state_round_trip() -> None:
     """The paths `split_dtensors` names callback tensors by lead back to them through dicts
     with non-string keys, lists and tuples (rebuilt, not mutated)."""
-    from engine.sharded_checkpoint import get_path, with_path
+    from engine.checkpoint.sharded import get_path, with_path
 
     state = {"ema": {"pair": (torch.zeros(1), torch.ones(1)), 3: [None, torch.full((1,), 2.0)]}}
     assert torch.equal(get_path(state, "ema/pair/1"), torch.ones(1))

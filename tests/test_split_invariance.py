@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.accumulate import count_window, finish_step
 from engine.step import Batch, StepContext, StepResult
+from engine.steps.accumulate import count_window, finish_step
 from tests.conftest import TINY, train_in_process, train_records
 
 STEPS = 10

@@ -26,11 +26,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from engine.callbacks import CallbackList
+from engine.callbacks.ema import EMA
 from engine.distributed import DistInfo
-from engine.ema import EMA
-from engine.precision import Precision
-from engine.sam import SAMStep
+from engine.numerics.precision import Precision
 from engine.step import StepContext
+from engine.steps.sam import SAMStep
 from tests.conftest import (
     TINY,
     compose_config,

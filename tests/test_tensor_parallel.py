@@ -2,7 +2,7 @@
 refusals.
 
 Every run goes through the real command (torchrun with gloo on CPU) and is compared with
-the same configuration on one process, which never touches engine/tensor_parallel.py. The
+the same configuration on one process, which never touches engine/parallel/tensor.py. The
 transformers Llama is split by its config's own `base_model_tp_plan` (attention and MLP); the
 in-tree GPT by its plan (heads through its fused q/k/v projection, split third by third, and
 the MLP; its row-split projections keep a replicated bias: the gradient norm must count it
@@ -339,7 +339,7 @@ def test_fsdp_shards_a_fused_qkv_weight_on_its_input_features() -> None:
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from engine.tensor_parallel import (
+    from engine.parallel.tensor import (
         NotParallelizable,
         check_dp_placements,
         dp_placement,

@@ -5,7 +5,7 @@ the loss normalization stay exactly what the user set: cumulus's split invarianc
 trajectory independent of the micro-batch. Before training, `probe` tries the whole per-rank
 batch, then bisects the divisors downward; each try runs forward, backward and an optimizer
 step on the worst case the data produces (its longest sample, repeated), with all ranks in
-lockstep (engine/oom.py), and is undone (parameters, buffers, optimizer state, RNG), so the
+lockstep (engine/steps/oom.py), and is undone (parameters, buffers, optimizer state, RNG), so the
 run that follows equals one started with that size by hand.
 
 During training `step_window` catches an out-of-memory error agreed by every rank (in a
@@ -26,10 +26,13 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from engine.accumulate import AccumulateStep
 from engine.callbacks import Callback
 from engine.distributed import unwrap
-from engine.oom import (
+from engine.parallel import local_values
+from engine.rng import rng_state, set_rng_state
+from engine.step import StepContext
+from engine.steps.accumulate import AccumulateStep
+from engine.steps.oom import (
     Agreement,
     OomSafeAccumulateStep,
     OutOfMemoryAgreed,
@@ -37,9 +40,6 @@ from engine.oom import (
     local_gradients,
     reset_window,
 )
-from engine.parallel import local_values
-from engine.rng import rng_state, set_rng_state
-from engine.step import StepContext
 from trainer.batch_plan import AUTO, BatchPlan
 from trainer.data.checks import next_window
 from trainer.errors import ConfigError, UserError

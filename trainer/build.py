@@ -13,8 +13,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from engine.accumulate import AccumulateStep
 from engine.callbacks import Callback, CallbackList
+from engine.callbacks.grad_stats import GradNormsPerLayer
 from engine.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -24,8 +24,6 @@ from engine.checkpoint import (
     verify_together,
 )
 from engine.distributed import DistInfo, broadcast_object
-from engine.dp_sgd import DPSGDStep, PrivacySpent, check_per_sample_model
-from engine.grad_stats import GradNormsPerLayer
 from engine.model import (
     NoBlocks,
     apply_activation_checkpointing,
@@ -33,17 +31,19 @@ from engine.model import (
     flops_per_token,
     require_blocks,
 )
+from engine.numerics.precision import Precision
 from engine.parallel import Parallelism, build_mesh, build_parallelism
-from engine.pipeline import NotSplittable, PipelineParallel
-from engine.precision import Precision
-from engine.rng import seed_everything
-from engine.step import StepContext, StepStrategy, Task
-from engine.tensor_parallel import (
+from engine.parallel.pipeline import NotSplittable, PipelineParallel
+from engine.parallel.tensor import (
     NotParallelizable,
     NotSequenceParallelizable,
     TensorParallel,
     is_strided,
 )
+from engine.rng import seed_everything
+from engine.step import StepContext, StepStrategy, Task
+from engine.steps.accumulate import AccumulateStep
+from engine.steps.dp_sgd import DPSGDStep, PrivacySpent, check_per_sample_model
 from trainer.auto_batch import setup_auto, wandb_extra
 from trainer.batch_plan import BatchPlan
 from trainer.components import check, instantiate
@@ -364,7 +364,7 @@ def build_checkpointer(
         remove_stale_tmp(checkpoint_dir)
     write_shards = None
     if fmt == "sharded":
-        from engine.sharded_checkpoint import write_sharded_checkpoint as write_shards
+        from engine.checkpoint.sharded import write_sharded_checkpoint as write_shards
     return CheckpointWriter(
         checkpoint_dir,
         info,
@@ -511,7 +511,7 @@ def build_run(cfg: Config, config_dict: dict[str, Any], run_dir: Path, info: Dis
         run.run_id = broadcast_object(new_run_id(), info)
         # Each data-parallel rank its own dropout stream, independent of the initialization
         # stream (the ranks of a tensor-parallel group compute the same activations: one,
-        # unless each holds its own part of them: engine/tensor_parallel.py).
+        # unless each holds its own part of them: engine/parallel/tensor.py).
         seed_everything(cfg.seed + 1 + getattr(parallel, "dropout_stream", parallel.dp_rank))
 
     if info.is_main:

@@ -22,7 +22,31 @@ from typing import Any
 from trainer.errors import ConfigError
 
 TARGET, PARTIAL = "_target_", "_partial_"
+# Targets cumulus shipped under another module path: a checkpoint's saved config may name them.
+MOVED = {
+    "engine.accumulate.": "engine.steps.accumulate.",
+    "engine.sam.": "engine.steps.sam.",
+    "engine.dp_sgd.": "engine.steps.dp_sgd.",
+    "engine.ema.": "engine.callbacks.ema.",
+    "engine.grad_stats.": "engine.callbacks.grad_stats.",
+    "engine.noise_scale.": "engine.callbacks.noise_scale.",
+}
 _HYDRA_KEYS = {TARGET, PARTIAL, "_convert_", "_recursive_", "_args_"}
+
+
+def current_targets(node: Any) -> Any:
+    """`node` (a saved config) with the `_target_`s of moved cumulus modules renamed."""
+    if isinstance(node, dict):
+        out = {k: current_targets(v) for k, v in node.items()}
+        target = out.get(TARGET)
+        if isinstance(target, str):
+            for old, new in MOVED.items():
+                if target.startswith(old):
+                    out[TARGET] = new + target.removeprefix(old)
+        return out
+    if isinstance(node, list):
+        return [current_targets(v) for v in node]
+    return node
 
 
 def locate(path: Any, key: str) -> Callable[..., Any]:

@@ -15,9 +15,9 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from engine.numerics.precision import PRECISIONS
 from engine.parallel import STRATEGIES
-from engine.pipeline_schedule import SCHEDULES
-from engine.precision import PRECISIONS
+from engine.parallel.pipeline.schedule import SCHEDULES
 from trainer.errors import require
 
 
@@ -196,14 +196,14 @@ class DistCfg:
     fsdp_sync_every_micro_batch: bool = False
     # How long a collective (and auto micro-batch's out-of-memory agreement) may wait.
     timeout_s: float = 600.0
-    # Pipeline parallelism (engine/pipeline.py): the model's blocks in `pp` stages (times
+    # Pipeline parallelism (engine/parallel/pipeline/): the model's blocks in `pp` stages (times
     # `pp_virtual` per rank with interleaved_1f1b), balanced by parameter count or starting
     # at the block indices `pp_split`; the world is pp x data-parallel ranks.
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
     pp_split: list[int] | None = None
-    # Tensor parallelism (engine/tensor_parallel.py): the model's linear layers split over
+    # Tensor parallelism (engine/parallel/tensor.py): the model's linear layers split over
     # `tp` ranks by its plan; the world is pp x data-parallel x tp ranks.
     tp: int = 1
     # Megatron's sequence parallelism on top of `tp`: norms and dropout on sequence shards.
@@ -273,7 +273,7 @@ class Config:
     dist: DistCfg = field(default_factory=DistCfg)
     # A step strategy: `_target_` plus its keyword arguments.
     step: Any = field(
-        default_factory=lambda: _component(_target_="engine.accumulate.AccumulateStep")
+        default_factory=lambda: _component(_target_="engine.steps.accumulate.AccumulateStep")
     )
     callbacks: dict[str, Any] = field(default_factory=dict)
 

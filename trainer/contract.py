@@ -57,7 +57,7 @@ def annotate_step(exc: BaseException, nodes: dict[str, Any], step: int) -> BaseE
         return exc
     role = next((ROLES[f.name] for f in reversed(frames) if f.name in ROLES), None)
     if role is None and any(f.name.startswith("on_") for f in frames):
-        role = "callbacks"  # engine/callbacks.py's hooks: on_after_backward, ...
+        role = "callbacks"  # engine/callbacks/'s hooks: on_after_backward, ...
     target = nodes.get(role, {}).get("_target_") if role else None
     what = f"`{role}` ({target})" if target else "a callback" if role else "your code"
     return annotate(exc, f"error in {what} during step {step}")

@@ -35,8 +35,8 @@ from engine.checkpoint import (
 )
 from engine.distributed import DistInfo
 from engine.evaluate import evaluate
+from engine.numerics.precision import Precision
 from engine.parallel import build_parallelism
-from engine.precision import Precision
 from engine.rng import seed_everything
 from trainer.build import (
     CONFIG_DIR,
@@ -48,6 +48,7 @@ from trainer.build import (
     instantiate_callback,
 )
 from trainer.cli import check_overrides, run_command
+from trainer.components import current_targets
 from trainer.config import Config, register_configs
 from trainer.errors import UserError
 from trainer.fit import summarize, val_metrics
@@ -137,7 +138,7 @@ def checkpoint_config(
     is untrusted input: a target it names that is neither shipped, restated by the user, nor
     under a `trust` prefix is refused before anything is imported (trainer/trust.py)."""
     verify(path)
-    saved = safe_load(path / SHARED).get("config")
+    saved = current_targets(safe_load(path / SHARED).get("config"))
     check_saved(saved, path)
     try:
         cfg = compose_config(saved, overrides)

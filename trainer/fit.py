@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from engine.callbacks.grad_stats import missing_gradients
+from engine.callbacks.noise_scale import NoiseScale
 from engine.checkpoint import (
     CheckpointError,
     CheckpointWriteError,
@@ -20,9 +22,7 @@ from engine.checkpoint import (
 )
 from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate as evaluate_model
-from engine.grad_stats import missing_gradients
-from engine.noise_scale import NoiseScale
-from engine.pipeline import PipelineParallel
+from engine.parallel.pipeline import PipelineParallel
 from engine.rng import rng_state, seed_everything, set_rng_state
 from engine.step import StepContext, StepStrategy
 from engine.tasks import CausalLMTask, TaskOutputError

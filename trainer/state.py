@@ -23,7 +23,7 @@ from engine.checkpoint import (
     load_model_optimizer_state,
     model_optimizer_state,
 )
-from engine.pipeline import PipelineParallel
+from engine.parallel.pipeline import PipelineParallel
 
 RESERVED = ("config", "model", "optimizer")
 SHARDED_STATE = "state"  # the prefix of components' DTensor leaves in DCP shards
@@ -88,7 +88,7 @@ def save_payload(
         else:
             model_state, optimizer_state = model_optimizer_state(model, optimizer)
         return {**state, "model": model_state, "optimizer": optimizer_state}, None
-    from engine.sharded_checkpoint import sharded_model_optimizer_state, split_dtensors
+    from engine.checkpoint.sharded import sharded_model_optimizer_state, split_dtensors
 
     shards = sharded_model_optimizer_state(model, optimizer)
     state, shards[SHARDED_STATE] = split_dtensors(state)
@@ -99,7 +99,7 @@ def _sharded_targets(ckpt: LoadedCheckpoint, live: dict[str, Any]) -> dict[str, 
     """Where to load the component tensors the checkpoint saved shard by shard: the live
     components' own tensors at the same paths (sharded or not: loading reshards). State of a
     component, or of a callback, that this run does not have is left unread."""
-    from engine.sharded_checkpoint import get_path, saved_keys
+    from engine.checkpoint.sharded import get_path, saved_keys
 
     out = {}
     for key in saved_keys(ckpt.path / SHARDS, SHARDED_STATE):
@@ -130,7 +130,7 @@ def load_payload(
     stages: `parallel`)."""
     saved = {k: v for k, v in ckpt.shared.items() if k not in RESERVED}
     if ckpt.layout == "sharded":
-        from engine.sharded_checkpoint import load_sharded, with_path
+        from engine.checkpoint.sharded import load_sharded, with_path
 
         targets = _sharded_targets(ckpt, components.state_dict())
         with getattr(parallel, "mixed_tensors", contextlib.nullcontext)():  # tensor parallel

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.distributed import DistInfo, all_reduce_sum, unwrap
-from engine.precision import Precision
+from engine.numerics.precision import Precision
 from engine.rng import rng_state, set_rng_state
 from engine.step import Batch, Task
 from trainer.errors import UserError

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.chunked_ce import HeadLoss
-from engine.functional import fake_quantize
+from engine.numerics.chunked_ce import HeadLoss
+from engine.numerics.functional import fake_quantize
 
 
 @dataclass
@@ -154,7 +154,7 @@ class GPT(nn.Module):
         return list(self.blocks)
 
     def pipeline_stage(self, blocks: Sequence[int], first: bool, last: bool) -> GPT:
-        """A pipeline stage sharing this model's parameters (engine/pipeline.py): blocks
+        """A pipeline stage sharing this model's parameters (engine/parallel/pipeline/): blocks
         `blocks`, from token ids when `first` (else from hidden states), to the logits when
         `last` (else hidden states). A shallow copy with its own table of submodules."""
         stage = copy.copy(self)
@@ -171,7 +171,7 @@ class GPT(nn.Module):
         return stage
 
     def tensor_parallel_plan(self) -> dict[str, str]:
-        """`dist.tp` (engine/tensor_parallel.py): heads and MLP units split over the ranks.
+        """`dist.tp` (engine/parallel/tensor.py): heads and MLP units split over the ranks.
         The fused q/k/v projection is laid out [q | k | v]: `colwise_qkv` splits each third,
         so a rank holds q, k and v of the same heads."""
         return {
@@ -182,7 +182,7 @@ class GPT(nn.Module):
         }
 
     def sequence_parallel_plan(self) -> dict[str, str]:
-        """`dist.tp_sequence_parallel` (engine/tensor_parallel.py): the residual stream is
+        """`dist.tp_sequence_parallel` (engine/parallel/tensor.py): the residual stream is
         split along the sequence after the embeddings (so their dropout, the blocks' norms,
         dropout and residual adds hold this rank's tokens) and gathered after `ln_f`."""
         return {
@@ -193,7 +193,8 @@ class GPT(nn.Module):
         }
 
     def output_head(self) -> nn.Linear:
-        """The output layer (engine/chunked_ce.py's `OutputHead`): its weight is `tok_emb`'s."""
+        """The output layer (engine/numerics/chunked_ce.py's `OutputHead`): its weight is
+        `tok_emb`'s."""
         return self.lm_head
 
     @property

@@ -7,7 +7,7 @@ itself, subclassed only to add what the trainer may ask beyond `forward` (engine
 its blocks come from transformers' own `_no_split_modules`, `flops_per_token` from the
 config's shapes, and `generate(ids, max_new_tokens, generator=)` samples reproducibly with
 transformers' generation. Families whose logits are exactly the output layer applied to the
-last hidden state (`HEAD_FAMILIES`) also declare engine/chunked_ce.py's `OutputHead`, so a
+last hidden state (`HEAD_FAMILIES`) also declare engine/numerics/chunked_ce.py's `OutputHead`, so a
 large vocabulary's loss runs chunked, never holding the logits of the whole micro-batch.
 Parameter names are transformers' own, so a checkpoint's weights are a `state_dict` that
 `from_pretrained` reads (scripts/export_hf.py writes the directory). transformers' own loss
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.chunked_ce import HeadLoss
-from engine.pipeline import NotSplittable
+from engine.numerics.chunked_ce import HeadLoss
+from engine.parallel.pipeline import NotSplittable
 from trainer.errors import UserError
 
 EXTRA = "hf"
@@ -51,7 +51,7 @@ def require_transformers() -> Any:
 
 
 class PipelineStage(nn.Module):
-    """One pipeline stage (engine/pipeline.py) of a transformers causal LM whose config
+    """One pipeline stage (engine/parallel/pipeline/) of a transformers causal LM whose config
     declares `base_model_pp_plan` as embedding -> layers -> norm (Llama and its kin): the base
     model's own forward on a shallow copy holding only this stage's layers, fed `input_ids`
     on the first stage and the previous stage's hidden states as `inputs_embeds` after it;
@@ -265,7 +265,7 @@ def refuse_custom_code(path: Path) -> None:
 
 
 class OutputHeadHooks:
-    """engine/chunked_ce.py's `OutputHead` for a causal LM of `HEAD_FAMILIES`: with
+    """engine/numerics/chunked_ce.py's `OutputHead` for a causal LM of `HEAD_FAMILIES`: with
     `head_loss=`, forward runs the base model and hands its last hidden state to the loss
     instead of computing the logits."""
 

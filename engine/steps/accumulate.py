@@ -44,7 +44,7 @@ def backward_window(
     when higher). Each graph is freed by its own backward; only the detached sum survives.
     """
     pipelined = getattr(ctx.parallel, "backward_window", None)
-    if pipelined is not None:  # the window is the pipeline's schedule (engine/pipeline.py)
+    if pipelined is not None:  # the window is the pipeline's schedule (engine/parallel/pipeline/)
         return pipelined(ctx, window, global_count)  # no per-micro-batch hooks (refused)
     # DDP divides the reduced gradient by world_size; multiplying by that divisor here undoes
     # it, so the result is the global mean. Guard against an all-padding window (count 0).

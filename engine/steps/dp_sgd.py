@@ -16,7 +16,7 @@ normalization itself depend on the data.
 
 The all-reduce is explicit: DDP's reducer hooks autograd's backward, and per-sample gradients
 from torch.func never pass through it (DDP's averaging is thereby out of the picture too).
-`train/epsilon` comes from `engine.privacy` at sampling rate global batch / dataset size.
+`train/epsilon` comes from `engine.steps.privacy` at sampling rate global batch / dataset size.
 
 Models torch.func cannot differentiate per sample are refused: BatchNorm mixes the samples of
 a batch (a per-sample gradient does not exist) and updates running statistics in place during
@@ -36,11 +36,11 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from engine.accumulate import count_window, finish_step
 from engine.callbacks import Callback
 from engine.distributed import is_sharded, unwrap
-from engine.privacy import RDPAccountant
 from engine.step import Batch, StepContext, StepResult
+from engine.steps.accumulate import count_window, finish_step
+from engine.steps.privacy import RDPAccountant
 
 
 def check_per_sample_model(model: nn.Module) -> None:

@@ -5,8 +5,8 @@ A committed checkpoint is a directory `step_NNNNNNNN/` whose `manifest.json` (wr
 lists the size and SHA-256 of every file; `verify` checks them, then asks the checkpoint's
 layout to check what only it knows (the DCP layout: its pickled `.metadata` is safe to read).
 Layouts register that check themselves (`register_layout`), so this module imports none of
-them: the writer (`engine.checkpoint_writer`) builds on it, the DCP layout
-(`engine.sharded_checkpoint`) on both. Nothing is unpickled beyond tensors and plain
+them: the writer (`engine.checkpoint.writer`) builds on it, the DCP layout
+(`engine.checkpoint.sharded`) on both. Nothing is unpickled beyond tensors and plain
 containers.
 """
 
@@ -99,7 +99,7 @@ def _no_check(path: Path, manifest: dict[str, Any], checksums: bool, mine: Colle
 
 # Every layout a manifest may name, and the module that registers its check when imported
 # (imported on first need: DCP is slow to import and most runs never read a sharded layout).
-LAYOUT_MODULES = {"full": None, "sharded": "engine.sharded_checkpoint"}
+LAYOUT_MODULES = {"full": None, "sharded": "engine.checkpoint.sharded"}
 _LAYOUTS: dict[str, Layout] = {"full": Layout(_no_check)}
 
 

@@ -2,7 +2,7 @@
 inline or on a background thread, with every rank agreeing on the outcome.
 
 The `full` layout is written here (rank 0 writes `state.pt` and the per-rank files); another
-layout hands `CheckpointWriter` its own write function (`engine.sharded_checkpoint`'s
+layout hands `CheckpointWriter` its own write function (`engine.checkpoint.sharded`'s
 `write_sharded_checkpoint`), built on `stage` and `commit` below.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint_manifest import (
+from engine.checkpoint.manifest import (
     SHARED,
     TMP_PREFIX,
     CheckpointError,

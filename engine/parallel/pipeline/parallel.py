@@ -1,210 +1,39 @@
-"""Pipeline parallelism: the model's blocks split into stages over the mesh's `pp` ranks, and
-the accumulation window run as the pipeline's schedule.
-
-The window's micro-batches *are* the pipeline's micro-batches. Every stage of a data-parallel
-replica reads the same window; the item count is summed over the data-parallel ranks before
-any forward, and the last stage scales each micro-batch's loss sum by 1 / that count before
-its backward, exactly as the plain accumulation step does. Nothing inside the schedule scales
-again. After the last backward, gradients are summed over the data-parallel ranks (a plain
-sum: `sync_divisor` is 1) and a parameter held by several stages (a tied embedding) gets the
-sum of their gradients, so every copy takes the same update.
-
-The model declares how it is split (`pipeline_stage`, see docs/your-model.md); each rank keeps
-the model object itself as the *holder* of its stages' parameters, pruned to them, so the
-optimizer, the parameter names and the checkpoints stay the model's own.
-
-The runtime is small on purpose: a rank walks its schedule's list of actions
-(engine/pipeline_schedule.py); a forward receives its input from the previous stage, a
-backward the gradient of its output from the next one (blocking), and sends go out
-asynchronously, each tensor preceded by a header with its shape and dtype, so micro-batches
-may differ in length.
-"""
+"""`PipelineParallel`: the stages over the mesh's `pp` ranks, the window run as the schedule's
+actions, gradients summed over data-parallel ranks and shared stages, checkpoints gathered."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from itertools import chain, pairwise
-from typing import Any, Protocol, runtime_checkable
+from itertools import chain
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from engine.distributed import DistInfo
-from engine.parallel import MeshSplit, all_reduce_flat, local_values, shard_units, whole_tensor
-from engine.pipeline_schedule import SCHEDULES, Action, actions
-from engine.tensor_parallel import check_dp_placements, dp_placement, sharded_dims
-
-__all__ = ["SCHEDULES", "DeclaresStages", "NotSplittable", "PipelineParallel", "stage_ranges"]
-
-
-@runtime_checkable
-class DeclaresStages(Protocol):
-    def pipeline_stage(self, blocks: Sequence[int], first: bool, last: bool) -> nn.Module:
-        """A module sharing this model's parameters that runs the blocks `blocks` (indices
-        into `block_modules()`): from the model's inputs when `first`, else from the hidden
-        state passed as its first argument; to the model's output when `last`, else to the
-        hidden state (one tensor). It must not copy parameters."""
-        ...
-
-
-class NotSplittable(ValueError):
-    """The model cannot be cut into pipeline stages as asked."""
-
-
-def stage_ranges(sizes: Sequence[int], n_stages: int, split: Sequence[int] | None) -> list[range]:
-    """Contiguous block ranges, one per stage: starting at the block indices `split` (one per
-    stage after the first) when given, else balanced so the largest stage's parameter count
-    (`sizes`, per block) is as small as it can be."""
-    n = len(sizes)
-    if n < n_stages:
-        raise NotSplittable(f"{n} blocks cannot fill {n_stages} pipeline stages")
-    if split:
-        starts = [0, *split]
-        if len(starts) != n_stages or any(b <= a for a, b in pairwise(starts)):
-            raise NotSplittable(
-                f"dist.pp_split must list {n_stages - 1} increasing block indices where stages "
-                f"2..{n_stages} begin, got {list(split)}"
-            )
-        if starts[-1] >= n:
-            raise NotSplittable(f"dist.pp_split: the model has {n} blocks, got {list(split)}")
-        return [range(a, b) for a, b in zip(starts, [*starts[1:], n])]
-    # Binary search on the largest stage; greedy packing decides whether a bound fits.
-    lo, hi = max(sizes), sum(sizes)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if len(_pack(sizes, mid, n_stages)) <= n_stages:
-            hi = mid
-        else:
-            lo = mid + 1
-    starts = _pack(sizes, lo, n_stages)
-    return [range(a, b) for a, b in zip(starts, [*starts[1:], n])]
-
-
-def _pack(sizes: Sequence[int], bound: int, n_stages: int) -> list[int]:
-    """Stage start indices packing blocks greedily under `bound`, keeping at least one block
-    for each stage still to come."""
-    starts, total = [0], 0
-    for i, s in enumerate(sizes):
-        must_cut = len(sizes) - i <= n_stages - len(starts)  # one block left per later stage
-        if i > starts[-1] and (total + s > bound or must_cut):
-            starts.append(i)
-            total = 0
-        total += s
-    return starts
-
-
-class _Forwarded(Exception):
-    """Raised by `StageCall` on a stage that is not the last: the hidden state is out."""
-
-    def __init__(self, output: torch.Tensor) -> None:
-        super().__init__("pipeline stage output")
-        self.output = output
-
-
-class StageCall:
-    """What a task sees as "the model" on a pipeline stage.
-
-    The task calls it as it would call the model (`model(inputs)` or `model(**inputs)`); on a
-    stage after the first, the first input is replaced by the hidden state received from the
-    previous stage, and on a stage before the last the hidden state comes back out as
-    `_Forwarded`. So every stage runs the task's own code and the batch's other inputs (an
-    attention mask) reach every stage. `output_head()` answers for the whole model (the
-    chunked loss's decision is the same on every stage).
-    """
-
-    def __init__(
-        self, stage: nn.Module, hidden: torch.Tensor | None, last: bool, head: nn.Module | None
-    ) -> None:
-        self.stage, self.hidden, self.last, self.head = stage, hidden, last, head
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.hidden is not None:
-            if args:
-                args = (self.hidden, *args[1:])
-            else:  # a dict batch: the model's first input is `input_ids`
-                kwargs = {**kwargs, "input_ids": self.hidden}
-        out = self.stage(*args, **kwargs)
-        if not self.last:
-            raise _Forwarded(out)
-        return out
-
-    def output_head(self) -> nn.Module | None:
-        return self.head
-
-
-class _NoHeadCall(StageCall):
-    """A `StageCall` of a model without `output_head()`: not an `OutputHead`, plain logits."""
-
-    output_head = None  # type: ignore[assignment]
-
-
-def _call_for(head: nn.Module | None) -> type[StageCall]:
-    return StageCall if head is not None else _NoHeadCall
-
-
-_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.bool,
-]
-_HEADER = 10  # ndim, dtype index, up to 8 sizes
-
-
-@dataclass
-class _Sent:
-    work: Any
-    tensor: torch.Tensor  # kept alive until the send completed
-
-
-class _Links:
-    """Point-to-point transfers between pipeline stages of one data-parallel replica."""
-
-    def __init__(self, parallel: PipelineParallel) -> None:
-        self.p = parallel
-        self.pending: list[_Sent] = []
-        self.waited = 0.0  # seconds blocked in receives (the bubble, on a host-synchronous link)
-
-    def _tag(self, stage: int, micro: int, backward: bool) -> int:
-        return ((micro * self.p.n_stages + stage) * 2 + int(backward)) * 2
-
-    def send(self, t: torch.Tensor, to_stage: int, micro: int, backward: bool) -> None:
-        if t.dim() > _HEADER - 2:
-            raise ValueError(f"pipeline activations have at most 8 dimensions, got {t.dim()}")
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
-        header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        peer, tag = self.p.rank_of_stage(to_stage), self._tag(to_stage, micro, backward)
-        device = self.p.info.device
-        for i, x in enumerate((header.to(device), t.detach().contiguous())):
-            self.pending.append(_Sent(dist.isend(x, peer, tag=tag + i), x))
-
-    def recv(self, from_stage: int, at_stage: int, micro: int, backward: bool) -> torch.Tensor:
-        peer, tag = self.p.rank_of_stage(from_stage), self._tag(at_stage, micro, backward)
-        device = self.p.info.device
-        started = time.perf_counter()
-        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-        dist.recv(header, peer, tag=tag)
-        ndim, kind, *shape = header.tolist()
-        out = torch.empty(shape[:ndim], dtype=_DTYPES[kind], device=device)
-        dist.recv(out, peer, tag=tag + 1)
-        self.waited += time.perf_counter() - started
-        return out
-
-    def flush(self) -> None:
-        """Wait for every send of the window (their tensors may be freed after)."""
-        for sent in self.pending:
-            sent.work.wait()
-        self.pending.clear()
+from engine.parallel import MeshSplit, all_reduce_flat, local_values, shard_units
+from engine.parallel.pipeline.links import Links
+from engine.parallel.pipeline.schedule import Action, actions
+from engine.parallel.pipeline.stages import (
+    DeclaresStages,
+    Forwarded,
+    NotSplittable,
+    call_for,
+    prune,
+    stage_ranges,
+)
+from engine.parallel.pipeline.state import (
+    laid_out_like,
+    load_named_optimizer_state,
+    merge_states,
+    named_optimizer_state,
+    on_cpu,
+)
+from engine.parallel.tensor import check_dp_placements, dp_placement, sharded_dims
 
 
 class PipelineParallel(MeshSplit):
@@ -240,12 +69,12 @@ class PipelineParallel(MeshSplit):
         self.pp = mesh["pp"].size()
         self.pp_rank = mesh.get_local_rank("pp")
         # With a `tp` dimension (3-D: pp x dp x tp), each stage's linear layers are split over
-        # the tensor-parallel ranks (engine/tensor_parallel.py), and a stage's activations go
+        # the tensor-parallel ranks (engine/parallel/tensor.py), and a stage's activations go
         # to the rank of the next stage with the same dp and tp coordinates.
         names = mesh.mesh_dim_names or ()
         self.tensor = None
         if "tp" in names:
-            from engine.tensor_parallel import TensorParallel
+            from engine.parallel.tensor import TensorParallel
 
             self.tensor = TensorParallel(info, mesh)
         self.tp_rank = self.tensor.tp_rank if self.tensor is not None else 0
@@ -255,7 +84,7 @@ class PipelineParallel(MeshSplit):
         self.head: nn.Module | None = None
         self.names: dict[int, str] = {}  # id(parameter) -> its name in the whole model
         self.shared: list[tuple[str, torch.Size, torch.dtype]] = []  # on several stages
-        self.links = _Links(self)
+        self.links = Links(self)
         self.ranges: list[range] = []
         self.bubble = [0.0, 0.0]  # seconds blocked in receives, seconds of schedule, since read
 
@@ -332,7 +161,7 @@ class PipelineParallel(MeshSplit):
             local = [blocks[i] for s in self.stages for i in self.ranges[s]]
             self._shard(local, param_dtype, reshard_after_forward)
         # After sharding: FSDP swaps in new parameters on the stages' modules only.
-        _prune(model, self.stages.values())
+        prune(model, self.stages.values())
         self.names = {id(p): n for n, p in model.named_parameters()}
         self._find_shared(model)
         return model
@@ -411,7 +240,7 @@ class PipelineParallel(MeshSplit):
         self.bubble[0] += self.links.waited
         self.bubble[1] += time.perf_counter() - started
         self.sync_gradients([p for p in ctx.model.parameters() if p.requires_grad])
-        return loss_sum if self.reports else torch.zeros_like(loss_sum)
+        return loss_sum if self.reports else torch.zeroslaid_out_like(loss_sum)
 
     def _forward(
         self,
@@ -429,11 +258,11 @@ class PipelineParallel(MeshSplit):
                 hidden.requires_grad_(True)
             inputs[a.stage, a.micro] = hidden
         last = self.is_last(a.stage)
-        call = _call_for(self.head)(self.stages[a.stage], hidden, last, self.head)
+        call = call_for(self.head)(self.stages[a.stage], hidden, last, self.head)
         try:
             with ctx.precision.autocast():
                 out = ctx.task.loss_sum(call, batch)
-        except _Forwarded as fwd:
+        except Forwarded as fwd:
             self.links.send(fwd.output, a.stage + 1, a.micro, backward=False)
             outputs[a.stage, a.micro] = fwd.output
             return None
@@ -457,7 +286,7 @@ class PipelineParallel(MeshSplit):
             torch.autograd.backward(out, grad)
         hidden = inputs.pop((a.stage, a.micro), None)
         if hidden is not None:
-            grad_in = hidden.grad if hidden.grad is not None else torch.zeros_like(hidden)
+            grad_in = hidden.grad if hidden.grad is not None else torch.zeroslaid_out_like(hidden)
             self.links.send(grad_in, a.stage - 1, a.micro, backward=True)
 
     # ---- gradients ------------------------------------------------------------------------
@@ -473,7 +302,7 @@ class PipelineParallel(MeshSplit):
             for name, shape, dtype in self.shared:
                 p = by_name.get(name)
                 if p is not None and p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                    p.grad = torch.zeroslaid_out_like(p)
                 flat.append(
                     local_values(p.grad)
                     if p is not None
@@ -515,7 +344,7 @@ class PipelineParallel(MeshSplit):
         waited, total = self.bubble
         self.bubble = [0.0, 0.0]
         mine = torch.tensor([waited / total if total else 0.0, peak_mb], dtype=torch.float64)
-        everyone = [torch.zeros_like(mine) for _ in range(self.pp)]
+        everyone = [torch.zeroslaid_out_like(mine) for _ in range(self.pp)]
         dist.all_gather(everyone, mine.to(self.info.device), group=self.pp_group)
         out: dict[str, float] = {}
         for k, t in enumerate(everyone):
@@ -540,10 +369,10 @@ class PipelineParallel(MeshSplit):
                 hidden = None
                 if s > 0:
                     hidden = self.links.recv(s - 1, s, micro, backward=False)
-                call = _call_for(self.head)(stage, hidden, self.is_last(s), self.head)
+                call = call_for(self.head)(stage, hidden, self.is_last(s), self.head)
                 try:
                     sums = sums_of(task, call, batch)
-                except _Forwarded as fwd:
+                except Forwarded as fwd:
                     self.links.send(fwd.output, s + 1, micro, backward=False)
                     continue
                 if counted:
@@ -569,7 +398,7 @@ class PipelineParallel(MeshSplit):
         0 (empty elsewhere), in the format of a single-process `full` checkpoint. Collective."""
         local: Any = None
         # Every dp rank gathers (FSDP's shards are collective); the first one contributes.
-        model_state = {k: _on_cpu(v) for k, v in model.state_dict().items()}
+        model_state = {k: on_cpu(v) for k, v in model.state_dict().items()}
         optimizer_state = named_optimizer_state(optimizer, self.names)
         if self.dp_rank == 0 and self.tp_rank == 0:
             local = (model_state, optimizer_state)
@@ -593,109 +422,6 @@ class PipelineParallel(MeshSplit):
         missing = sorted(k for k in own if k not in model_state)
         if missing:
             raise KeyError(f"the checkpoint has no {', '.join(missing[:3])}")
-        model.load_state_dict({k: _like(model_state[k], v) for k, v in own.items()})
+        model.load_state_dict({k: laid_out_like(model_state[k], v) for k, v in own.items()})
         if optimizer is not None and optimizer_state is not None:
             load_named_optimizer_state(optimizer, self.names, optimizer_state)
-
-
-def _on_cpu(t: torch.Tensor) -> torch.Tensor:
-    return whole_tensor(t).detach().cpu().clone()
-
-
-def _like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """`full` laid out like `ref`: sharded the same way when `ref` is a DTensor."""
-    if isinstance(ref, DTensor):
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(full.to(ref.device, ref.dtype), ref.device_mesh, ref.placements)
-    return full
-
-
-def _prune(model: nn.Module, stages: Iterable[nn.Module]) -> None:
-    """Drop from `model` every submodule whose parameters and buffers no stage uses."""
-    used = {id(t) for st in stages for t in chain(st.parameters(), st.buffers())}
-
-    def visit(module: nn.Module) -> None:
-        for name, child in list(module._modules.items()):
-            if child is None:
-                continue
-            ids = {id(t) for t in chain(child.parameters(), child.buffers())}
-            if ids and not ids & used:
-                module._modules[name] = None
-            elif ids - used:
-                visit(child)
-        for name, p in list(module._parameters.items()):
-            if p is not None and id(p) not in used:
-                module._parameters[name] = None
-        for name, b in list(module._buffers.items()):
-            if b is not None and id(b) not in used:
-                module._buffers[name] = None
-
-    visit(model)
-
-
-def named_optimizer_state(
-    optimizer: torch.optim.Optimizer, names: dict[int, str]
-) -> dict[str, Any]:
-    """`optimizer.state_dict()` keyed by parameter name (the format of a `full` checkpoint),
-    on the CPU."""
-    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    sd = optimizer.state_dict()
-    state = {
-        order[i]: {k: (_on_cpu(v) if torch.is_tensor(v) else v) for k, v in s.items()}
-        for i, s in sd["state"].items()
-    }
-    groups = [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]
-    return {"state": state, "param_groups": groups}
-
-
-def load_named_optimizer_state(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], saved: dict[str, Any]
-) -> None:
-    """Load a name-keyed optimizer state (any pipeline split, or none) into `optimizer`."""
-    group_of = {n: g for g in saved["param_groups"] for n in g["params"]}
-    state, groups, index = {}, [], 0
-    for g in optimizer.param_groups:
-        ids = []
-        for p in g["params"]:
-            name = names[id(p)]
-            if name not in group_of:
-                raise KeyError(f"the checkpoint's optimizer has no state for {name}")
-            if name in saved["state"]:  # moments shaped like the parameter: sharded like it
-                state[index] = {
-                    k: _like(v, p) if torch.is_tensor(v) and v.shape == p.shape else v
-                    for k, v in saved["state"][name].items()
-                }
-            ids.append(index)
-            index += 1
-        first = names[id(g["params"][0])] if g["params"] else None
-        hyper = {k: v for k, v in (group_of[first] if first else g).items() if k != "params"}
-        groups.append({**hyper, "params": ids})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-def merge_states(
-    parts: list[tuple[dict[str, Any], dict[str, Any]]],
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One whole-model state from the stages' name-keyed ones (a name on several stages, a
-    tied parameter, holds the same value on each)."""
-    model_state: dict[str, Any] = {}
-    state: dict[str, Any] = {}
-    groups: list[dict[str, Any]] = []
-    for m, o in parts:
-        for k, v in m.items():
-            model_state.setdefault(k, v)
-        for k, v in o["state"].items():
-            state.setdefault(k, v)
-        for g in o["param_groups"]:
-            hyper = {k: v for k, v in g.items() if k != "params"}
-            same = next((h for h in groups if _same_hyper(h, hyper)), None)
-            if same is None:
-                same = {**hyper, "params": []}
-                groups.append(same)
-            same["params"] += [n for n in g["params"] if n not in same["params"]]
-    return model_state, {"state": state, "param_groups": groups}
-
-
-def _same_hyper(group: dict[str, Any], hyper: dict[str, Any]) -> bool:
-    return {k: v for k, v in group.items() if k != "params"} == hyper

@@ -1,7 +1,7 @@
 """Pipeline schedules as plain lists: which stage runs which micro-batch's forward or backward,
 in order, on one rank.
 
-A schedule is data, not code: the runtime (engine/pipeline.py) walks a rank's list, blocking
+A schedule is data, not code: the runtime (engine/parallel/pipeline/) walks a rank's list, blocking
 only on receives, while sends go out asynchronously. Any list that respects the data
 dependencies (a stage's forward needs the previous stage's forward of the same micro-batch,
 its backward the next stage's backward) then runs without deadlock; `simulate` checks that

@@ -7,7 +7,7 @@ Layout of one checkpoint (a directory named after its optimizer step):
                         the whole model and optimizer state
         rank_00000.pt   each rank's RNG states (one file per rank)
         shards/         `sharded` layout only: model and optimizer state as DCP files, each
-                        rank's own shards (`engine.sharded_checkpoint`)
+                        rank's own shards (`engine.checkpoint.sharded`)
         manifest.json   layout, sizes and SHA-256 of every file above; written last
 
 `full`: rank 0 gathers the unsharded state and writes every file. `sharded`: every rank
@@ -18,9 +18,9 @@ commits them, so a checkpoint is complete or absent. Loading checks the manifest
 unpickles nothing but tensors and plain containers (`torch.load(weights_only=True)`, and an
 allow-list for DCP's metadata).
 
-The pieces, imported one way: `engine.checkpoint_manifest` (names, manifest, verification,
-safe loading) <- `engine.checkpoint_writer` (staging, commit, the writer and its failure
-agreement) <- `engine.sharded_checkpoint` (the DCP layout, imported only where a sharded
+The pieces, imported one way: `engine.checkpoint.manifest` (names, manifest, verification,
+safe loading) <- `engine.checkpoint.writer` (staging, commit, the writer and its failure
+agreement) <- `engine.checkpoint.sharded` (the DCP layout, imported only where a sharded
 checkpoint is written or read: DCP is slow to import).
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint_manifest import (
+from engine.checkpoint.manifest import (
     MANIFEST,
     SHARDS,
     SHARED,
@@ -46,7 +46,7 @@ from engine.checkpoint_manifest import (
     verify,
     verify_together,
 )
-from engine.checkpoint_writer import (
+from engine.checkpoint.writer import (
     CheckpointWriteError,
     CheckpointWriter,
     cpu_copy,

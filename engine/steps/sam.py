@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.accumulate import backward_window, count_window, finish_step, total_norm
 from engine.step import Batch, StepContext, StepResult
+from engine.steps.accumulate import backward_window, count_window, finish_step, total_norm
 
 
 class SAMStep:

@@ -9,7 +9,7 @@ DCP stores its `.metadata` (and the non-tensor values, e.g. optimizer hyper-para
 pickles, and its stock reader unpickles them with no restriction: a crafted checkpoint could
 run code on load. `SafeReader` unpickles `.metadata` with an allow-list of DCP's own metadata
 classes, and `SafeLoadPlanner` reads the values with `torch.load(weights_only=True)`; this
-module registers that check with `verify` (`engine.checkpoint_manifest.register_layout`).
+module registers that check with `verify` (`engine.checkpoint.manifest.register_layout`).
 Writing goes through `CheckpointWriter(write_shards=write_sharded_checkpoint)`.
 """
 
@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.filesystem import (
 )
 from torch.distributed.tensor import DTensor
 
-from engine.checkpoint_manifest import (
+from engine.checkpoint.manifest import (
     METADATA,
     SHARDS,
     CheckpointError,
@@ -45,7 +45,7 @@ from engine.checkpoint_manifest import (
     file_entry,
     register_layout,
 )
-from engine.checkpoint_writer import commit, describe_write_error, fsync_dir, stage, tmp_dir
+from engine.checkpoint.writer import commit, describe_write_error, fsync_dir, stage, tmp_dir
 from engine.distributed import DistInfo, gather_object
 
 # One process with no process group is a supported case here, not a mistake to warn about.

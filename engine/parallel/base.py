@@ -6,7 +6,7 @@ gradient communication on and off around a micro-batch (`gradient_sync`), says w
 synchronized gradients are divided by (`sync_divisor`) and how a checkpoint holds the state
 (`checkpoint_format`). Three implement it: `DataParallel` (DDP; the bare model on one
 process), `FullyShardedDataParallel` (FSDP2's `fully_shard` on each block and the root) and
-`PipelineParallel` (engine/pipeline.py: stages over `pp`, its own window schedule, gradients
+`PipelineParallel` (engine/parallel/pipeline/: stages over `pp`, its own window schedule, gradients
 summed over `dp` after the window).
 
 The mesh has one named dimension per kind of parallelism: `dp`, and `pp` outside it with a

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.accumulate import total_norm
 from engine.callbacks import Callback
 from engine.distributed import unwrap
+from engine.steps.accumulate import total_norm
 
 
 def layer_of(name: str, depth: int = 2) -> str:

@@ -1,6 +1,6 @@
 """Out-of-memory errors a step recovers from, agreed by every rank.
 
-`OomSafeAccumulateStep` is the accumulation step of `engine/accumulate.py` made recoverable:
+`OomSafeAccumulateStep` is the accumulation step of `engine/steps/accumulate.py` made recoverable:
 an out-of-memory error in the forward or backward of any micro-batch on any rank becomes an
 `OutOfMemoryAgreed` raised on *every* rank at the same point, with the window's gradients
 freed, so the caller can roll the window back and redo it with smaller micro-batches.
@@ -54,11 +54,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.accumulate import apply_update, count_step, count_window, micro_backward
 from engine.distributed import DistInfo, unwrap
+from engine.numerics.precision import Precision
 from engine.parallel import local_values
-from engine.precision import Precision
 from engine.step import Batch, StepContext, StepResult
+from engine.steps.accumulate import apply_update, count_step, count_window, micro_backward
 
 T = TypeVar("T")
 
