@@ -1,4 +1,4 @@
-"""Process group, model wrapping and the few collectives the step needs.
+"""Process group and the few collectives the step needs.
 
 A plain `python` launch runs without any process group; under `torchrun` the environment
 (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR/PORT`) decides everything.
@@ -6,10 +6,8 @@ A plain `python` launch runs without any process group; under `torchrun` the env
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,11 +107,6 @@ def all_reduce_max(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return out
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """FSDP2 modules gather parameters in every forward: all ranks must run forwards together."""
-    return hasattr(model, "set_requires_gradient_sync")
-
-
 def broadcast_object(obj: Any, info: DistInfo) -> Any:
     """Rank 0's `obj` on every rank (small Python values: run dir, run id)."""
     if not info.distributed:
@@ -142,39 +135,6 @@ def gather_object(
     out: list[Any] | None = [None] * info.world_size if info.is_main else None
     dist.gather_object(obj, out, dst=0, group=group)
     return out
-
-
-def wrap_model(
-    model: nn.Module,
-    info: DistInfo,
-    strategy: str = "ddp",
-    shard_modules: Sequence[nn.Module] = (),
-    param_dtype: torch.dtype | None = None,
-    reshard_after_forward: bool = True,
-) -> nn.Module:
-    """Make `model` data-parallel over the job's ranks (the bare model on one rank): the
-    `strategy`'s parallelism applied (`engine.parallel`), `shard_modules` being its blocks."""
-    from engine.parallel import build_parallelism  # engine.parallel builds on this module
-
-    return build_parallelism(strategy, info).apply(
-        model, shard_modules, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward
-    )
-
-
-def sync_divisor(model: nn.Module, info: DistInfo) -> int:
-    """What the wrapper divides synchronized gradients by: world size for DDP (it averages),
-    1 for FSDP as wrapped here (it sums) and for a single rank."""
-    from engine.parallel import parallelism_of
-
-    return parallelism_of(model, info).sync_divisor
-
-
-def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-    """Around forward *and* backward of a micro-batch: communicate gradients only if `enabled`
-    (the model's parallelism's `gradient_sync`)."""
-    from engine.parallel import parallelism_of
-
-    return parallelism_of(model).gradient_sync(model, enabled)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sized
-from typing import Any
 
 import torch
 from torch import nn
@@ -15,11 +14,13 @@ from engine.distributed import (
     all_reduce_sum,
 )
 from engine.numerics.precision import Precision
-from engine.parallel import parallelism_of
+from engine.parallel.base import Parallelism
+from engine.parallel.dims import parallelism_of
 from engine.step import Batch, EvalTask, Task, item_count
 
 
-def _sums(task: Task, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+def task_sums(task: Task, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+    """A batch's sums for evaluation: the task's `eval_sums` (optional), else its loss sum."""
     if isinstance(task, EvalTask):
         return task.eval_sums(model, batch)
     return {"loss": task.loss_sum(model, batch)}
@@ -31,7 +32,7 @@ def evaluate(
     batches: Iterable[Batch],
     precision: Precision,
     dist: DistInfo,
-    parallel: Any = None,
+    parallel: Parallelism | None = None,
 ) -> tuple[dict[str, float], int]:
     """Per-item means over all ranks' `batches` (`loss`, and whatever else the task sums,
     e.g. `accuracy`), and the global item count.
@@ -40,13 +41,11 @@ def evaluate(
     all-reduced, so ranks may hold different numbers of samples (no padding with
     duplicates). A sharded (FSDP) model gathers its parameters in every forward, so there
     every rank runs as many forwards as the rank with the most batches (`batches` must have
-    a length); the extra ones reuse a batch and are not counted. The model is put in eval
-    mode and restored to its mode after. Under a pipeline (`parallel` with `eval_sums`) each
-    batch flows through the stages and only the last stage's ranks sum.
+    a length); the extra ones reuse a batch and are not counted. The model (and whatever the
+    parallelism runs it with: pipeline stages) is in eval mode within, restored after.
     """
     if parallel is None:  # read off the model's wrapper
         parallel = parallelism_of(model, dist)
-    pipeline = getattr(parallel, "eval_sums", None)
     n_forwards = None
     if dist.distributed and parallel.shards_parameters:
         if not isinstance(batches, Sized):
@@ -54,31 +53,14 @@ def evaluate(
         n_forwards = int(all_reduce_max(torch.tensor(len(batches), device=dist.device), dist))
         if n_forwards and not len(batches):
             raise ValueError(f"rank {dist.rank} has no validation batch to keep FSDP in step")
-    was_training = model.training
-    model.eval()
     sums: dict[str, torch.Tensor] = {}
     count = torch.zeros((), dtype=torch.float64, device=dist.device)
-    first, seen = None, 0
-    try:
-        with torch.inference_mode(), precision.autocast():
-            if pipeline is not None:
-                with parallel.stages_mode(False):
-                    for batch, batch_sums in pipeline(task, batches, _sums, n_forwards):
-                        for name, value in batch_sums.items():
-                            sums[name] = sums.get(name, 0) + value.double()
-                        count += item_count(task, batch).double()
-                batches, n_forwards = (), None  # nothing left to do below
-            for batch in batches:
-                first = batch if first is None else first
-                seen += 1
-                for name, value in _sums(task, model, batch).items():
-                    sums[name] = sums.get(name, 0) + value.double()
-                count += item_count(task, batch).double()
-            for _ in range(seen, n_forwards or 0):
-                task.loss_sum(model, first)  # lockstep only: not counted
-    finally:
-        model.train(was_training)
-    if not getattr(parallel, "reports", True):  # another rank of its tensor-parallel group reports
+    with parallel.eval_mode(model), torch.inference_mode(), precision.autocast():
+        for batch, batch_sums in parallel.eval_sums(model, task, batches, task_sums, n_forwards):
+            for name, value in batch_sums.items():
+                sums[name] = sums.get(name, 0) + value.double()
+            count += item_count(task, batch).double()
+    if not parallel.reports:  # another rank of its tensor-parallel group reports
         sums, count = {n: torch.zeros_like(v) for n, v in sums.items()}, torch.zeros_like(count)
     names = sorted(sums)
     if dist.distributed:  # a rank without batches does not know the task's metric names

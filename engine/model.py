@@ -33,6 +33,11 @@ class DeclaresFlops(Protocol):
     def flops_per_token(self, seq_len: int) -> float: ...
 
 
+@runtime_checkable
+class Generates(Protocol):
+    def generate(self, idx: Any, max_new_tokens: int, **kwargs: Any) -> Any: ...
+
+
 class NoBlocks(ValueError):
     """A feature needs the model's blocks and nothing names them."""
 

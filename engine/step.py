@@ -19,7 +19,8 @@ from torch import nn
 from engine.callbacks import CallbackList
 from engine.distributed import DistInfo
 from engine.numerics.precision import Precision
-from engine.parallel import Parallelism, parallelism_of
+from engine.parallel.base import Parallelism
+from engine.parallel.dims import parallelism_of
 from engine.tasks import TaskOutputError
 
 Batch = Any

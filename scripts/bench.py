@@ -76,7 +76,7 @@ class PlainLoop:
             if run.dist.distributed
             else model
         )
-        o = run.config_dict["optim"]
+        o = run.state.config["optim"]
         self.opt = torch.optim.AdamW(
             param_groups(model, o["weight_decay"]), lr=o["lr"], betas=tuple(o["betas"]), fused=True
         )
@@ -209,7 +209,7 @@ def bench_one(accum: int, args, overrides: list[str], info, check_syncs: bool) -
             order = [("cumulus", run_cumulus), ("plain", run_plain)]
             for name, fn in order if r % 2 == 0 else order[::-1]:
                 res[name].append(timed(fn, args.steps, info.device))
-        tokens = run.batches.sampler.global_batch_size * run.config_dict["data"]["block_size"]
+        tokens = run.batches.sampler.global_batch_size * run.state.config["data"]["block_size"]
         row: dict = {
             "accum": accum,
             "world": info.world_size,

@@ -38,7 +38,7 @@ from engine.distributed import (  # noqa: E402
 )
 from scripts.bench import make_run, report  # noqa: E402
 from trainer.config import register_configs  # noqa: E402
-from trainer.fit import fit, restore, save  # noqa: E402
+from trainer.fit import fit, save  # noqa: E402
 from trainer.identity import register_resolvers  # noqa: E402
 
 
@@ -101,7 +101,7 @@ def main() -> None:
         for i in range(len(modes) * args.saves):
             fmt, mode = modes[i % len(modes)]
             run.checkpointer.settle()
-            run.checkpointer.sharded = fmt == "sharded"
+            run.checkpointer.sharded = run.state.sharded = fmt == "sharded"
             run.checkpointer.background = mode == "async"
             run.settings.train.max_steps = run.step + args.steps_between
             fit(run)  # training between saves gives the background writer time to finish
@@ -117,7 +117,7 @@ def main() -> None:
             written[fmt] = largest_write_mb(path)
             synced(info)
             t0 = time.perf_counter()
-            restore(run, load_checkpoint(path, info, checksums=False))
+            run.state.load(load_checkpoint(path, info, checksums=False))
             synced(info)
             resume[fmt] = time.perf_counter() - t0
         synced(info)  # rank 0 deletes the directory on leaving
@@ -126,7 +126,7 @@ def main() -> None:
         launcher = f"torchrun --nproc_per_node={info.world_size}" if info.distributed else "python"
         lines = [
             f"\n### Checkpoints: full vs sharded, inline vs background ({dev}, "
-            f"{info.world_size} rank(s), {run.config_dict['dist']['strategy']})",
+            f"{info.world_size} rank(s), {run.state.config['dist']['strategy']})",
             f"\n{datetime.date.today()}, torch {torch.__version__}, parameters {state_mb:.0f} MB "
             "(a checkpoint holds ~3x: weights and AdamW moments). Command:\n\n"
             f"    {launcher} scripts/bench_checkpoint.py {' '.join(sys.argv[1:])}\n",

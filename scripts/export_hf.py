@@ -22,14 +22,15 @@ sys.path.insert(0, str(REPO))
 
 from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.distributed import DistInfo  # noqa: E402
+from engine.parallel.dims import build_parallelism  # noqa: E402
 from engine.rng import seed_everything  # noqa: E402
-from trainer.build import build_model  # noqa: E402
+from trainer.assemble import build_model  # noqa: E402
 from trainer.cli import run_command  # noqa: E402
 from trainer.config import Config, register_configs  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.evaluate import checkpoint_config, resolve_checkpoint  # noqa: E402
 from trainer.identity import register_resolvers  # noqa: E402
-from trainer.state import RunState, load_payload  # noqa: E402
+from trainer.state import RunState  # noqa: E402
 from trainer.trust import parse_trust  # noqa: E402
 
 USAGE = "usage: python scripts/export_hf.py checkpoint=PATH|RUN_DIR out=DIR [trust=[PKG,...]]"
@@ -48,7 +49,7 @@ def export(path: Path, cfg: Config, info: DistInfo, out: Path) -> None:
             "(model=hf_gpt2, model=hf_llama or model._target_=trainer.models.hf.causal_lm); "
             "only those export to a Hugging Face directory"
         )
-    load_payload(ckpt, model, None, RunState())
+    RunState(model, None, build_parallelism("ddp", info)).load(ckpt)  # the whole model
     tokenizer = cfg.data.get("tokenizer")
     fast = None
     if tokenizer:  # loaded first: a bad tokenizer leaves no half-written export

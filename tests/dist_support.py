@@ -90,8 +90,9 @@ def run_accum(info: DistInfo, accum: int, steps: int, hooked: bool) -> dict[str,
     import torch
     import torch.distributed as dist
 
-    from engine.distributed import unwrap, wrap_model
+    from engine.distributed import unwrap
     from engine.numerics.precision import Precision
+    from engine.parallel.dims import build_parallelism
     from engine.step import StepContext
     from engine.steps.accumulate import AccumulateStep
     from engine.tasks import CausalLMTask
@@ -99,7 +100,7 @@ def run_accum(info: DistInfo, accum: int, steps: int, hooked: bool) -> dict[str,
 
     torch.manual_seed(0)
     gpt = GPT(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
-    ddp = wrap_model(gpt, info)
+    ddp = build_parallelism("ddp", info).apply(gpt)
     task = MicroCounter(CausalLMTask())
     calls: list[dict[str, int]] = []
     world = info.world_size

@@ -32,7 +32,7 @@ from engine.callbacks import Callback, CallbackList
 from engine.distributed import DistInfo
 from engine.numerics.precision import Precision
 from engine.step import StepContext, StepResult, Task
-from engine.steps.accumulate import AccumulateStep, backward_window, count_window
+from engine.steps.accumulate import AccumulateStep, count_window
 from engine.tasks import CausalLMTask
 from trainer.data.text import Batch, Samples, TextCfg, collate, load_splits
 from trainer.models.gpt import GPT
@@ -229,7 +229,7 @@ def test_count_window_and_backward_window_alone() -> None:
 
     global_count = count_window(ctx, window)
     assert global_count.dtype == torch.int64 and int(global_count) == want_count
-    loss_sum = backward_window(ctx, window, global_count)
+    loss_sum = ctx.parallel.backward_window(ctx, window, global_count)
 
     got = {n: p.grad for n, p in model.named_parameters()}
     assert_close_rel(got, want, FP32_REL)

@@ -29,7 +29,7 @@ from tests.conftest import (
     train_in_process,
     train_records,
 )
-from trainer.build import build_task
+from trainer.assemble import build_task
 from trainer.cli import to_config
 from trainer.models.gpt import GPT, FakeQuantLinear
 

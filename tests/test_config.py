@@ -26,14 +26,8 @@ from engine.distributed import DistInfo
 from engine.numerics.precision import Precision
 from engine.step import StepContext, StepResult, Task
 from tests.conftest import CONFIG_DIR, compose_config
-from trainer.build import (
-    build_callbacks,
-    build_data,
-    build_model,
-    build_step,
-    build_task,
-    check_fits,
-)
+from trainer.assemble import build_data, build_model, build_task, check_fits
+from trainer.build import build_callbacks, build_step
 from trainer.cli import to_config
 from trainer.config import Config
 from trainer.data import DataSplits

@@ -169,10 +169,11 @@ def test_fsdp_needs_a_validation_sample_per_rank(strategy: str) -> None:
     config error naming eval.max_batches (asked of the parallelism, no process group needed);
     DDP takes the same set."""
     from engine.distributed import DistInfo
-    from engine.parallel import build_parallelism
+    from engine.parallel.dims import build_parallelism
     from tests.conftest import compose_config
-    from trainer.build import build_data, build_val_batches
+    from trainer.assemble import build_data
     from trainer.cli import to_config
+    from trainer.data.batches import build_val_batches
     from trainer.errors import ConfigError
 
     evals = ["eval.every_steps=5", "eval.batch_size=1", "eval.max_batches=1"]
@@ -182,7 +183,7 @@ def test_fsdp_needs_a_validation_sample_per_rank(strategy: str) -> None:
     info = DistInfo(rank=0, world_size=2)
     parallel = build_parallelism(strategy, info)
     if strategy == "ddp":
-        assert len(build_val_batches(data, extras, cfg, info, parallel)) == 1
+        assert len(build_val_batches(data, extras, cfg.eval, cfg.seed, info, parallel)) == 1
         return
     with pytest.raises(ConfigError, match=r"eval\.max_batches.*2 ranks; the set has 1"):
-        build_val_batches(data, extras, cfg, info, parallel)
+        build_val_batches(data, extras, cfg.eval, cfg.seed, info, parallel)

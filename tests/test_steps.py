@@ -43,7 +43,7 @@ from tests.conftest import (
     train_records,
 )
 from tests.steps_support import CountingStep
-from trainer.build import build_model
+from trainer.assemble import build_model
 from trainer.cli import to_config
 from trainer.errors import ConfigError
 from trainer.models.gpt import GPT, FakeQuantLinear, GPTConfig

@@ -269,7 +269,7 @@ def test_export_of_a_2d_checkpoint_reloads_in_transformers(runs: Runs, tmp_path:
     from omegaconf import OmegaConf
 
     from tests.conftest import compose_config, launch, run_cli
-    from trainer.build import build_data
+    from trainer.assemble import build_data
 
     ckpt = checkpoint(runs.dir("llama_tp2_fsdp2"), 6)
     out = tmp_path / "exported"

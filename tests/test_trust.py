@@ -358,7 +358,7 @@ def test_every_shipped_configuration_is_trusted(choice: str) -> None:
     from omegaconf import OmegaConf
 
     from tests.conftest import compose_config
-    from trainer.build import CONFIG_DIR
+    from trainer.assemble import CONFIG_DIR
     from trainer.trust import check_targets, targets
 
     extra = ["callbacks=[ema,grad_stats]"] if choice.startswith("step=") else []
@@ -371,7 +371,7 @@ def test_every_shipped_configuration_is_trusted(choice: str) -> None:
 
 
 def test_trust_prefixes_match_whole_module_names() -> None:
-    from trainer.build import CONFIG_DIR
+    from trainer.assemble import CONFIG_DIR
     from trainer.trust import UntrustedConfigError, check_targets, parse_trust
 
     prefixes, rest = parse_trust(["trust=[mypkg, other.sub]", "eval.max_batches=2"])

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed import DistInfo
+from engine.parallel.dims import build_parallelism
 from tests.conftest import (
     REPO,
     compose_config,
@@ -34,7 +35,7 @@ from tests.conftest import (
     train_records,
 )
 from tests.user_project import select, write_project
-from trainer.build import parallelize, split_extras
+from trainer.assemble import parallelize, split_extras
 from trainer.cli import to_config
 from trainer.errors import ConfigError
 
@@ -240,7 +241,7 @@ def test_fsdp_without_declared_blocks_names_the_key(project: Path) -> None:
     spec, extras = split_extras(cfg.model, "model")
     model = tagger.Tagger()
     with pytest.raises(ConfigError, match=r"model\.block_classes.*dist\.strategy=fsdp") as err:
-        parallelize(model, extras, cfg.train, cfg.dist, DistInfo(rank=0, world_size=2))
+        parallelize(model, extras, build_parallelism("fsdp", DistInfo(rank=0, world_size=2)))
     assert "\n" not in str(err.value)
     del spec
 

@@ -22,7 +22,7 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None)
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from trainer.build import CONFIG_DIR
+    from trainer.assemble import CONFIG_DIR
     from trainer.cli import check_overrides
     from trainer.config import register_configs
     from trainer.identity import register_resolvers
@@ -79,7 +79,7 @@ def evaluate(
     ships must be under a `trust` prefix (`trust=["mypkg"]`) or in `config_dir`.
     """
     from engine.distributed import init_distributed, shutdown_distributed
-    from trainer.build import CONFIG_DIR
+    from trainer.assemble import CONFIG_DIR
     from trainer.cli import check_overrides, to_config
     from trainer.config import register_configs
     from trainer.evaluate import checkpoint_config, evaluate_checkpoint, resolve_checkpoint

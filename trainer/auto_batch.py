@@ -28,18 +28,11 @@ from torch.utils.data import default_collate
 
 from engine.callbacks import Callback
 from engine.distributed import unwrap
-from engine.parallel import local_values
+from engine.parallel.base import local_values
 from engine.rng import rng_state, set_rng_state
 from engine.step import StepContext
 from engine.steps.accumulate import AccumulateStep
-from engine.steps.oom import (
-    Agreement,
-    OomSafeAccumulateStep,
-    OutOfMemoryAgreed,
-    agree_in_collectives,
-    local_gradients,
-    reset_window,
-)
+from engine.steps.oom import Agreement, OomGuard, OutOfMemoryAgreed, reset_window
 from trainer.batch_plan import AUTO, BatchPlan
 from trainer.data.checks import next_window
 from trainer.errors import ConfigError, UserError
@@ -64,22 +57,18 @@ def refusal(ctx: StepContext, step_fn: Any) -> str | None:
     if ctx.dist.distributed and ctx.parallel.shards_parameters:
         from torch.distributed.fsdp import FSDPModule
 
-        if not hasattr(FSDPModule, "reset_iter_state"):
+        if not hasattr(FSDPModule, "reset_iter_state"):  # a torch version
             return (
                 f"dist.strategy=fsdp on several ranks needs FSDPModule.reset_iter_state (torch "
                 f"2.13 or later; this is {torch.__version__}) to recover from an out-of-memory "
                 "error; set train.micro_batch_size to a number, or use dist.strategy=ddp"
             )
-    if type(step_fn) is not AccumulateStep:
+    if type(step_fn) is not AccumulateStep:  # auto redoes the default step's windows only
         return (
             f"step {type(step_fn).__name__} is not supported (auto redoes windows of the "
             "default step only); use step=accumulate or set train.micro_batch_size to a number"
         )
-    per_micro = [
-        name
-        for name, cb in ctx.callbacks.named.items()
-        if type(cb).on_after_micro_batch is not Callback.on_after_micro_batch
-    ]
+    per_micro = [name for name, cb in ctx.callbacks.named.items() if cb.per_micro_batch]
     if per_micro:
         return (
             f"callbacks {per_micro} observe every micro-batch, so their statistics would "
@@ -117,22 +106,20 @@ class AutoMicroBatch(Callback):
 
 def setup_auto(
     cfg: Any, ctx: StepContext, data: Any, step_fn: Any, plan: BatchPlan
-) -> tuple[Any, BatchPlan]:
-    """With `train.micro_batch_size=auto`: probe the size, write it into `cfg.train`, and
-    return the OOM-recovering step and the plan with that micro-batch; otherwise
-    `(step_fn, plan)`."""
+) -> tuple[Any, BatchPlan, Any]:
+    """With `train.micro_batch_size=auto`: probe the size and return the step under the
+    out-of-memory guard, the plan with that micro-batch and the window function that redoes
+    a window smaller; otherwise `(step_fn, plan, None)`."""
     if cfg.train.micro_batch_size != AUTO:
-        return step_fn, plan
+        return step_fn, plan, None
     reason = refusal(ctx, step_fn)
     if reason is not None:
         raise ConfigError("train.micro_batch_size", f"auto: {reason}")
     per_rank = plan.per_rank
     agreement = Agreement(ctx.dist, timedelta(seconds=cfg.dist.timeout_s))
-    if ctx.dist.distributed and ctx.parallel.shards_parameters:
-        agree_in_collectives(ctx.model, agreement)
+    ctx.parallel.guard_collectives(ctx.model, agreement)
     size, tried = probe(ctx, data, per_rank, agreement)
     plan = plan.with_micro(size)
-    cfg.train.micro_batch_size = size
     ctx.callbacks.named["auto_micro_batch"] = AutoMicroBatch(size, ctx.dist.is_main)
     if ctx.dist.is_main:
         print(
@@ -140,7 +127,7 @@ def setup_auto(
             f"{per_rank} (tried {', '.join(tried)}); accumulation {plan.accum}",
             flush=True,
         )
-    return OomSafeAccumulateStep(agreement), plan
+    return AccumulateStep(guard=OomGuard(agreement)), plan, step_window
 
 
 def _size(sample: Any) -> int:
@@ -192,7 +179,7 @@ def fits(ctx: StepContext, batch: Any, agreement: Agreement) -> bool:
     step hides the optimizer's allocation)."""
 
     def step() -> None:
-        with local_gradients(ctx.model):
+        with ctx.parallel.guarded_sync(ctx.model, True):
             with ctx.precision.autocast():
                 loss = ctx.task.loss_sum(ctx.model, batch)
             loss.float().backward()
@@ -263,12 +250,9 @@ class WindowStart:
 
 
 def step_window(run: Any, window: Any, windows: Iterator[Any]) -> tuple[Any, Iterator[Any]]:
-    """One optimizer step on `window`, taken from `windows`. Under `auto`, an out-of-memory
-    error agreed by every rank rolls the window back, halves the micro-batch (to the next
-    divisor) and redoes the same window; returns the result and the (possibly rebuilt)
-    window iterator."""
-    if not isinstance(run.step_fn, OomSafeAccumulateStep):
-        return run.step_fn(run.ctx, window), windows
+    """One optimizer step on `window`, taken from `windows`: an out-of-memory error agreed by
+    every rank rolls the window back, halves the micro-batch (to the next divisor) and redoes
+    the same window; returns the result and the (possibly rebuilt) window iterator."""
     while True:
         start = WindowStart(run.ctx)
         try:
@@ -308,7 +292,6 @@ def shrink(run: Any, oom: OutOfMemoryAgreed) -> int:
         )
     size = smaller[-1]
     batches.plan = plan.with_micro(size)
-    run.settings.train.micro_batch_size = size
     recorded = run.ctx.callbacks.named.get("auto_micro_batch")
     if isinstance(recorded, AutoMicroBatch):
         recorded.size = size
@@ -320,10 +303,3 @@ def shrink(run: Any, oom: OutOfMemoryAgreed) -> int:
             flush=True,
         )
     return size
-
-
-def wandb_extra(run: Any) -> dict[str, Any]:
-    """`micro_batch_size_auto` for the W&B config: the size chosen (auto runs only)."""
-    if run.config_dict.get("train", {}).get("micro_batch_size") != AUTO:
-        return {}
-    return {"micro_batch_size_auto": run.settings.train.micro_batch_size}

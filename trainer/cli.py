@@ -12,15 +12,17 @@ import traceback
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import omegaconf
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from engine.distributed import DistInfo, init_distributed, shutdown_distributed
 from trainer.config import Config
 from trainer.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from engine.distributed import DistInfo
 
 T = TypeVar("T")
 EXIT_USER_ERROR = 2
@@ -148,7 +150,7 @@ def to_config(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
         if isinstance(exc, omegaconf.errors.InterpolationResolutionError):
             raise interpolation_error(cfg, exc) from None
         raise UserError(f"invalid config: {exc}".replace("\n", " ")) from None
-    from trainer.build import check_config
+    from trainer.assemble import check_config
 
     check_config(obj)  # type: ignore[arg-type]
     return obj, plain  # type: ignore[return-value]
@@ -211,6 +213,8 @@ def exit_with(error: UserError) -> None:
 
 def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInfo], T]) -> T:
     """Validate, join the process group, run `body`, leave cleanly; exit non-zero on error."""
+    from engine.distributed import init_distributed, shutdown_distributed
+
     info: DistInfo | None = None
     try:
         config, plain = to_config(cfg)

@@ -15,10 +15,9 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from engine.numerics.precision import PRECISIONS
-from engine.parallel import STRATEGIES
-from engine.parallel.pipeline.schedule import SCHEDULES
-from trainer.errors import require
+from engine.numerics import PRECISIONS
+from engine.parallel.dims import LayoutError, ParallelDims
+from trainer.errors import ConfigError, require
 
 
 def _positive(value: int | float | None, key: str) -> None:
@@ -215,38 +214,24 @@ class DistCfg:
             "dist.backend",
             f"must be null, nccl or gloo, got {self.backend!r}",
         )
-        require(
-            self.strategy in STRATEGIES,
-            "dist.strategy",
-            f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}",
-        )
-        _positive(self.pp, "dist.pp")
-        _positive(self.pp_virtual, "dist.pp_virtual")
-        _positive(self.tp, "dist.tp")
-        require(
-            not self.tp_sequence_parallel or self.tp > 1,
-            "dist.tp_sequence_parallel",
-            "splits the sequence over tensor-parallel ranks: it needs dist.tp > 1",
-        )
-        require(
-            self.pp_schedule in SCHEDULES,
-            "dist.pp_schedule",
-            f"must be one of {', '.join(SCHEDULES)}, got {self.pp_schedule!r}",
-        )
-        require(
-            self.pp_virtual == 1 or self.pp_schedule == "interleaved_1f1b",
-            "dist.pp_virtual",
-            f"more than one stage per rank needs dist.pp_schedule=interleaved_1f1b (it is "
-            f"{self.pp_schedule}); got {self.pp_virtual}",
-        )
-        if self.pp_split is not None:
-            require(
-                len(self.pp_split) == self.pp * self.pp_virtual - 1,
-                "dist.pp_split",
-                f"must list {self.pp * self.pp_virtual - 1} block indices (where stages 2.."
-                f"{self.pp * self.pp_virtual} begin) for dist.pp={self.pp} x "
-                f"dist.pp_virtual={self.pp_virtual}, got {list(self.pp_split)}",
+        self.dims()  # every layout check that needs no world size, before any work
+
+    def dims(self, world: int | None = None) -> ParallelDims:
+        """The degrees of parallelism these settings ask for (in a world of `world` ranks,
+        checked to divide it); a layout that cannot exist is a `ConfigError` naming its key."""
+        try:
+            return ParallelDims(
+                pp=self.pp,
+                tp=self.tp,
+                strategy=self.strategy,
+                pp_schedule=self.pp_schedule,
+                pp_virtual=self.pp_virtual,
+                pp_split=None if self.pp_split is None else tuple(self.pp_split),
+                sequence_parallel=self.tp_sequence_parallel,
+                world=world,
             )
+        except LayoutError as exc:
+            raise ConfigError(exc.key, str(exc)) from None
 
 
 def _component(**defaults: Any) -> Any:

@@ -29,31 +29,23 @@ from engine.checkpoint import (
     SHARED,
     CheckpointError,
     latest_valid,
-    load_checkpoint,
     safe_load,
     verify,
 )
-from engine.distributed import DistInfo
+from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate
 from engine.numerics.precision import Precision
-from engine.parallel import build_parallelism
-from engine.rng import seed_everything
-from trainer.build import (
-    CONFIG_DIR,
-    build_data,
-    build_model,
-    build_task,
-    build_val_batches,
-    check_fits,
-    instantiate_callback,
-)
+from engine.parallel.dims import ParallelDims
+from trainer.assemble import CONFIG_DIR, assemble
+from trainer.build import instantiate_callback
 from trainer.cli import check_overrides, run_command
 from trainer.components import current_targets
 from trainer.config import Config, register_configs
+from trainer.data.batches import build_val_batches
 from trainer.errors import UserError
-from trainer.fit import summarize, val_metrics
+from trainer.fit import val_metrics
 from trainer.identity import register_resolvers
-from trainer.state import RunState, load_payload
+from trainer.state import RunState, load_state
 from trainer.trust import check_saved, check_targets, parse_trust
 
 USAGE = (
@@ -174,41 +166,42 @@ def averaged_weights(cfg: Config, weights: str) -> AveragedWeights | None:
     return instantiate_callback(weights, cfg.callbacks[weights])  # type: ignore[return-value]
 
 
+def evaluation_dims(cfg: Config, info: DistInfo) -> ParallelDims:
+    """The layout to evaluate with: the run's own (`dist.*`, with the overrides) when this job
+    has ranks for it; on one process the whole model, whatever the checkpoint's run used."""
+    if not info.distributed:
+        return ParallelDims(strategy=cfg.dist.strategy, world=1)
+    return cfg.dist.dims(info.world_size)
+
+
 def evaluate_checkpoint(
     path: Path, cfg: Config, info: DistInfo, weights: str = "model"
 ) -> dict[str, Any]:
-    try:
-        ckpt = load_checkpoint(path, info, checksums=False)  # main() verified them
-    except CheckpointError as exc:
-        raise UserError(f"checkpoint: {exc}") from None
-    seed_everything(cfg.seed)
-    model, _ = build_model(cfg.model, info)
-    data, data_extras = build_data(cfg.data)
-    check_fits(model, data, cfg.model)
-    task = build_task(cfg.task)
+    """The checkpoint's metrics: the model, task and data built as training builds them
+    (`trainer.assemble`), its state loaded through the layout's state I/O."""
+    parts = assemble(cfg, info, evaluation_dims(cfg, info))
     averaged = averaged_weights(cfg, weights)
-    components = RunState()
+    state = RunState(parts.model, None, parts.parallel)
     if averaged is not None:
-        averaged.attach(model)
-        components.add("callbacks", CallbackList({weights: averaged}))
-    try:  # collective under torchrun for a sharded checkpoint
-        load_payload(ckpt, model, None, components)
-    except CheckpointError as exc:
-        raise UserError(f"checkpoint: {exc}") from None
-    except (RuntimeError, KeyError, ValueError, TypeError) as exc:  # overrides changed the model
-        raise UserError(
-            f"checkpoint: {path} does not fit the model its config builds with these overrides: "
-            f"{summarize(exc)}. Drop the model.* overrides."
-        ) from None
-    parallel = build_parallelism(cfg.dist.strategy, info)  # its data-parallel ranks split the set
-    val = build_val_batches(data, data_extras, cfg, info, parallel)
+        averaged.attach(parts.model)
+        state.add("callbacks", CallbackList({weights: averaged}))
+    ckpt = load_state(  # collective under torchrun for a sharded checkpoint
+        state,
+        path,
+        info,
+        "checkpoint",
+        "checkpoint: {path} does not fit the model its config builds with these overrides: "
+        "{error}. Drop the model.* overrides.",
+    )
+    val = build_val_batches(parts.data, parts.data_extras, cfg.eval, cfg.seed, info, parts.parallel)
     precision = Precision(cfg.train.precision, info.device.type)
+    model = unwrap(parts.wrapped)
     if averaged is None:
-        means, count = evaluate(model, task, val, precision, info)
+        means, count = evaluate(model, parts.task, val, precision, info, parts.parallel)
     else:
         with averaged.weights_swapped(model):
-            means, count = evaluate(model, task, val, precision, info)
-    return {"step": ckpt.step, **val_metrics(means, count, task)}
+            means, count = evaluate(model, parts.task, val, precision, info, parts.parallel)
+    return {"step": ckpt.step, **val_metrics(means, count, parts.task)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,20 +13,12 @@ from typing import Any
 import torch
 
 from engine.callbacks.grad_stats import missing_gradients
-from engine.callbacks.noise_scale import NoiseScale
-from engine.checkpoint import (
-    CheckpointError,
-    CheckpointWriteError,
-    CheckpointWriter,
-    LoadedCheckpoint,
-)
+from engine.checkpoint import CheckpointWriteError, CheckpointWriter
 from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate as evaluate_model
-from engine.parallel.pipeline import PipelineParallel
-from engine.rng import rng_state, seed_everything, set_rng_state
-from engine.step import StepContext, StepStrategy
+from engine.model import Generates
+from engine.step import StepContext, StepResult, StepStrategy
 from engine.tasks import CausalLMTask, TaskOutputError
-from trainer.auto_batch import step_window
 from trainer.config import CheckpointCfg, Config, EvalCfg, TrainCfg
 from trainer.contract import annotate_step
 from trainer.data.checks import next_window
@@ -35,7 +27,7 @@ from trainer.errors import UserError
 from trainer.metrics import RecordSink, TrainMeter, peak_memory_mb
 from trainer.optim import horizon_dependent
 from trainer.preemption import StopRequest
-from trainer.state import RunState, load_payload, save_payload
+from trainer.state import Resumed, RunState, TrainingProgress
 from trainer.sum_check import check_loss_is_sum
 
 
@@ -57,35 +49,6 @@ class CheckpointWriteFailed(RunEnded):
     """A checkpoint could not be written and `checkpoint.on_write_error=stop`."""
 
     outcome = "stopped: checkpoint write failed"
-
-
-class TrainingProgress:
-    """Where a run stands, as a stateful component: steps done, the run id, and what the data
-    order and the LR schedule depend on (global batch size, train.max_steps)."""
-
-    def __init__(self, ctx: StepContext, global_batch_size: int, max_steps: int) -> None:
-        self.ctx = ctx
-        self.run_id = ""
-        self.global_batch_size = global_batch_size
-        self.max_steps = max_steps
-        self.saved: dict[str, Any] = {}  # as loaded from a checkpoint
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.ctx.step,
-            "run_id": self.run_id,
-            "global_batch_size": self.global_batch_size,
-            "max_steps": self.max_steps,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.saved = {
-            "step": int(state["step"]),
-            "run_id": str(state["run_id"]),
-            "global_batch_size": int(state["global_batch_size"]),
-            "max_steps": state.get("max_steps"),
-        }
-        self.ctx.step = self.saved["step"]
 
 
 @dataclass
@@ -119,11 +82,20 @@ class RunSettings:
         )
 
 
+# One optimizer step on a window taken from `windows`: the result and the (possibly rebuilt)
+# window iterator (trainer/auto_batch.py redoes a window with smaller micro-batches).
+StepWindow = Callable[["Run", Any, Iterator[Any]], tuple[StepResult, Iterator[Any]]]
+
+
+def plain_step_window(run: Run, window: Any, windows: Iterator[Any]) -> tuple[Any, Iterator[Any]]:
+    return run.step_fn(run.ctx, window), windows
+
+
 @dataclass
 class Run:
-    """Everything one training run is made of, assembled by `trainer.build`. Nothing in it
-    refers back to the run, so it is freed (DDP's reducer with it) as soon as it is dropped,
-    while the process group still exists."""
+    """Everything one training run is made of, assembled by `trainer.build` in one call.
+    Nothing in it refers back to the run, so it is freed (DDP's reducer with it) as soon as
+    it is dropped, while the process group still exists."""
 
     settings: RunSettings
     dist: DistInfo
@@ -134,15 +106,19 @@ class Run:
     val_batches: EvalBatches
     meter: TrainMeter
     checkpointer: CheckpointWriter
-    config_dict: dict[str, Any]
+    state: RunState  # what a checkpoint holds
     progress: TrainingProgress
-    state: RunState = field(default_factory=RunState)  # what a checkpoint saves, by name
-    sinks: list[RecordSink] = field(default_factory=list)
-    last_saved_step: int = -1
+    resumed: Resumed
+    sinks: list[RecordSink]
+    stop: StopRequest = field(repr=False)
+    step_window: StepWindow = plain_step_window
     # Token ids -> text, for the samples written at each evaluation (None: no samples).
     decode: Callable[[list[int]], str] | None = None
-    stop: StopRequest | None = field(default=None, repr=False)
     latest: dict[str, Any] = field(default_factory=dict)  # the last train and val loss
+    last_saved_step: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last_saved_step = self.resumed.step if self.resumed.path is not None else -1
 
     @property
     def step(self) -> int:
@@ -152,10 +128,6 @@ class Run:
     @property
     def run_id(self) -> str:
         return self.progress.run_id
-
-    @run_id.setter
-    def run_id(self, value: str) -> None:
-        self.progress.run_id = value
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -176,7 +148,7 @@ def fit(run: Run) -> str:
             try:
                 if run.step == first_step:
                     check_task(run, window)
-                result, windows = step_window(run, window, windows)  # advances run.step
+                result, windows = run.step_window(run, window, windows)  # advances step
                 del window  # not held through evaluation and saving
             except TaskOutputError as exc:  # the same on every rank: the model does not fit
                 raise UserError(f"invalid config `task`: {exc}", all_ranks=True) from None
@@ -196,13 +168,14 @@ def fit(run: Run) -> str:
                 evaluate(run)
             if _due(run.step, ckpt.every_steps):
                 save(run)
-            if run.stop is not None and run.stop.agreed():
+            if run.stop.agreed():
                 print(f"stop requested: saving step {run.step} and exiting", file=sys.stderr)
                 save(run, final=True)
                 settle(run)
                 return "stopped by request"
         else:
-            if eval_cfg.every_steps:
+            # A finished run rerun has its last evaluation already: one record per step.
+            if eval_cfg.every_steps and not (run.step == first_step and run.resumed.evaluated):
                 evaluate(run)
             if ckpt.every_steps:
                 save(run, final=True)
@@ -218,7 +191,7 @@ def _due(step: int, every: int) -> bool:
 
 def check_task(run: Run, window: list[Any]) -> None:
     """Once per launch, on the first window: the task's loss is a sum over its items."""
-    if run.settings.check_sum and not isinstance(run.ctx.parallel, PipelineParallel):
+    if run.settings.check_sum and run.ctx.parallel.whole_model:
         # (Pipeline stages do not hold the whole model to run the check with.)
         name = f"task `{run.settings.components['task'].get('_target_')}`"
         batch = next((b for b in window if b is not None), None)  # Poisson: maybe empty
@@ -233,8 +206,8 @@ def extra_train_metrics(run: Run) -> dict[str, Any]:
         extra["train/loss_scale"] = scale.item()
     for key, value in run.ctx.callbacks.metrics().items():
         extra[key] = value.item() if isinstance(value, torch.Tensor) else value
-    if isinstance(run.ctx.parallel, PipelineParallel):  # collective: every rank records
-        extra.update(run.ctx.parallel.metrics(peak_memory_mb(run.dist.device)))
+    # The parallelism's own metrics (pipeline bubbles); collective: every rank records.
+    extra.update(run.ctx.parallel.metrics(peak_memory_mb(run.dist.device)))
     return extra
 
 
@@ -306,14 +279,8 @@ def summary(run: Run, outcome: str, seconds: float) -> str:
         f"  run dir {run.run_dir}",
         f"  newest checkpoint {newest if newest is not None else '(none)'}",
     ]
-    for cb in run.ctx.callbacks:
-        if isinstance(cb, NoiseScale):
-            line = cb.summary(run.batches.plan.global_batch)
-            lines += [line] if line else []
-    for sink in run.sinks:
-        sync = getattr(sink, "sync_command", None)
-        if callable(sync) and sync():
-            lines.append(f"  W&B logged offline; upload with: {sync()}")
+    lines += run.ctx.callbacks.summaries(run.batches.plan.global_batch)
+    lines += [note for sink in run.sinks if (note := sink.closing_note())]
     return "\n".join(lines)
 
 
@@ -373,10 +340,9 @@ def sample_text(run: Run, max_new_tokens: int) -> str | None:
     Uses its own seeded generator and eval mode, so training randomness is untouched.
     """
     model = unwrap(run.ctx.model)
-    if run.decode is None or not hasattr(model, "generate"):
+    # Generating is optional (a model declares `generate`) and needs the whole model.
+    if run.decode is None or not isinstance(model, Generates) or not run.ctx.parallel.whole_model:
         return None
-    if isinstance(run.ctx.parallel, PipelineParallel):
-        return None  # generating needs the whole model on one rank
     first = run.val_batches.first_sample()
     prompt = None if first is None else _prompt(first)
     if prompt is None:
@@ -397,14 +363,10 @@ def save(run: Run, final: bool = False) -> None:
     `final`: the run ends after it (no later checkpoint step to retry at)."""
     if run.last_saved_step == run.step:
         return
-    ctx = run.ctx
     settle(run, retry_at=run.step)  # the previous background save, if one is in flight
-    state, shards = save_payload(
-        ctx.model, ctx.optimizer, run.state, run.checkpointer.sharded, ctx.parallel
-    )
-    shared = {"config": run.config_dict, **state} if run.dist.is_main else None
+    shared, per_rank, shards = run.state.payload()
     try:
-        run.checkpointer.save(run.step, shared, {"rng": rng_state()}, shards)
+        run.checkpointer.save(run.step, shared if run.dist.is_main else None, per_rank, shards)
         run.last_saved_step = run.step
     except CheckpointWriteError as exc:
         write_failed(run, exc, None if final else next_checkpoint_step(run))
@@ -453,69 +415,3 @@ def write_failed(run: Run, exc: CheckpointWriteError, retry_at: int | None) -> N
         "set checkpoint.on_write_error=warn to keep training when a checkpoint cannot be "
         "written and try again at the next checkpoint step."
     )
-
-
-def summarize(exc: BaseException) -> str:
-    """The first line of a long load_state_dict error, with how many more it had."""
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    if not lines:
-        return type(exc).__name__
-    detail = [ln for ln in lines[1:] if not ln.endswith(":")]
-    more = f" (and {len(detail) - 1} more)" if len(detail) > 1 else ""
-    return f"{lines[0].rstrip(':.')}{': ' + detail[0] if detail else ''}{more}"
-
-
-def restore(run: Run, ckpt: LoadedCheckpoint) -> None:
-    """Put the run exactly where checkpoint `ckpt` left it. Anything missing is an error."""
-    ctx = run.ctx
-    try:
-        load_payload(ckpt, ctx.model, ctx.optimizer, run.state, ctx.parallel)
-        rng = None if ckpt.per_rank is None else ckpt.per_rank["rng"]
-    except CheckpointError as exc:  # unsafe or unreadable shards: every rank got the same
-        raise UserError(f"checkpoint.resume: {exc}", all_ranks=True) from None
-    except (KeyError, RuntimeError, ValueError, TypeError, AttributeError) as exc:
-        raise UserError(
-            f"checkpoint {ckpt.path} does not fit this run: {summarize(exc)}. Resume with the "
-            "model, optimizer, callbacks and other components it was saved with, or pass "
-            "checkpoint.resume=never.",
-            all_ranks=True,
-        ) from None
-    run.last_saved_step = ckpt.step
-    run.checkpointer.committed = ckpt.path
-    saved = run.progress.saved
-    # The same W&B run only when continuing this run directory; a branch gets its own id.
-    if ckpt.path.resolve().parent == run.checkpoint_dir.resolve():
-        run.run_id = saved["run_id"]
-    warn = run.dist.is_main
-    batch = run.batches.plan.global_batch
-    if saved["global_batch_size"] != batch and warn:
-        print(
-            f"WARNING: {ckpt.path} was trained with global batch {saved['global_batch_size']}, "
-            f"this run uses {batch}: the data order from here on differs",
-            file=sys.stderr,
-        )
-    horizon = saved["max_steps"]
-    changed = horizon is not None and horizon != run.settings.train.max_steps
-    if changed and warn and run.settings.schedule_uses_max_steps:
-        print(
-            f"WARNING: the LR schedule decays over train.max_steps; it was {horizon} when "
-            f"{ckpt.path} was saved and is {run.settings.train.max_steps} now, so the learning "
-            "rate from here on follows the new schedule",
-            file=sys.stderr,
-        )
-    # RNG last: nothing after this may consume randomness before the first step.
-    if rng is not None:
-        if "cuda" in rng and not torch.cuda.is_available() and warn:
-            print(
-                f"WARNING: {ckpt.path} holds CUDA RNG state; this run has no CUDA", file=sys.stderr
-            )
-        set_rng_state(rng)
-    else:
-        if warn:
-            print(
-                f"WARNING: {ckpt.path} was saved by {ckpt.world_size} ranks, this run has "
-                f"{run.dist.world_size}: model and optimizer resume exactly, random streams "
-                "(dropout) are reseeded",
-                file=sys.stderr,
-            )
-        seed_everything(run.settings.seed + 1_000_003 * ckpt.step + run.ctx.parallel.dp_rank)

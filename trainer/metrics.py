@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -20,9 +20,18 @@ from engine.distributed import DistInfo, all_reduce_sum
 from engine.step import StepResult
 
 
-class RecordSink(Protocol):
-    def write(self, record: dict[str, Any]) -> None: ...
-    def close(self) -> None: ...
+class RecordSink:
+    """Where rank 0's records go: a file, the console, a tracker."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """At the end of the run (also after an error)."""
+
+    def closing_note(self) -> str | None:
+        """One line for the end-of-run summary (None: nothing to say)."""
+        return None
 
 
 def strict_json(record: dict[str, Any]) -> dict[str, Any]:
@@ -34,7 +43,7 @@ def strict_json(record: dict[str, Any]) -> dict[str, Any]:
     return {**{k: None if k in bad else v for k, v in record.items()}, "non_finite": bad}
 
 
-class JsonlWriter:
+class JsonlWriter(RecordSink):
     """Appends one strict-JSON object per line and flushes it, so a crash loses at most one
     line. Python's float repr round-trips exactly, so values are written at full precision.
     """
@@ -81,7 +90,7 @@ def supersede(path: Path, step: int) -> int | None:
     return newest
 
 
-class Progress:
+class Progress(RecordSink):
     """A live one-line bar on a terminal; plain periodic lines otherwise (logs, CI)."""
 
     def __init__(self, max_steps: int, stream: TextIO = sys.stdout, unit: str = "tokens") -> None:
@@ -130,9 +139,6 @@ class Progress:
             self.stream.write("\r" + " " * 100 + "\r")
         self.stream.write(text + "\n")
         self.stream.flush()
-
-    def close(self) -> None:
-        pass
 
 
 def _fmt(v: Any) -> str:

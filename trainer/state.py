@@ -1,29 +1,46 @@
-"""One place that knows what a run saves: the model and optimizer, and named stateful
-components (progress, scheduler, precision, callbacks, meter, and any user component with
-`state_dict`/`load_state_dict`).
+"""One place that knows what a run saves and how a run continues from a checkpoint.
 
-A checkpoint's `state.pt` holds each component's state under its name, next to the config
-and, in the `full` layout, the model and optimizer. In the `sharded` layout the model and
-optimizer go through DCP shards, and so do the DTensor leaves of any component's state (an
-EMA sharded like the parameters): each is saved shard by shard under `state/<path>` and loaded
-in place into the tensor the live component holds at the same path. Adding a component means
+`RunState` holds everything a checkpoint holds: the model and optimizer (through the
+parallelism's state I/O: gathered from stages and shards, or as DCP shards), the config, each
+rank's random streams, and named stateful components (progress, scheduler, precision,
+callbacks, meter, and any user component with `state_dict`/`load_state_dict`). A
+checkpoint's `state.pt` holds each component's state under its name, next to the config and,
+in the `full` layout, the model and optimizer. In the `sharded` layout the model and optimizer
+go through DCP shards, and so do the DTensor leaves of any component's state (an EMA sharded
+like the parameters): each is saved shard by shard under `state/<path>` and loaded in place
+into the tensor the live component holds at the same path. Adding a component means
 registering it once; saving and restoring follow.
+
+`find_resume` picks the checkpoint a run continues from; `resume` puts the run exactly where
+it left off (and says what changed).
 """
 
 from __future__ import annotations
 
-import contextlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from engine.checkpoint import (
     SHARDS,
+    CheckpointError,
+    CheckpointWriter,
     LoadedCheckpoint,
-    load_model_optimizer_state,
-    model_optimizer_state,
+    list_checkpoints,
+    load_checkpoint,
+    remove_stale_tmp,
+    verify_together,
 )
-from engine.parallel.pipeline import PipelineParallel
+from engine.distributed import DistInfo, broadcast_object
+from engine.parallel.base import Parallelism
+from engine.rng import rng_state, seed_everything, set_rng_state
+from engine.step import StepContext
+from trainer.config import CheckpointCfg
+from trainer.errors import UserError
+from trainer.identity import new_run_id
 
 RESERVED = ("config", "model", "optimizer")
 SHARDED_STATE = "state"  # the prefix of components' DTensor leaves in DCP shards
@@ -35,25 +52,106 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class RunState:
-    """The named stateful components of a run, in registration order."""
+class TrainingProgress:
+    """Where a run stands, as a stateful component: steps done, the run id, and what the data
+    order and the LR schedule depend on (global batch size, train.max_steps)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ctx: StepContext, global_batch_size: int, max_steps: int) -> None:
+        self.ctx = ctx
+        self.run_id = ""
+        self.global_batch_size = global_batch_size
+        self.max_steps = max_steps
+        self.saved: dict[str, Any] = {}  # as loaded from a checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.ctx.step,
+            "run_id": self.run_id,
+            "global_batch_size": self.global_batch_size,
+            "max_steps": self.max_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.saved = {
+            "step": int(state["step"]),
+            "run_id": str(state["run_id"]),
+            "global_batch_size": int(state["global_batch_size"]),
+            "max_steps": state.get("max_steps"),
+        }
+        self.ctx.step = self.saved["step"]
+
+
+class RunState:
+    """Everything a checkpoint of a run holds. `optimizer` None: the model and components
+    only (evaluation, export)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        parallel: Parallelism,
+        *,
+        config: dict[str, Any] | None = None,
+        sharded: bool = False,
+    ) -> None:
+        self.model, self.optimizer, self.parallel = model, optimizer, parallel
+        self.config, self.sharded = config, sharded
         self.components: dict[str, Stateful] = {}
 
     def add(self, name: str, component: Any) -> None:
         """Register `component` under `name`; a component without state (no `state_dict` and
         `load_state_dict`, or None) is skipped."""
+        # Optional for user components (task, datasets, step strategy): the Stateful protocol.
         if component is None or not isinstance(component, Stateful):
             return
         if name in RESERVED or "/" in name or name in self.components:
             raise ValueError(f"component name {name!r} is reserved or taken")
         self.components[name] = component
 
-    def state_dict(self) -> dict[str, Any]:
+    def component_states(self) -> dict[str, Any]:
         return {name: c.state_dict() for name, c in self.components.items()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    # ---- saving ----
+    def payload(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+        """What a checkpoint writes (collective: every rank calls it): the plain part for
+        `state.pt` (meaningful on rank 0), this rank's part (its random streams), and in the
+        sharded layout this rank's DCP shards. In the full layout the model and optimizer are
+        gathered to rank 0 by the parallelism."""
+        assert self.optimizer is not None, "a RunState without optimizer is for loading only"
+        state = self.component_states()
+        per_rank = {"rng": rng_state()}
+        if not self.sharded:
+            model_state, optimizer_state = self.parallel.full_state(self.model, self.optimizer)
+            shared = {"config": self.config, **state, "model": model_state}
+            return {**shared, "optimizer": optimizer_state}, per_rank, None
+        from engine.checkpoint.sharded import split_dtensors
+
+        shards = self.parallel.sharded_state(self.model, self.optimizer)
+        state, shards[SHARDED_STATE] = split_dtensors(state)
+        return {"config": self.config, **state}, per_rank, shards
+
+    # ---- loading ----
+    def load(self, ckpt: LoadedCheckpoint) -> None:
+        """Collective: the model (and optimizer, if any) and every registered component from
+        `ckpt`, resharded to this run's ranks and layout. Random streams: `load_rng`."""
+        saved = {k: v for k, v in ckpt.shared.items() if k not in RESERVED}
+        if ckpt.layout == "sharded":
+            from engine.checkpoint.sharded import with_path
+
+            targets = self._sharded_targets(ckpt)
+            self.parallel.load_sharded_state(
+                ckpt.path, self.model, self.optimizer, {SHARDED_STATE: targets}
+            )
+            for key, tensor in targets.items():
+                saved = with_path(saved, key, tensor)
+        else:
+            optimizer_state = ckpt.shared["optimizer"] if self.optimizer is not None else None
+            self.parallel.load_full_state(
+                self.model, self.optimizer, ckpt.shared["model"], optimizer_state
+            )
+        self._load_components(saved)
+
+    def _load_components(self, state: dict[str, Any]) -> None:
         """Each component's own state; a component whose state the checkpoint lacks is an
         error unless it has none to restore (e.g. a stateless callback list)."""
         for name, component in self.components.items():
@@ -63,6 +161,29 @@ class RunState:
                 raise KeyError(f"the checkpoint holds no state for {name!r}")
             component.load_state_dict(state[name])
 
+    def _sharded_targets(self, ckpt: LoadedCheckpoint) -> dict[str, torch.Tensor]:
+        """Where to load the component tensors the checkpoint saved shard by shard: the live
+        components' own tensors at the same paths (sharded or not: loading reshards). State of
+        a component, or of a callback, that this run does not have is left unread."""
+        from engine.checkpoint.sharded import get_path, saved_keys
+
+        live = self.component_states()
+        out = {}
+        for key in saved_keys(ckpt.path / SHARDS, SHARDED_STATE):
+            parts = key.split("/")
+            try:  # a named entry this run lacks (a callback dropped on resume): skip
+                get_path(live, "/".join(parts[:2]))
+            except (KeyError, IndexError, TypeError):
+                continue
+            try:
+                value = get_path(live, key)
+            except (KeyError, IndexError, TypeError):
+                value = None
+            if not isinstance(value, torch.Tensor):
+                raise KeyError(f"state {key} is in the checkpoint but not in this run")
+            out[key] = value
+        return out
+
 
 def _empty(state: Any) -> bool:
     if isinstance(state, dict):
@@ -70,84 +191,182 @@ def _empty(state: Any) -> bool:
     return state is None
 
 
-def save_payload(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    components: RunState,
-    sharded: bool,
-    parallel: Any = None,
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """What a checkpoint writes (collective: every rank calls it): the plain part for
-    `state.pt`, and in the sharded layout this rank's DCP shards. In the full layout the
-    model and optimizer are gathered to rank 0 (empty elsewhere), from every pipeline stage
-    when `parallel` is a pipeline."""
-    state = components.state_dict()
-    if not sharded:
-        if isinstance(parallel, PipelineParallel):
-            model_state, optimizer_state = parallel.full_state(model, optimizer)
-        else:
-            model_state, optimizer_state = model_optimizer_state(model, optimizer)
-        return {**state, "model": model_state, "optimizer": optimizer_state}, None
-    from engine.checkpoint.sharded import sharded_model_optimizer_state, split_dtensors
-
-    shards = sharded_model_optimizer_state(model, optimizer)
-    state, shards[SHARDED_STATE] = split_dtensors(state)
-    return state, shards
+def build_checkpointer(
+    cfg: CheckpointCfg, checkpoint_dir: Path, info: DistInfo, sharded: bool, timeout_s: float
+) -> CheckpointWriter:
+    if info.is_main:
+        remove_stale_tmp(checkpoint_dir)
+    write_shards = None
+    if sharded:
+        from engine.checkpoint.sharded import write_sharded_checkpoint as write_shards
+    return CheckpointWriter(
+        checkpoint_dir,
+        info,
+        session=broadcast_object(new_run_id(), info),
+        keep_last=cfg.keep_last,
+        background=cfg.async_save,
+        write_shards=write_shards,
+        timeout_s=timeout_s,
+    )
 
 
-def _sharded_targets(ckpt: LoadedCheckpoint, live: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Where to load the component tensors the checkpoint saved shard by shard: the live
-    components' own tensors at the same paths (sharded or not: loading reshards). State of a
-    component, or of a callback, that this run does not have is left unread."""
-    from engine.checkpoint.sharded import get_path, saved_keys
-
-    out = {}
-    for key in saved_keys(ckpt.path / SHARDS, SHARDED_STATE):
-        parts = key.split("/")
-        try:  # a named entry this run lacks (a callback dropped on resume): skip
-            get_path(live, "/".join(parts[:2]))
-        except (KeyError, IndexError, TypeError):
-            continue
-        try:
-            value = get_path(live, key)
-        except (KeyError, IndexError, TypeError):
-            value = None
-        if not isinstance(value, torch.Tensor):
-            raise KeyError(f"state {key} is in the checkpoint but not in this run")
-        out[key] = value
-    return out
-
-
-def load_payload(
-    ckpt: LoadedCheckpoint,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    components: RunState,
-    parallel: Any = None,
-) -> None:
-    """Collective: load the model (and optimizer, unless None) and every registered
-    component from `ckpt`, resharding to this run's ranks and strategy (and pipeline
-    stages: `parallel`)."""
-    saved = {k: v for k, v in ckpt.shared.items() if k not in RESERVED}
-    if ckpt.layout == "sharded":
-        from engine.checkpoint.sharded import load_sharded, with_path
-
-        targets = _sharded_targets(ckpt, components.state_dict())
-        with getattr(parallel, "mixed_tensors", contextlib.nullcontext)():  # tensor parallel
-            load_sharded(ckpt.path, model, optimizer, {SHARDED_STATE: targets})
-        for key, tensor in targets.items():
-            saved = with_path(saved, key, tensor)
-    elif isinstance(parallel, PipelineParallel):
-        optimizer_state = ckpt.shared["optimizer"] if optimizer is not None else None
-        with parallel.mixed_tensors():  # stages split over tensor-parallel ranks
-            parallel.load_full_state(model, optimizer, ckpt.shared["model"], optimizer_state)
-    elif optimizer is None:
-        model.load_state_dict(ckpt.shared["model"])
+def find_resume(resume: str, ckpt_dir: Path, info: DistInfo) -> Path | None:
+    """The checkpoint to resume from, the same on every rank: the newest that verifies
+    (`auto`) or the given path. All ranks verify each candidate together."""
+    if resume == "never":
+        return None
+    error = None
+    if resume == "auto":
+        candidates = list(reversed(list_checkpoints(ckpt_dir))) if info.is_main else []
     else:
-        # Tensor parallel: loading initializes the optimizer's state with one step over
-        # DTensor shards and whole parameters side by side.
-        with getattr(parallel, "mixed_tensors", contextlib.nullcontext)():
-            load_model_optimizer_state(
-                model, optimizer, ckpt.shared["model"], ckpt.shared["optimizer"]
+        candidates = [Path(resume).expanduser()]
+        if info.is_main and not candidates[0].exists():
+            error = (
+                f"checkpoint.resume: {candidates[0]} does not exist; valid: auto, never, or "
+                "the path of a checkpoint directory (run_dir/checkpoints/step_NNNNNNNN)"
             )
-    components.load_state_dict(saved)
+    candidates, error = broadcast_object((candidates, error), info)
+    if error:
+        raise UserError(error, all_ranks=True)
+    for path in candidates:
+        problem = verify_together(path, info)
+        if problem is None:
+            return path
+        if resume != "auto":
+            raise UserError(f"checkpoint.resume: {problem}", all_ranks=True)
+        if info.is_main:
+            print(f"WARNING: skipping checkpoint: {problem}", file=sys.stderr)
+    return None
+
+
+def summarize(exc: BaseException) -> str:
+    """The first line of a long load_state_dict error, with how many more it had."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    detail = [ln for ln in lines[1:] if not ln.endswith(":")]
+    more = f" (and {len(detail) - 1} more)" if len(detail) > 1 else ""
+    return f"{lines[0].rstrip(':.')}{': ' + detail[0] if detail else ''}{more}"
+
+
+def load_state(
+    state: RunState, path: Path, info: DistInfo, key: str, misfit: str
+) -> LoadedCheckpoint:
+    """Collective: load checkpoint `path` (verified already) into `state`. Anything unsafe or
+    unreadable is one paragraph naming `key`; state that does not fit says `misfit` (what
+    does not fit and how to put it right) after the first line of the error."""
+    try:
+        ckpt = load_checkpoint(path, info, checksums=False)
+        state.load(ckpt)
+    except CheckpointError as exc:  # unsafe or unreadable: every rank got the same
+        raise UserError(f"{key}: {exc}", all_ranks=True) from None
+    except (KeyError, RuntimeError, ValueError, TypeError, AttributeError) as exc:
+        raise UserError(misfit.format(path=path, error=summarize(exc)), all_ranks=True) from None
+    return ckpt
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a run continues from: its checkpoint and step (None and 0: a fresh start)."""
+
+    path: Path | None
+    step: int
+    run_id: str
+    evaluated: bool  # its last record holds an evaluation of `step` (a finished run)
+
+
+@dataclass(frozen=True)
+class ResumeSettings:
+    """What `resume` needs besides the state: plain values from the config."""
+
+    resume: str  # checkpoint.resume
+    seed: int
+    max_steps: int
+    global_batch_size: int
+    schedule_uses_max_steps: bool
+
+
+def resume(
+    state: RunState,
+    progress: TrainingProgress,
+    run_dir: Path,
+    settings: ResumeSettings,
+    info: DistInfo,
+) -> Resumed:
+    """Put the run exactly where its checkpoint left it (the newest valid one of `run_dir`,
+    or `checkpoint.resume`), or start fresh; decide the run id (the same W&B run only when
+    continuing this run directory; a branch elsewhere gets its own); seed each rank's streams.
+    Random streams last: nothing after this may consume randomness before the first step."""
+    ckpt_dir = run_dir / "checkpoints"
+    path = find_resume(settings.resume, ckpt_dir, info)
+    if path is None:
+        # Each data-parallel rank its own dropout stream, independent of the initialization
+        # stream (ranks that compute the same activations share one: the parallelism says).
+        seed_everything(settings.seed + 1 + state.parallel.dropout_stream)
+        return Resumed(None, 0, broadcast_object(new_run_id(), info), False)
+    ckpt = load_state(
+        state,
+        path,
+        info,
+        "checkpoint.resume",
+        "checkpoint {path} does not fit this run: {error}. Resume with the model, optimizer, "
+        "callbacks and other components it was saved with, or pass checkpoint.resume=never.",
+    )
+    saved = progress.saved
+    same_dir = path.resolve().parent == ckpt_dir.resolve()
+    run_id = saved["run_id"] if same_dir and saved["run_id"] else new_run_id()
+    progress.run_id = broadcast_object(run_id, info)
+    if info.is_main:
+        warn_changes(path, saved, settings)
+    rng = None if ckpt.per_rank is None else ckpt.per_rank["rng"]
+    if rng is not None:
+        if "cuda" in rng and not torch.cuda.is_available() and info.is_main:
+            print(f"WARNING: {path} holds CUDA RNG state; this run has no CUDA", file=sys.stderr)
+        set_rng_state(rng)
+    else:
+        if info.is_main:
+            print(
+                f"WARNING: {path} was saved by {ckpt.world_size} ranks, this run has "
+                f"{info.world_size}: model and optimizer resume exactly, random streams "
+                "(dropout) are reseeded",
+                file=sys.stderr,
+            )
+        seed_everything(settings.seed + 1_000_003 * ckpt.step + state.parallel.dp_rank)
+    evaluated = same_dir and info.is_main and evaluated_at(run_dir, ckpt.step)
+    evaluated = broadcast_object(evaluated, info)
+    return Resumed(path, ckpt.step, progress.run_id, evaluated)
+
+
+def warn_changes(path: Path, saved: dict[str, Any], settings: ResumeSettings) -> None:
+    """What differs from the run the checkpoint comes from: the data order, the schedule."""
+    if saved["global_batch_size"] != settings.global_batch_size:
+        print(
+            f"WARNING: {path} was trained with global batch {saved['global_batch_size']}, "
+            f"this run uses {settings.global_batch_size}: the data order from here on differs",
+            file=sys.stderr,
+        )
+    horizon = saved["max_steps"]
+    if horizon not in (None, settings.max_steps) and settings.schedule_uses_max_steps:
+        print(
+            f"WARNING: the LR schedule decays over train.max_steps; it was {horizon} when "
+            f"{path} was saved and is {settings.max_steps} now, so the learning rate from "
+            "here on follows the new schedule",
+            file=sys.stderr,
+        )
+
+
+def evaluated_at(run_dir: Path, step: int) -> bool:
+    """Whether `metrics.jsonl` already holds a validation record of `step` (rank 0 reads)."""
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("step") == step and any(k.startswith("val/") for k in record):
+            return True
+    return False

@@ -7,21 +7,19 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from engine.distributed import DistInfo
-from trainer.build import build_run
 from trainer.cli import check_overrides, exit_with, run_command
 from trainer.config import Config, register_configs
 from trainer.errors import UserError
-from trainer.fit import RunEnded, fit, summary
 from trainer.identity import register_resolvers
-from trainer.run_lock import run_dir_lock
+
+if TYPE_CHECKING:
+    from engine.distributed import DistInfo
 
 register_configs()
 register_resolvers()
@@ -30,6 +28,13 @@ register_resolvers()
 def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> None:
     """Build the run in `run_dir` (resuming from its checkpoints) and fit it, holding the run
     directory's lock throughout; a summary closes every run that ends on its own terms."""
+    # Imported here: `--help` and a refused config answer without loading torch.
+    import torch
+
+    from trainer.build import build_run
+    from trainer.fit import RunEnded, fit, summary
+    from trainer.run_lock import run_dir_lock
+
     started = time.perf_counter()
     with run_dir_lock(run_dir, info):
         run = build_run(cfg, plain, run_dir, info)
@@ -49,8 +54,7 @@ def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> 
             torch.autograd.set_detect_anomaly(False)  # process-wide; don't leak into later runs
             for sink in run.sinks:
                 sink.close()
-            if run.stop is not None:
-                run.stop.close()
+            run.stop.close()
             if outcome is not None and info.is_main:
                 print(summary(run, outcome, time.perf_counter() - started), flush=True)
 

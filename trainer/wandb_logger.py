@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from trainer.config import LoggerCfg
+from trainer.metrics import RecordSink
 
 
 def has_credentials() -> bool:
@@ -23,7 +24,7 @@ def has_credentials() -> bool:
         return False
 
 
-class WandbSink:
+class WandbSink(RecordSink):
     """Logs the same records as metrics.jsonl, keyed by optimizer step.
 
     The run id comes from the run identity and is kept in checkpoints, so a resumed run
@@ -89,6 +90,10 @@ class WandbSink:
         if self.run.settings.mode not in ("offline", "dryrun"):
             return None
         return f"wandb sync {self.run.settings.sync_dir}"
+
+    def closing_note(self) -> str | None:
+        sync = self.sync_command()
+        return f"  W&B logged offline; upload with: {sync}" if sync else None
 
     def close(self) -> None:
         self.run.finish()

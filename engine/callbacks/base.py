@@ -24,6 +24,18 @@ class Callback:
     # state is a record, not something the trajectory depends on).
     state_optional = False
 
+    @property
+    def per_micro_batch(self) -> bool:
+        """Whether it looks at single micro-batches (overrides `on_after_micro_batch`): its
+        statistics then depend on how the window is split, and layouts that run the window
+        their own way (pipeline stages, the out-of-memory guard's redone windows) refuse it."""
+        return type(self).on_after_micro_batch is not Callback.on_after_micro_batch
+
+    def summary(self, global_batch_size: int) -> str | None:
+        """One line for the end-of-run summary (None: nothing to say)."""
+        del global_batch_size
+        return None
+
     def setup(self, ctx: StepContext) -> None:
         """Once, after the model is wrapped (and sharded) and before a checkpoint is restored.
         A callback whose state follows the parameters allocates it here, shaped and sharded
@@ -126,6 +138,10 @@ class CallbackList:
 
     def averaged_weights(self) -> dict[str, AveragedWeights]:
         return {n: cb for n, cb in self.named.items() if isinstance(cb, AveragedWeights)}
+
+    def summaries(self, global_batch_size: int) -> list[str]:
+        lines = [cb.summary(global_batch_size) for cb in self.named.values()]
+        return [line for line in lines if line]
 
     def metrics(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

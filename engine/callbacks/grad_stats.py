@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.callbacks import Callback
 from engine.distributed import unwrap
-from engine.steps.accumulate import total_norm
+from engine.parallel.base import total_norm
 
 
 def layer_of(name: str, depth: int = 2) -> str:

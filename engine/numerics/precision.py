@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from engine.numerics import PRECISIONS
+
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

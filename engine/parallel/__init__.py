@@ -1,34 +1,11 @@
-"""How the model is spread over the job's ranks: the `Parallelism` interface and its
-implementations, one module each."""
+"""How the model is spread over the job's ranks, one module per kind of parallelism.
 
-from engine.parallel.base import (
-    PARALLELISMS,
-    STRATEGIES,
-    DataParallel,
-    FullyShardedDataParallel,
-    MeshSplit,
-    Parallelism,
-    all_reduce_flat,
-    build_mesh,
-    build_parallelism,
-    local_values,
-    parallelism_of,
-    shard_units,
-    whole_tensor,
-)
+- `base`: the `Parallelism` interface every caller uses, and `ParallelBase`, its defaults
+- `dims`: `ParallelDims`, the degrees decided once; it builds the mesh and the parallelism
+- `ddp`: DistributedDataParallel (the bare model on one process)
+- `fsdp`: FSDP2, and what it needs to recover from an out-of-memory error
+- `tensor`: tensor parallelism (and Megatron's sequence parallelism)
+- `pipeline/`: pipeline stages (schedules, stages, links between them, their state)
 
-__all__ = [
-    "PARALLELISMS",
-    "STRATEGIES",
-    "DataParallel",
-    "FullyShardedDataParallel",
-    "MeshSplit",
-    "Parallelism",
-    "all_reduce_flat",
-    "build_mesh",
-    "build_parallelism",
-    "local_values",
-    "parallelism_of",
-    "shard_units",
-    "whole_tensor",
-]
+Nothing is imported here: `engine.parallel.dims` must stay cheap to import (config checks).
+"""

@@ -1,82 +1,124 @@
-"""How the model is spread over the job's ranks: a device mesh built once, and a parallelism.
+"""The `Parallelism` interface: everything the step, evaluation, checkpoints and the fit loop
+ask about how the model is spread over ranks, and `ParallelBase`, its plain defaults.
 
-A parallelism is the one object the rest of the run asks about data parallelism: it wraps or
-shards the model (`apply`), names the data-parallel rank and size the loader reads, turns
-gradient communication on and off around a micro-batch (`gradient_sync`), says what the
-synchronized gradients are divided by (`sync_divisor`) and how a checkpoint holds the state
-(`checkpoint_format`). Three implement it: `DataParallel` (DDP; the bare model on one
-process), `FullyShardedDataParallel` (FSDP2's `fully_shard` on each block and the root) and
-`PipelineParallel` (engine/parallel/pipeline/: stages over `pp`, its own window schedule, gradients
-summed over `dp` after the window).
+Every member a caller uses is declared here; callers never probe for one. The defaults are
+those of the whole model on every rank (one process, DDP, FSDP2): the plain accumulation loop,
+no gradient sync after the window, the local gradient norm, every rank's loss counts, dropout
+streams per data-parallel rank, the model's own state dicts for checkpoints. A parallelism
+overrides what it does differently (the pipeline runs the window as its schedule, tensor
+parallelism sums gradients after the window and reports from one rank of a group...).
 
-The mesh has one named dimension per kind of parallelism: `dp`, and `pp` outside it with a
-pipeline (`tp` will join); the data-parallel rank is the rank along `dp`. A parallelism may
-also run the window itself (`backward_window`), compute the total gradient norm over ranks
-that hold different parameters (`grad_norm`) and agree on fp16 overflows
-(`agree_found_inf`); the step asks for these only where they exist.
+The implementations, one module each: `ddp` (DDP; the bare model on one process), `fsdp`
+(FSDP2), `tensor` (tensor parallelism, with sequence parallelism), `pipeline/` (stages),
+`context` (context parallelism). `dims` decides the degrees once and builds the one in use.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from engine.distributed import DistInfo, is_sharded
+from engine.distributed import DistInfo
+from engine.parallel.dims import LayoutError
 
-MESH_DIMS = ("pp", "dp", "tp")  # the mesh's dimension names, outermost first
+__all__ = ["LayoutError", "MeshSplit", "ParallelBase", "Parallelism", "RunShape"]
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from engine.callbacks import CallbackList
+    from engine.numerics.precision import Precision
+    from engine.step import Batch, StepContext, Task
+
+# A function giving a batch's sums for evaluation: (task, model, batch) -> {"loss": ..., ...}.
+SumsOf = Callable[[Any, Any, Any], dict[str, torch.Tensor]]
 
 
-def build_mesh(info: DistInfo, pp: int = 1, tp: int = 1) -> DeviceMesh | None:
-    """The job's device mesh, built once per run: `pp` pipeline ranks (consecutive blocks of
-    `world / pp` ranks each), the data-parallel ranks within each, and `tp` tensor-parallel
-    ranks innermost (neighbouring ranks: the most traffic on the fastest links). Without
-    either, every rank along `dp`. None on one process (nothing to communicate). Needs the
-    process group (`init_distributed`)."""
-    if not info.distributed:
-        return None
-    if info.world_size % (pp * tp):
-        raise ValueError(
-            f"the world ({info.world_size} ranks) is not a multiple of dist.pp x dist.tp = "
-            f"{pp * tp}"
-        )
-    dims = {"pp": pp, "dp": info.world_size // (pp * tp), "tp": tp}
-    names = tuple(n for n, size in dims.items() if size > 1 or n == "dp")
-    shape = tuple(dims[n] for n in names)
-    return init_device_mesh(info.device.type, shape, mesh_dim_names=names)
+@dataclass(frozen=True)
+class RunShape:
+    """What a parallelism's `check` may refuse: the run's other choices, as plain values."""
+
+    auto_micro_batch: bool = False
+    compile: bool = False
+    per_layer_norms: bool = False
+    step: Any = None  # the step strategy object
+    callbacks: CallbackList | None = None
+    accum: int = 1  # micro-batches per optimizer step and rank
+    checkpoint_format: str = "full"  # `full` or `sharded`, resolved
+
+
+@runtime_checkable
+class WindowGuard(Protocol):
+    """What wraps the window's moments (engine/steps/oom.py's out-of-memory guard); the null
+    guard runs each as it is."""
+
+    def micro_batch(self, index: int, count: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run micro-batch `index` of `count` (`fn`: its forward and backward)."""
+        ...
+
+    def gradient_sync(self, ctx: StepContext, enabled: bool) -> contextlib.AbstractContextManager:
+        """Around a micro-batch: whether and how its gradients communicate."""
+        ...
+
+    def after_window(self, ctx: StepContext) -> None:
+        """After the last micro-batch's backward."""
+        ...
+
+
+class NoGuard:
+    """Runs every moment as it is: the parallelism's own gradient sync."""
+
+    def micro_batch(self, index: int, count: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        del index, count
+        return fn()
+
+    def gradient_sync(self, ctx: StepContext, enabled: bool) -> contextlib.AbstractContextManager:
+        return ctx.parallel.gradient_sync(ctx.model, enabled)
+
+    def after_window(self, ctx: StepContext) -> None:
+        del ctx
+
+
+NO_GUARD = NoGuard()
+_HALF = (torch.float16, torch.bfloat16)
 
 
 @runtime_checkable
 class Parallelism(Protocol):
-    """What the run needs to know about how the model is spread over ranks."""
+    """How the model is spread over ranks: every member a caller uses."""
 
-    name: ClassVar[str]  # the `dist.strategy` value that selects it
+    name: ClassVar[str]  # the `dist.*` setting that selects it
     # Each block becomes its own unit (FSDP shards block by block): the model must declare its
     # blocks, and `torch.compile` applies per block rather than to the whole model.
-    per_block: ClassVar[bool]
+    per_block: bool
     # Parameters (and optimizer state, EMA averages) are sharded over ranks: forwards run in
     # lockstep on every rank, and only sharded checkpoints hold the whole state.
-    shards_parameters: ClassVar[bool]
+    shards_parameters: bool
+    # Every rank holds the whole model and can run it alone (generation, the sum check).
+    whole_model: bool
 
+    # ---- coordinates ----
     @property
     def dp_rank(self) -> int:
-        """This process's index among the data-parallel ranks (which slice of a batch)."""
+        """Which slice of each global batch this rank's loader reads."""
         ...
 
     @property
     def dp_size(self) -> int:
-        """How many data-parallel ranks split a global batch."""
+        """How many slices a global batch is cut into (`global = micro x accum x dp`)."""
         ...
 
     @property
     def dp_group(self) -> ProcessGroup | None:
-        """The process group of this rank's data-parallel peers (None: the whole world), over
-        which item counts are summed."""
+        """The group over which item counts, loss sums and evaluation sums are summed (None:
+        the whole world)."""
         ...
 
     @property
@@ -89,6 +131,27 @@ class Parallelism(Protocol):
         """`checkpoint.format=auto` resolves to this: `full` or `sharded`."""
         ...
 
+    @property
+    def dropout_stream(self) -> int:
+        """Which random stream this rank's dropout draws from after the shared init."""
+        ...
+
+    @property
+    def reports(self) -> bool:
+        """Whether this rank's loss and evaluation sums count (ranks computing the same
+        values as another rank report zeros)."""
+        ...
+
+    def describe(self) -> str:
+        """The banner's words for this layout ('' for plain data parallelism)."""
+        ...
+
+    def check(self, shape: RunShape) -> None:
+        """Refuse (`LayoutError`) what this parallelism cannot run with the run's other
+        choices: one paragraph each."""
+        ...
+
+    # ---- building ----
     def apply(
         self,
         model: nn.Module,
@@ -97,20 +160,130 @@ class Parallelism(Protocol):
         param_dtype: torch.dtype | None = None,
         reshard_after_forward: bool = True,
     ) -> nn.Module:
-        """Wrap or shard `model` (with `blocks`, its repeated layers) for this parallelism."""
+        """Wrap or shard `model` (with `blocks`, its repeated layers); returns what the step
+        calls."""
+        ...
+
+    # ---- the window ----
+    def local_batch(self, batch: Batch) -> Batch:
+        """This rank's part of a micro-batch (all of it unless the sequence is split)."""
         ...
 
     def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         """Around forward *and* backward of a micro-batch: communicate gradients if `enabled`."""
         ...
 
+    def backward_window(
+        self,
+        ctx: StepContext,
+        window: Sequence[Batch],
+        global_count: torch.Tensor,
+        guard: WindowGuard = NO_GUARD,
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch, gradients accumulated and synchronized;
+        this rank's loss sum (detached)."""
+        ...
 
-class _OnMesh:
-    """The data-parallel coordinates, from the mesh's `dp` dimension when there is one."""
+    def sync_gradients(self, params: list[nn.Parameter]) -> None:
+        """After the window: the gradient communication no wrapper did."""
+        ...
+
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """The total gradient norm over every rank's gradients (float64 squares)."""
+        ...
+
+    def clip_(self, params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+        """Scale the gradients so their total norm `norm` is at most `max_norm`."""
+        ...
+
+    def agree_found_inf(self, precision: Precision, optimizer: torch.optim.Optimizer) -> None:
+        """fp16: one rank's overflow skips the step on every rank holding other parameters."""
+        ...
+
+    def optimizer_context(self) -> contextlib.AbstractContextManager:
+        """Around the optimizer's step, GradScaler's unscale and optimizer state loads."""
+        ...
+
+    def metrics(self, peak_mb: float) -> dict[str, float]:
+        """Extra training metrics (collective: every rank calls it when a record is due)."""
+        ...
+
+    # ---- evaluation ----
+    def eval_mode(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Within: the model (and whatever runs it) in eval mode; modes restored after."""
+        ...
+
+    def eval_sums(
+        self,
+        model: nn.Module,
+        task: Task,
+        batches: Iterable[Batch],
+        sums_of: SumsOf,
+        n_forwards: int | None = None,
+    ) -> Iterator[tuple[Batch, dict[str, torch.Tensor]]]:
+        """`(batch, sums)` for each batch this rank counts; with `n_forwards` (forwards are
+        collective) the first batch runs again until that many went through, not yielded."""
+        ...
+
+    # ---- checkpoints ----
+    def full_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The whole model's and optimizer's state on rank 0 (collective; `full` layout)."""
+        ...
+
+    def load_full_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any] | None,
+    ) -> None:
+        """Load a `full` checkpoint's state into this rank's part of the model."""
+        ...
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's shards of the model and optimizer state (`sharded` layout, DCP)."""
+        ...
+
+    def load_sharded_state(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        extra: dict[str, Any],
+    ) -> None:
+        """Collective: load a `sharded` checkpoint (and the tensors of `extra`, in place)."""
+        ...
+
+    # ---- out-of-memory recovery (train.micro_batch_size=auto) ----
+    def guard_collectives(self, model: nn.Module, agreement: Callable[[bool], int]) -> None:
+        """Make the collectives inside forward and backward agree on out-of-memory first."""
+        ...
+
+    def guarded_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """Around a guarded micro-batch: only communication that agrees first may run."""
+        ...
+
+    def reduce_guarded_window(self, params: list[nn.Parameter]) -> None:
+        """After a guarded window: the gradient communication `guarded_sync` held back."""
+        ...
+
+    def reset_after_oom(self, model: nn.Module) -> None:
+        """After an agreed out-of-memory error: the wrapper's state of the failed window."""
+        ...
+
+
+class ParallelBase:
+    """The plain defaults of `Parallelism`: the whole model on every rank."""
+
+    name: ClassVar[str] = ""
+    per_block = False
+    shards_parameters = False
+    whole_model = True
 
     def __init__(self, info: DistInfo, mesh: DeviceMesh | None = None) -> None:
-        self.info = info
-        self.mesh = mesh
+        self.info, self.mesh = info, mesh
 
     @property
     def dp_rank(self) -> int:
@@ -121,63 +294,8 @@ class _OnMesh:
         return self.mesh["dp"].size() if self.mesh is not None else self.info.world_size
 
     @property
-    def dp_group(self) -> None:
-        return None  # every rank: the data-parallel ranks are the whole world
-
-
-class DataParallel(_OnMesh):
-    """DistributedDataParallel over the `dp` ranks; the bare model on one process.
-
-    DDP averages the all-reduced gradients, hence `sync_divisor` = the data-parallel size.
-    """
-
-    name = "ddp"
-    per_block = False
-    shards_parameters = False
-
-    @property
-    def sync_divisor(self) -> int:
-        return self.dp_size  # 1 on one process: nothing wraps the model
-
-    @property
-    def checkpoint_format(self) -> str:
-        return "full"
-
-    def apply(
-        self,
-        model: nn.Module,
-        blocks: Sequence[nn.Module] = (),
-        *,
-        param_dtype: torch.dtype | None = None,
-        reshard_after_forward: bool = True,
-    ) -> nn.Module:
-        del blocks, param_dtype, reshard_after_forward  # DDP replicates the whole model
-        if self.dp_size == 1:
-            return model
-        info = self.info
-        device_ids = [info.device.index] if info.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-
-    @contextlib.contextmanager
-    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
-        # DDP's `no_sync` must cover the forward too (it records whether to reduce there).
-        if enabled or not hasattr(model, "no_sync"):
-            yield
-        else:
-            with model.no_sync():
-                yield
-
-
-class FullyShardedDataParallel(_OnMesh):
-    """FSDP2: `fully_shard` on each block and the root over the mesh's `dp` dimension.
-
-    FSDP's own division of gradients is turned off (sum reduction), so `sync_divisor` is 1 and
-    the step's global-count normalization is the only one.
-    """
-
-    name = "fsdp"
-    per_block = True
-    shards_parameters = True
+    def dp_group(self) -> ProcessGroup | None:
+        return None  # the data-parallel ranks are the whole world
 
     @property
     def sync_divisor(self) -> int:
@@ -185,7 +303,28 @@ class FullyShardedDataParallel(_OnMesh):
 
     @property
     def checkpoint_format(self) -> str:
-        return "sharded"
+        return "full"
+
+    @property
+    def dropout_stream(self) -> int:
+        return self.dp_rank
+
+    @property
+    def reports(self) -> bool:
+        return True
+
+    def describe(self) -> str:
+        return ""
+
+    def check(self, shape: RunShape) -> None:
+        averaged = shape.callbacks.averaged_weights() if shape.callbacks is not None else {}
+        if self.shards_parameters and shape.checkpoint_format == "full" and averaged:
+            raise LayoutError(
+                "checkpoint.format",
+                "under dist.strategy=fsdp the EMA callback keeps its average sharded like the "
+                "parameters, and only sharded checkpoints save it; use checkpoint.format=sharded "
+                "(or auto, the default)",
+            )
 
     def apply(
         self,
@@ -195,147 +334,272 @@ class FullyShardedDataParallel(_OnMesh):
         param_dtype: torch.dtype | None = None,
         reshard_after_forward: bool = True,
     ) -> nn.Module:
-        """`param_dtype` (bf16) computes with low-precision parameters; gradients are reduced
-        in fp32."""
-        if not self.info.distributed:
-            return model
-        from torch.distributed.fsdp import FSDPModule
-
-        if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
-            raise RuntimeError(
-                f"dist.strategy=fsdp needs a torch with FSDPModule.set_force_sum_reduction_for_"
-                f"comms (this is {torch.__version__}); use dist.strategy=ddp or upgrade torch"
-            )
-
-        mesh = self.mesh["dp"] if self.mesh is not None else None  # None: FSDP's default mesh
-        shard_units([*blocks, model], mesh, param_dtype, reshard_after_forward)
+        del blocks, param_dtype, reshard_after_forward
         return model
 
+    # ---- the window ----
+    def local_batch(self, batch: Batch) -> Batch:
+        return batch
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        del model, enabled
+        return contextlib.nullcontext()
+
+    def backward_window(
+        self,
+        ctx: StepContext,
+        window: Sequence[Batch],
+        global_count: torch.Tensor,
+        guard: WindowGuard = NO_GUARD,
+    ) -> torch.Tensor:
+        """The plain accumulation loop: forward + backward of every micro-batch scaled by the
+        window's global count, gradients communicated in the last one only (or every one with
+        `sync_every_micro_batch`); each graph freed by its own backward, only the detached sum
+        survives (fp32, or the loss's own precision when higher)."""
+        # DDP divides the reduced gradient by its world size; multiplying by that divisor here
+        # undoes it, so the result is the global mean. Guard against an all-padding window.
+        count = global_count.clamp(min=1)
+        loss_sum: torch.Tensor | None = None
+        last = len(window) - 1
+        for i, batch in enumerate(window):
+            sync = i == last or ctx.sync_every_micro_batch
+            with guard.gradient_sync(ctx, sync):
+                micro_sum = guard.micro_batch(
+                    i, len(window), lambda batch=batch: micro_backward(ctx, batch, count)
+                )
+            ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
+            loss_sum = micro_sum if loss_sum is None else loss_sum + micro_sum
+        guard.after_window(ctx)
+        self.sync_gradients(ctx.trainable_parameters())
+        assert loss_sum is not None  # a window holds at least one micro-batch
+        return loss_sum if self.reports else torch.zeros_like(loss_sum)
+
+    def sync_gradients(self, params: list[nn.Parameter]) -> None:
+        del params
+
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            raise RuntimeError(
+                "no parameter received a gradient: is the loss connected to the model?"
+            )
+        return total_norm(grads)
+
+    def clip_(self, params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+
+    def agree_found_inf(self, precision: Precision, optimizer: torch.optim.Optimizer) -> None:
+        del precision, optimizer  # every rank holds every parameter: the same decision
+
+    def optimizer_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def metrics(self, peak_mb: float) -> dict[str, float]:
+        del peak_mb
+        return {}
+
+    # ---- evaluation ----
     @contextlib.contextmanager
-    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
-        # FSDP2 keeps unsharded gradients until a micro-batch with sync enabled reduce-scatters.
-        model.set_requires_gradient_sync(enabled)
-        yield
+    def eval_mode(self, model: nn.Module) -> Iterator[None]:
+        was_training = model.training
+        model.eval()
+        try:
+            yield
+        finally:
+            model.train(was_training)
+
+    def eval_sums(
+        self,
+        model: nn.Module,
+        task: Task,
+        batches: Iterable[Batch],
+        sums_of: SumsOf,
+        n_forwards: int | None = None,
+    ) -> Iterator[tuple[Batch, dict[str, torch.Tensor]]]:
+        first, seen = None, 0
+        for batch in batches:
+            batch = self.local_batch(batch)
+            first = batch if first is None else first
+            seen += 1
+            yield batch, sums_of(task, model, batch)
+        for _ in range(seen, n_forwards or 0):
+            sums_of(task, model, first)  # lockstep only: not counted
+
+    # ---- checkpoints ----
+    def full_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        from engine.checkpoint import model_optimizer_state
+
+        return model_optimizer_state(model, optimizer)
+
+    def load_full_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any] | None,
+    ) -> None:
+        from engine.checkpoint import load_model_optimizer_state
+
+        if optimizer is None or optimizer_state is None:
+            model.load_state_dict(model_state)
+            return
+        with self.optimizer_context():  # loading initializes the optimizer's state
+            load_model_optimizer_state(model, optimizer, model_state, optimizer_state)
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from engine.checkpoint.sharded import sharded_model_optimizer_state
+
+        return sharded_model_optimizer_state(model, optimizer)
+
+    def load_sharded_state(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        extra: dict[str, Any],
+    ) -> None:
+        from engine.checkpoint.sharded import load_sharded
+
+        with self.optimizer_context():
+            load_sharded(path, model, optimizer, extra)
+
+    # ---- out-of-memory recovery ----
+    def guard_collectives(self, model: nn.Module, agreement: Callable[[bool], int]) -> None:
+        del model, agreement  # no collective inside forward or backward
+
+    def guarded_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        del model, enabled
+        return contextlib.nullcontext()
+
+    def reduce_guarded_window(self, params: list[nn.Parameter]) -> None:
+        del params
+
+    def reset_after_oom(self, model: nn.Module) -> None:
+        del model
 
 
-def shard_units(
-    units: Sequence[nn.Module],
-    mesh: DeviceMesh | None,
-    param_dtype: torch.dtype | None,
-    reshard: bool,
-    placement: Any = None,
-) -> None:
-    """FSDP2 (`fully_shard`) on each unit, in order (blocks first, the root last), over
-    `mesh`; gradients reduced in fp32 (float64 models: float64) as plain sums, never divided
-    (the loss is already normalized by the global item count). `placement`: FSDP2's
-    `shard_placement_fn`."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    # fp32, or float64 for a float64 model (fp32 would round its gradients).
-    wide = any(p.dtype == torch.float64 for unit in units for p in unit.parameters())
-    reduce_dtype = torch.float64 if wide else torch.float32
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for unit in units:
-        fully_shard(
-            unit,
-            mesh=mesh,
-            mp_policy=policy,
-            reshard_after_forward=reshard,
-            shard_placement_fn=placement,
-        )
-    for unit in units:  # a setting of each FSDP module, not inherited
-        unit.set_gradient_divide_factor(1.0)
-        # gloo lacks PREMUL_SUM; plain sums are exact for every backend.
-        unit.set_force_sum_reduction_for_comms(True)
-
-
-class MeshSplit:
+class MeshSplit(ParallelBase):
     """The shared part of parallelisms that split the model over mesh dimensions besides
-    `dp` (pipeline stages, tensor-parallel ranks): the data-parallel coordinates from the
-    mesh, gradients summed by the parallelism itself (`sync_divisor` 1) and checkpoints in
-    the `full` layout, gathered under the model's own parameter names."""
+    `dp` (pipeline stages, tensor-parallel ranks): coordinates from the mesh, gradients summed
+    by the parallelism itself after the window (`sync_divisor` 1), the total norm over the
+    ranks holding different parameters, one overflow skipping every rank, and the exact
+    accumulation step with callbacks that see neither single micro-batches nor every weight."""
+
+    key: ClassVar[str] = ""  # the config key that asks for it, named in refusals
+    whole_model = False
 
     def __init__(self, info: DistInfo, mesh: DeviceMesh) -> None:
-        self.info, self.mesh = info, mesh
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh.get_local_rank("dp")
-
-    @property
-    def dp_size(self) -> int:
-        return self.mesh["dp"].size()
+        super().__init__(info, mesh)
+        self.mesh: DeviceMesh = mesh
 
     @property
     def dp_group(self) -> ProcessGroup:
         return self.mesh.get_group("dp")
 
-    @property
-    def sync_divisor(self) -> int:
-        return 1
+    def check(self, shape: RunShape) -> None:
+        from engine.steps.accumulate import AccumulateStep
 
-    @property
-    def checkpoint_format(self) -> str:
-        return "full"
+        super().check(shape)
+        refused = {
+            "train.micro_batch_size": (
+                shape.auto_micro_batch,
+                "the automatic micro-batch is not probed with it yet",
+            ),
+            "train.compile": (shape.compile, "compiling it is not built yet"),
+            "train.grad_norms": (
+                shape.per_layer_norms,
+                "per-layer norms would be recorded for this rank's share of the model only",
+            ),
+        }
+        for k, (bad, why) in refused.items():
+            if bad:
+                raise LayoutError(k, f"not available with {self.key}: {why}")
+        if shape.step is not None and type(shape.step) is not AccumulateStep:
+            raise LayoutError(
+                "step",
+                f"with {self.key} the window runs as step=accumulate's; "
+                f"{type(shape.step).__name__} needs the whole model on one rank",
+            )
+        callbacks = shape.callbacks
+        for name, cb in (callbacks.named if callbacks is not None else {}).items():
+            if cb.per_micro_batch or name in callbacks.averaged_weights():
+                raise LayoutError(
+                    f"callbacks.{name}",
+                    f"not available with {self.key}: it looks at every micro-batch's gradients "
+                    "or keeps a copy of every weight, which no rank holds whole",
+                )
+
+    def clip_(self, params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+        # The norm is the total over ranks holding different parameters; the gradients may
+        # mix DTensor shards and whole tensors: scale each rank's own values in place.
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_([local_values(p.grad) for p in params if p.grad is not None], coef)
+
+    def agree_found_inf(self, precision: Precision, optimizer: torch.optim.Optimizer) -> None:
+        import torch.distributed as dist
+
+        for flag in precision.found_inf_flags(optimizer):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+
+
+def micro_backward(ctx: StepContext, batch: Batch, count: torch.Tensor) -> torch.Tensor:
+    """Forward + backward of one micro-batch, scaled by the window's global `count` (clamped
+    to at least 1); returns its loss sum, detached (the graph goes with this frame)."""
+    with ctx.precision.autocast():
+        micro_sum = ctx.task.loss_sum(ctx.model, batch)
+    # Scale in the loss's own precision (at least fp32): float64 runs stay float64.
+    micro_sum = micro_sum.float() if micro_sum.dtype in _HALF else micro_sum
+    ctx.precision.backward(micro_sum * (ctx.grad_sync_divisor / count.to(micro_sum.dtype)))
+    return micro_sum.detach()
+
+
+def squares_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all `tensors` together (a DTensor for sharded ones). Squares summed in
+    float64: finite gradients up to ~1e150 never overflow to an inf norm (fp32 overflows from
+    ~1e19), so "inf norm" means a gradient really is non-finite."""
+    per_tensor = torch._foreach_norm(list(tensors), 2.0, dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.stack(per_tensor)).float()
+
+
+def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all `tensors` together, on the device, the same on every rank (a sharded
+    DTensor's norm is gathered)."""
+    return whole_tensor(squares_norm(tensors))
 
 
 def local_values(t: torch.Tensor) -> torch.Tensor:
     """This rank's values of a DTensor (a view: in-place changes reach the DTensor), or the
     tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def whole_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole value of a DTensor, the same on every rank (collective over its mesh), or
     the tensor itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def is_dtensor(t: Any) -> bool:
+    """A DTensor, without importing DTensor (slow to import) where none can exist yet."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def all_reduce_flat(tensors: list[torch.Tensor], group: ProcessGroup | None) -> None:
     """Sum `tensors` over `group` in place, one collective per dtype."""
+    import torch.distributed as dist
+
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for ts in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in ts])
-        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=group)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         offset = 0
         for t in ts:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
-
-
-PARALLELISMS: dict[str, type[DataParallel] | type[FullyShardedDataParallel]] = {
-    cls.name: cls for cls in (DataParallel, FullyShardedDataParallel)
-}
-STRATEGIES = tuple(PARALLELISMS)
-
-
-def build_parallelism(
-    strategy: str, info: DistInfo, mesh: DeviceMesh | None = None
-) -> DataParallel | FullyShardedDataParallel:
-    """The parallelism `dist.strategy` names; on one process the bare model (`DataParallel`'s
-    no-op) whatever the strategy. `mesh` (from `build_mesh`) may be left out: FSDP then shards
-    over its default mesh, which spans the same ranks."""
-    if not info.distributed:
-        return DataParallel(info, mesh)
-    if strategy not in PARALLELISMS:
-        raise ValueError(
-            f"dist.strategy={strategy!r} is not supported; valid: {', '.join(STRATEGIES)}"
-        )
-    return PARALLELISMS[strategy](info, mesh)
-
-
-def parallelism_of(
-    model: nn.Module, info: DistInfo | None = None
-) -> DataParallel | FullyShardedDataParallel:
-    """The parallelism an already wrapped `model` is under, for callers that built the model
-    themselves (a `StepContext` given no `parallel`): FSDP2 modules are sharded, DDP (also
-    inside `torch.compile`) is data-parallel over `info`'s ranks, anything else is the bare
-    model of one process."""
-    info = info or DistInfo()
-    if is_sharded(model):
-        return FullyShardedDataParallel(info)
-    if isinstance(getattr(model, "_orig_mod", model), nn.parallel.DistributedDataParallel):
-        return DataParallel(info)
-    return DataParallel(DistInfo(device=info.device))

@@ -42,7 +42,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from engine.distributed import DistInfo
-from engine.parallel import MeshSplit, all_reduce_flat, local_values, shard_units
+from engine.parallel.base import LayoutError, MeshSplit, RunShape, all_reduce_flat, local_values
+from engine.parallel.fsdp import shard_units
 
 # colwise_qkv: a fused projection whose output is [q | k | v]: each third split colwise, so a
 # rank holds the same heads' rows of q, k and v (a DTensor `_StridedShard(0, split_factor=3)`:
@@ -71,12 +72,18 @@ class DeclaresSequencePlan(Protocol):
         ...
 
 
-class NotParallelizable(ValueError):
+class NotParallelizable(LayoutError):
     """The model cannot be split over tensor-parallel ranks as asked."""
+
+    def __init__(self, message: str, key: str = "dist.tp") -> None:
+        super().__init__(key, message)
 
 
 class NotSequenceParallelizable(NotParallelizable):
     """The model cannot run with its sequence split over tensor-parallel ranks."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "dist.tp_sequence_parallel")
 
 
 def tensor_plan(model: nn.Module) -> dict[str, str]:
@@ -263,7 +270,9 @@ class TensorParallel(MeshSplit):
     its `dp` dimension (gradients summed after the window: `sync_divisor` is 1)."""
 
     name = "tp"
-    per_block = False
+    key = "dist.tp"
+    # Every rank runs the model's forward (its layers split over the `tp` group, together).
+    whole_model = True
     # With `fsdp` (2-D: FSDP2 over `dp` on top of the `tp` split), an instance attribute.
     shards_parameters = False
 
@@ -276,6 +285,7 @@ class TensorParallel(MeshSplit):
         self.tp_rank = mesh.get_local_rank("tp")
         # Parameters that see one sequence shard per rank (norms): partial gradients.
         self.sequence_params: list[nn.Parameter] = []
+        self.model_parameters: list[tuple[str, nn.Parameter]] = []  # after `apply`
 
     @property
     def dropout_stream(self) -> int:
@@ -289,6 +299,21 @@ class TensorParallel(MeshSplit):
     @property
     def tp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("tp")
+
+    def describe(self) -> str:
+        return f"tensor parallel {self.tp}" + (" + sequence" if self.sequence_parallel else "")
+
+    def check(self, shape: RunShape) -> None:
+        super().check(shape)
+        strided = [n for n, p in self.model_parameters if is_strided(p)]
+        if shape.checkpoint_format == "sharded" and strided:
+            raise LayoutError(
+                "checkpoint.format",
+                f"sharded checkpoints cannot hold {strided[0]}: a fused q/k/v weight split third "
+                "by third over dist.tp (colwise_qkv) is a strided DTensor, which "
+                "torch.distributed.checkpoint cannot save; use checkpoint.format=full (or auto): "
+                "gathered, it resumes on any layout",
+            )
 
     @property
     def reports(self) -> bool:
@@ -345,6 +370,7 @@ class TensorParallel(MeshSplit):
             self._split_sequence(model, sequence)
         if self.fsdp:
             self._shard(model, blocks, param_dtype, reshard_after_forward)
+        self.model_parameters = list(model.named_parameters())
         return model
 
     def _split_sequence(self, model: nn.Module, plan: dict[str, str]) -> None:
@@ -390,7 +416,7 @@ class TensorParallel(MeshSplit):
         shard_units([*blocks, model], self.mesh["dp"], param_dtype, reshard, dp_placement)
         self.shards_parameters = True
 
-    def mixed_tensors(self) -> contextlib.AbstractContextManager:
+    def optimizer_context(self) -> contextlib.AbstractContextManager:
         """Around the optimizer's step (and GradScaler's unscale): parameters left whole are
         plain tensors next to the split layers' DTensors, taken as replicated over `tp`."""
         from torch.distributed.tensor.experimental import implicit_replication
@@ -429,22 +455,8 @@ class TensorParallel(MeshSplit):
         """The total gradient norm, float64 squares: each gradient's local squares summed
         over the mesh dimensions it is sharded along (`tp` for a split layer, `dp` too under
         FSDP2), so whole and replicated values (a row-split layer's bias) count once."""
-        by_dims: dict[tuple[str, ...], list[torch.Tensor]] = {}
-        for p in params:
-            if p.grad is not None:
-                by_dims.setdefault(sharded_dims(p.grad), []).append(local_values(p.grad))
-        total = torch.zeros((), dtype=torch.float64, device=self.info.device)
-        for dims, grads in by_dims.items():
-            sq = _squares(grads, self.info.device)
-            for name in dims:
-                dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.mesh.get_group(name))
-            total = total + sq
-        return total.sqrt().float()
-
-    def agree_found_inf(self, precision: Any, optimizer: torch.optim.Optimizer) -> None:
-        """fp16: every rank's GradScaler skips the step when any rank overflowed."""
-        for flag in precision.found_inf_flags(optimizer):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        grads = [p.grad for p in params if p.grad is not None]
+        return sharded_squares(grads, self.mesh, self.info.device).sqrt().float()
 
 
 def dp_placement(param: nn.Parameter) -> Any:
@@ -489,8 +501,19 @@ def sharded_dims(t: torch.Tensor) -> tuple[str, ...]:
     return tuple(n for n, p in zip(names, t.placements) if not p.is_replicate())
 
 
-def _squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not tensors:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    per_tensor = torch._foreach_norm(tensors, 2.0, dtype=torch.float64)
-    return torch.stack(per_tensor).square().sum()
+def sharded_squares(
+    grads: list[torch.Tensor], mesh: DeviceMesh, device: torch.device
+) -> torch.Tensor:
+    """The sum of squares (float64) of `grads` over every rank holding a share: each
+    gradient's local squares summed over the mesh dimensions it is sharded along, so whole
+    and replicated values count once."""
+    by_dims: dict[tuple[str, ...], list[torch.Tensor]] = {}
+    for g in grads:
+        by_dims.setdefault(sharded_dims(g), []).append(local_values(g))
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for dims, local in by_dims.items():
+        sq = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float64)).square().sum()
+        for name in dims:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(name))
+        total = total + sq
+    return total

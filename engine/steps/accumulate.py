@@ -11,21 +11,53 @@ numbers of valid tokens; dividing every micro-batch of every rank by the *global
 the accumulated gradient equal to the gradient of the whole global batch's mean loss. DDP then
 averages over ranks, hence the factor `ctx.grad_sync_divisor` (the world size under DDP; 1
 under FSDP as wrapped here, which sums).
+
+The loop over the window's micro-batches is the parallelism's (`backward_window`: the plain
+loop of engine/parallel/base.py, or a pipeline's schedule). `AccumulateStep(guard=...)` runs
+the same step under a guard (engine/steps/oom.py: out-of-memory errors agreed by every rank).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 import torch
-from torch import nn
 
 from engine.distributed import all_reduce_sum
-from engine.parallel import local_values, whole_tensor
+from engine.parallel.base import NO_GUARD, WindowGuard
 from engine.step import Batch, StepContext, StepResult, item_count
 
-_HALF = (torch.float16, torch.bfloat16)
+T = TypeVar("T")
+
+
+class StepGuard(Protocol):
+    """What wraps a step's moments: its start, the window (a `WindowGuard` for the
+    parallelism's loop, or None), the update and the step's end."""
+
+    def start(self, ctx: StepContext) -> None: ...
+    def window(self, ctx: StepContext) -> WindowGuard | None: ...
+    def update(self, ctx: StepContext, fn: Callable[[], T]) -> T: ...
+    def finish(self, ctx: StepContext, fn: Callable[[], T]) -> T: ...
+
+
+class Unguarded:
+    """Every moment runs as it is."""
+
+    def start(self, ctx: StepContext) -> None:
+        del ctx
+
+    def window(self, ctx: StepContext) -> WindowGuard | None:
+        del ctx
+        return None
+
+    def update(self, ctx: StepContext, fn: Callable[[], T]) -> T:
+        del ctx
+        return fn()
+
+    def finish(self, ctx: StepContext, fn: Callable[[], T]) -> T:
+        del ctx
+        return fn()
 
 
 def count_window(ctx: StepContext, window: Sequence[Batch]) -> torch.Tensor:
@@ -35,92 +67,41 @@ def count_window(ctx: StepContext, window: Sequence[Batch]) -> torch.Tensor:
     return all_reduce_sum(local.to(ctx.dist.device, torch.int64), ctx.dist, ctx.parallel.dp_group)
 
 
-def backward_window(
-    ctx: StepContext, window: Sequence[Batch], global_count: torch.Tensor
-) -> torch.Tensor:
-    """Forward + backward every micro-batch; gradients accumulate in `.grad`.
-
-    Returns this rank's loss sum over the window (detached; fp32, or the loss's own precision
-    when higher). Each graph is freed by its own backward; only the detached sum survives.
-    """
-    pipelined = getattr(ctx.parallel, "backward_window", None)
-    if pipelined is not None:  # the window is the pipeline's schedule (engine/parallel/pipeline/)
-        return pipelined(ctx, window, global_count)  # no per-micro-batch hooks (refused)
-    # DDP divides the reduced gradient by world_size; multiplying by that divisor here undoes
-    # it, so the result is the global mean. Guard against an all-padding window (count 0).
-    count = global_count.clamp(min=1)
-    loss_sum: torch.Tensor | None = None
-    last = len(window) - 1
-    for i, batch in enumerate(window):
-        with ctx.parallel.gradient_sync(ctx.model, enabled=i == last or ctx.sync_every_micro_batch):
-            micro_sum = micro_backward(ctx, batch, count)
-        ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
-        loss_sum = micro_sum if loss_sum is None else loss_sum + micro_sum
-    sync = getattr(ctx.parallel, "sync_gradients", None)
-    if sync is not None:  # a parallelism that sums gradients itself, after the window
-        sync(ctx.trainable_parameters())
-    if not getattr(ctx.parallel, "reports", True):  # tensor parallel: one rank of a group
-        loss_sum = torch.zeros_like(loss_sum)
-    return loss_sum
-
-
-def micro_backward(ctx: StepContext, batch: Batch, count: torch.Tensor) -> torch.Tensor:
-    """Forward + backward of one micro-batch, scaled by the window's global `count` (clamped
-    to at least 1); returns its loss sum, detached (the graph goes with this frame)."""
-    with ctx.precision.autocast():
-        micro_sum = ctx.task.loss_sum(ctx.model, batch)
-    # Scale in the loss's own precision (at least fp32): float64 runs stay float64.
-    micro_sum = micro_sum.float() if micro_sum.dtype in _HALF else micro_sum
-    ctx.precision.backward(micro_sum * (ctx.grad_sync_divisor / count.to(micro_sum.dtype)))
-    return micro_sum.detach()
-
-
-def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of all `tensors` together, on the device (also for sharded DTensors)."""
-    return whole_tensor(_norm(tensors))
-
-
-def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    # Squares summed in float64: finite gradients up to ~1e150 never overflow to an inf norm
-    # (fp32 overflows from ~1e19), so "inf norm" means a gradient really is non-finite.
-    per_tensor = torch._foreach_norm(tensors, 2.0, dtype=torch.float64)
-    return torch.linalg.vector_norm(torch.stack(per_tensor)).float()
-
-
-def clip_gradients(
-    params: list[nn.Parameter],
-    max_norm: float | None,
-    norm_of: Callable[[list[nn.Parameter]], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def clip_gradients(ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
     """Total grad norm before clipping, and a 0/1 flag for non-finite gradients.
 
     A non-finite gradient anywhere makes the total norm inf or nan, so one reduction serves
-    both clipping and the skip decision, on the device. `norm_of` computes the total norm
-    where ranks hold different parameters (pipeline stages).
+    both clipping and the skip decision, on the device. The parallelism computes the norm
+    over every rank's gradients and clips each rank's own values.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads and norm_of is None:
-        raise RuntimeError("no parameter received a gradient: is the loss connected to the model?")
-    norm = _norm(grads) if norm_of is None else norm_of(params)
-    if max_norm is not None and norm_of is not None:
-        # The norm is the total over ranks holding different parameters; the gradients may
-        # mix DTensor shards and whole tensors: scale each rank's own values in place.
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_([local_values(g) for g in grads], coef)
-    elif max_norm is not None:  # clip with the (possibly sharded) norm the gradients live with
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    norm = whole_tensor(norm).detach()
+    params = ctx.trainable_parameters()
+    norm = ctx.parallel.grad_norm(params)
+    if ctx.clip_grad_norm is not None:
+        ctx.parallel.clip_(params, ctx.clip_grad_norm, norm)
+    norm = norm.detach()
     return norm, (~torch.isfinite(norm)).to(torch.float32)
 
 
 class AccumulateStep:
-    """The default step strategy: exact micro-batch gradient accumulation."""
+    """The default step strategy: exact micro-batch gradient accumulation.
+
+    `guard` wraps the window's moments (the null guard: each runs as it is); the arithmetic
+    is the same with any guard."""
+
+    def __init__(self, guard: StepGuard | None = None) -> None:
+        self.guard = guard or Unguarded()
 
     def __call__(self, ctx: StepContext, window: Sequence[Batch]) -> StepResult:
+        guard = self.guard
         ctx.optimizer.zero_grad(set_to_none=True)
+        guard.start(ctx)
+        window = [ctx.parallel.local_batch(b) for b in window]
         global_count = count_window(ctx, window)
-        loss_sum = backward_window(ctx, window, global_count)
-        return finish_step(ctx, loss_sum, global_count)
+        window_guard = guard.window(ctx) or NO_GUARD
+        loss_sum = ctx.parallel.backward_window(ctx, window, global_count, window_guard)
+        grad_norm, found_inf, lr = guard.update(ctx, lambda: apply_update(ctx))
+        result = StepResult(loss_sum, global_count, grad_norm, found_inf, lr)
+        return guard.finish(ctx, lambda: count_step(ctx, result))
 
 
 def finish_step(ctx: StepContext, loss_sum: torch.Tensor, global_count: torch.Tensor) -> StepResult:
@@ -134,18 +115,15 @@ def apply_update(ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The first half of `finish_step`: unscale, clip and update (or skip); the gradient
     norm, the non-finite flag and the learning rate used."""
     # Tensor parallel: DTensor shards and whole parameters side by side in one optimizer.
-    mixed = getattr(ctx.parallel, "mixed_tensors", contextlib.nullcontext)
-    with mixed():
+    with ctx.parallel.optimizer_context():
         ctx.precision.unscale_(ctx.optimizer)
-    agree = getattr(ctx.parallel, "agree_found_inf", None)
-    if agree is not None:  # stages hold different parameters: one overflow skips them all
-        agree(ctx.precision, ctx.optimizer)
+    # Ranks holding different parameters: one overflow skips them all.
+    ctx.parallel.agree_found_inf(ctx.precision, ctx.optimizer)
     ctx.callbacks.after_backward(ctx)
-    norm_of = getattr(ctx.parallel, "grad_norm", None)
-    grad_norm, found_inf = clip_gradients(ctx.trainable_parameters(), ctx.clip_grad_norm, norm_of)
+    grad_norm, found_inf = clip_gradients(ctx)
     ctx.callbacks.before_optimizer_step(ctx)
     lr = float(ctx.optimizer.param_groups[0]["lr"])
-    with mixed():
+    with ctx.parallel.optimizer_context():
         ctx.precision.optimizer_step(ctx.optimizer, found_inf)
     return grad_norm, found_inf, lr
 

@@ -37,15 +37,16 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
 from engine.callbacks import Callback
-from engine.distributed import is_sharded, unwrap
+from engine.distributed import unwrap
+from engine.parallel.base import Parallelism
 from engine.step import Batch, StepContext, StepResult
 from engine.steps.accumulate import count_window, finish_step
 from engine.steps.privacy import RDPAccountant
 
 
-def check_per_sample_model(model: nn.Module) -> None:
+def check_per_sample_model(model: nn.Module, parallel: Parallelism) -> None:
     """Raise ValueError (one paragraph) for a model whose per-sample gradients do not exist."""
-    if is_sharded(model):
+    if parallel.shards_parameters:
         raise ValueError(
             "step=dp_sgd needs every parameter whole on each rank to take per-sample gradients "
             "with torch.func; FSDP shards them. Use dist.strategy=ddp: per-sample gradients "
@@ -123,7 +124,7 @@ class DPSGDStep:
 
     def __call__(self, ctx: StepContext, window: Sequence[Batch]) -> StepResult:
         if not self._checked:
-            check_per_sample_model(ctx.model)
+            check_per_sample_model(ctx.model, ctx.parallel)
             if ctx.precision.scaler is not None:
                 raise ValueError("step=dp_sgd supports train.precision=fp32|bf16, not fp16")
             self._checked = True

@@ -1,9 +1,10 @@
 """Out-of-memory errors a step recovers from, agreed by every rank.
 
-`OomSafeAccumulateStep` is the accumulation step of `engine/steps/accumulate.py` made recoverable:
-an out-of-memory error in the forward or backward of any micro-batch on any rank becomes an
-`OutOfMemoryAgreed` raised on *every* rank at the same point, with the window's gradients
-freed, so the caller can roll the window back and redo it with smaller micro-batches.
+`OomGuard` makes the accumulation step of engine/steps/accumulate.py recoverable (the same
+step, `AccumulateStep(guard=OomGuard(...))`, not a copy of it): an out-of-memory error in the
+forward or backward of any micro-batch on any rank becomes an `OutOfMemoryAgreed` raised on
+*every* rank at the same point, with the window's gradients freed, so the caller can roll the
+window back and redo it with smaller micro-batches.
 
 Why no rank is ever left waiting in a collective:
 
@@ -12,23 +13,25 @@ Why no rank is ever left waiting in a collective:
   anyone starts the next micro-batch (whose forward may itself communicate, e.g. DDP's
   buffer broadcast).
 - Under DDP every micro-batch runs in `no_sync`, and the window's gradients are all-reduced
-  by hand only after the ranks agreed that the last backward finished everywhere. With DDP's
+  by hand only after the ranks agreed that the last backward finished everywhere
+  (`DataParallel.guarded_sync` / `reduce_guarded_window`). With DDP's
   own bucketed all-reduce, an OOM in the last backward on one rank leaves the other ranks
   inside a bucket's all-reduce that never completes (the hang Composer hit): no agreement
   can happen from inside autograd. The price is that communication no longer overlaps the
   last backward. The hand all-reduce averages like DDP (sum / world size), so
   `ctx.grad_sync_divisor` keeps its meaning.
 - FSDP2 all-gathers and reduce-scatters inside forward and backward, from its module hooks.
-  `agree_in_collectives` replaces its communication by one that agrees before every
-  collective: a rank that ran out of memory anywhere (in a layer, or allocating FSDP's own
-  buffers) unwinds and agrees at the top, which is the agreement its peers reach next
-  (before their next collective, or at the end of the micro-batch); they learn it there and
-  unwind too (`PeerOutOfMemory`). FSDP2's state after the unwinding is put back by its
-  `reset_iter_state` (`reset_window`). Agreements go through a gloo group on the host, so
-  they never wait for the device. Not covered: under FSDP2, the collectives between the last
-  agreement and the update (fp16's found-inf all-reduce, the gradient norm's, per-layer
-  norms): an OOM in their scalar allocations on one rank leaves the others waiting there
-  until the timeout. The update's own allocations (Adam's moments, temporaries) are covered.
+  `guard_collectives` (engine/parallel/fsdp.py) replaces its communication by one that
+  agrees before every collective: a rank that ran out of memory anywhere (in a layer, or
+  allocating FSDP's own buffers) unwinds and agrees at the top, which is the agreement its
+  peers reach next (before their next collective, or at the end of the micro-batch); they
+  learn it there and unwind too (`PeerOutOfMemory`). FSDP2's state after the unwinding is put
+  back by its `reset_iter_state` (the parallelism's `reset_after_oom`). Agreements go through
+  a gloo group on the host, so they never wait for the device. Not covered: under FSDP2, the
+  collectives between the last agreement and the update (fp16's found-inf all-reduce, the
+  gradient norm's, per-layer norms): an OOM in their scalar allocations on one rank leaves
+  the others waiting there until the timeout. The update's own allocations (Adam's moments,
+  temporaries) are covered.
 
 An OOM in unscaling, gradient clipping or the optimizer step is retried too: on a GPU the
 activations of large micro-batches leave the cache fragmented, and an update that needs one
@@ -45,20 +48,18 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from datetime import timedelta
-from functools import partial
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from engine.distributed import DistInfo, unwrap
+from engine.distributed import DistInfo
 from engine.numerics.precision import Precision
-from engine.parallel import local_values
-from engine.step import Batch, StepContext, StepResult
-from engine.steps.accumulate import apply_update, count_step, count_window, micro_backward
+from engine.parallel.base import local_values
+from engine.parallel.fsdp import PeerOutOfMemory
+from engine.step import StepContext
 
 T = TypeVar("T")
 
@@ -88,15 +89,6 @@ class OutOfMemoryAgreed(Exception):
     def __init__(self, where: str, ranks: int, retry: bool = True) -> None:
         super().__init__(f"out of memory on {ranks} rank(s) in the {where}")
         self.where, self.ranks, self.retry = where, ranks, retry
-
-
-class PeerOutOfMemory(Exception):
-    """Raised inside a collective's agreement on a rank that did not run out of memory itself:
-    `ranks` other ranks did. The agreement has happened; the caller must not agree again."""
-
-    def __init__(self, ranks: int) -> None:
-        super().__init__(f"out of memory on {ranks} other rank(s)")
-        self.ranks = ranks
 
 
 class Agreement:
@@ -132,59 +124,6 @@ class Agreement:
         return out, self(oom)
 
 
-def agree_in_collectives(model: nn.Module, agreement: Agreement) -> None:
-    """FSDP2 agrees before each of its all-gathers and reduce-scatters (module docstring)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    gather, scatter = _AgreedAllGather(agreement), _AgreedReduceScatter(agreement)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_all_gather(gather)
-            module.set_custom_reduce_scatter(scatter)
-
-
-class _AgreedComm:
-    """FSDP2's communication interface (`allocate`, then the call), agreed before the call."""
-
-    def __init__(self, agreement: Agreement) -> None:
-        self.agreement = agreement
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def agree(self) -> None:
-        failed = self.agreement(False)
-        if failed:
-            raise PeerOutOfMemory(failed)
-
-
-class _AgreedAllGather(_AgreedComm):
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: Any,
-        async_op: bool = False,
-    ) -> Any:
-        self.agree()
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-
-
-class _AgreedReduceScatter(_AgreedComm):
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: Any,
-        op: Any,
-        async_op: bool = False,
-    ) -> Any:
-        self.agree()
-        return dist.reduce_scatter_single(
-            output_tensor, input_tensor, group=group, op=op, async_op=async_op
-        )
-
-
 def release_memory(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """Free the window's gradients and whatever the failed graph held; empty the CUDA cache
     (repeated OOMs otherwise leave it fragmented)."""
@@ -195,59 +134,10 @@ def release_memory(optimizer: torch.optim.Optimizer, device: torch.device) -> No
 
 
 def reset_window(ctx: StepContext) -> None:
-    """After an agreed OOM: FSDP2's per-iteration state back to idle and resharded, its
-    unreduced gradients dropped, then `release_memory`."""
-    from torch.distributed.fsdp import FSDPModule
-
-    root = unwrap(ctx.model)
-    if isinstance(root, FSDPModule):
-        if root._get_fsdp_state()._is_root is not None:  # None: no forward has started yet
-            root.reset_iter_state()
-        for module in root.modules():
-            if isinstance(module, FSDPModule):
-                drop_unsharded(module)
+    """After an agreed OOM: the parallelism's state of the failed window (FSDP2's iteration
+    state and unreduced gradients), then `release_memory`."""
+    ctx.parallel.reset_after_oom(ctx.model)
     release_memory(ctx.optimizer, ctx.dist.device)
-
-
-def drop_unsharded(module: Any) -> None:
-    """What `reset_iter_state` (torch 2.13) leaves of an FSDP2 unit's failed iteration: the
-    gradients accumulated without reducing them (micro-batches with gradient sync off), on
-    the unsharded parameters, where the redone window would add to them; and unsharded
-    parameter storage allocated by an all-gather's copy-out that ran out of memory part way
-    (the group still counts as sharded, so the reset frees nothing). Not reachable through
-    a public API: FSDP2's per-parameter records."""
-    for group in module._get_fsdp_state()._fsdp_param_groups:
-        for fsdp_param in group.fsdp_params:
-            fsdp_param.unsharded_accumulated_grad = None
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if unsharded is not None:
-                unsharded.grad = None
-            if group.is_sharded and hasattr(fsdp_param, "_unsharded_inner_tensors"):
-                fsdp_param.free_unsharded_param()
-
-
-@contextlib.contextmanager
-def local_gradients(model: nn.Module) -> Iterator[None]:
-    """DDP communicates nothing in backward inside this block (gradients stay local). Not
-    `gradient_sync(model, False)`: that would also hold back a one-process FSDP2's
-    reduce-scatter, which nothing here turns on again."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        with model.no_sync():
-            yield
-    else:
-        yield
-
-
-def all_reduce_gradients(params: Sequence[nn.Parameter], info: DistInfo) -> None:
-    """Average the gradients over ranks as DDP does (sum, divided by the world size); every
-    rank has the same parameters with gradients (checked by the agreement before)."""
-    if not info.distributed:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    works = [dist.all_reduce(g, op=dist.ReduceOp.SUM, async_op=True) for g in grads]
-    for w in works:
-        w.wait()
-    torch._foreach_div_(grads, float(info.world_size))
 
 
 class StepUndo:
@@ -334,59 +224,57 @@ class StepUndo:
         self.precision.restore_window_state(self.scale)
 
 
-class OomSafeAccumulateStep:
-    """Exact micro-batch accumulation whose out-of-memory errors every rank agrees on.
-
-    The same arithmetic as `AccumulateStep` (one count of the window, each micro-batch's
-    backward of loss_sum * divisor / global_count, `finish_step`'s two halves), with an
-    agreement after every micro-batch, the gradients reduced after the last one (by hand
-    under DDP; by FSDP2's agreed reduce-scatters in the last backward), and the update undone
-    (`StepUndo`) when the step's tail runs out of memory on any rank.
-    """
+class OomGuard:
+    """`AccumulateStep`'s guard under `train.micro_batch_size=auto`: an agreement after every
+    micro-batch, the gradients reduced after the last one (by hand under DDP; by FSDP2's
+    agreed reduce-scatters in the last backward), the update undone (`StepUndo`) when the
+    step's tail runs out of memory on any rank. The arithmetic is the step's own."""
 
     def __init__(self, agreement: Agreement) -> None:
         self.agree = agreement
         self.undo: StepUndo | None = None
+        self.ctx: StepContext | None = None
 
-    def __call__(self, ctx: StepContext, window: Sequence[Batch]) -> StepResult:
-        ctx.optimizer.zero_grad(set_to_none=True)
+    # ---- the step's moments (engine/steps/accumulate.py's StepGuard) ----
+    def start(self, ctx: StepContext) -> None:
+        self.ctx = ctx
         if self.undo is None or self.undo.optimizer is not ctx.optimizer:
             self.undo = StepUndo(ctx.optimizer, ctx.precision)
         self.undo.take()
-        global_count = count_window(ctx, window)
-        count = global_count.clamp(min=1)
-        loss_sum: torch.Tensor | None = None
-        last = len(window) - 1
-        for i, batch in enumerate(window):
-            with window_sync(ctx, i == last):
-                micro_sum, failed = self.agree.attempt(partial(micro_backward, ctx, batch, count))
-            if failed or micro_sum is None:
-                reset_window(ctx)
-                raise OutOfMemoryAgreed(f"micro-batch {i + 1}/{len(window)}", failed)
-            ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
-            loss_sum = micro_sum if loss_sum is None else loss_sum + micro_sum
-        if not ctx.parallel.shards_parameters:
-            all_reduce_gradients(ctx.trainable_parameters(), ctx.dist)
-        self.undo.ready()
-        update, failed = self.agree.attempt(lambda: apply_update(ctx))
-        if failed or update is None:
+
+    def window(self, ctx: StepContext) -> OomGuard:
+        del ctx
+        return self
+
+    def update(self, ctx: StepContext, fn: Callable[[], T]) -> T:
+        out, failed = self.agree.attempt(fn)
+        if failed or out is None:
+            assert self.undo is not None
             self.undo.restore()
             reset_window(ctx)
             raise OutOfMemoryAgreed("gradient clipping or optimizer step", failed)
-        result, failed = self.agree.attempt(
-            lambda: count_step(ctx, StepResult(loss_sum, global_count, *update))
-        )
-        if failed or result is None:  # the step is counted and callbacks ran: not redone
+        return out
+
+    def finish(self, ctx: StepContext, fn: Callable[[], T]) -> T:
+        out, failed = self.agree.attempt(fn)
+        if failed or out is None:  # the step is counted and callbacks ran: not redone
             reset_window(ctx)
             raise OutOfMemoryAgreed("callbacks after the optimizer step", failed, retry=False)
-        return result
+        return out
 
+    # ---- the window's moments (engine/parallel/base.py's WindowGuard) ----
+    def micro_batch(self, index: int, count: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        micro_sum, failed = self.agree.attempt(fn)
+        if failed or micro_sum is None:
+            assert self.ctx is not None
+            reset_window(self.ctx)
+            raise OutOfMemoryAgreed(f"micro-batch {index + 1}/{count}", failed)
+        return micro_sum
 
-def window_sync(ctx: StepContext, last: bool) -> contextlib.AbstractContextManager:
-    """Around a micro-batch of the OOM-safe step: DDP never communicates (the window is
-    all-reduced by hand once every rank finished); FSDP2 reduce-scatters in the last
-    micro-batch's backward (every one's with `dist.fsdp_sync_every_micro_batch`), each
-    collective agreed first (`agree_in_collectives`)."""
-    if ctx.parallel.shards_parameters:
-        return ctx.parallel.gradient_sync(ctx.model, enabled=last or ctx.sync_every_micro_batch)
-    return local_gradients(ctx.model)
+    def gradient_sync(self, ctx: StepContext, enabled: bool) -> contextlib.AbstractContextManager:
+        return ctx.parallel.guarded_sync(ctx.model, enabled)
+
+    def after_window(self, ctx: StepContext) -> None:
+        ctx.parallel.reduce_guarded_window(ctx.trainable_parameters())
+        assert self.undo is not None
+        self.undo.ready()

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.parallel.base import total_norm
 from engine.step import Batch, StepContext, StepResult
-from engine.steps.accumulate import backward_window, count_window, finish_step, total_norm
+from engine.steps.accumulate import count_window, finish_step
 
 
 class SAMStep:
@@ -33,7 +34,8 @@ class SAMStep:
         params = ctx.trainable_parameters()
         ctx.optimizer.zero_grad(set_to_none=True)
         global_count = count_window(ctx, window)
-        loss_sum = backward_window(ctx, window, global_count)  # the loss reported: at w
+        # The loss reported: at w.
+        loss_sum = ctx.parallel.backward_window(ctx, window, global_count)
 
         with torch.no_grad():
             with_grad = [p for p in params if p.grad is not None]
@@ -47,7 +49,7 @@ class SAMStep:
             for p, a in zip(with_grad, ascent):
                 p.add_(a * factor)
         ctx.optimizer.zero_grad(set_to_none=True)
-        backward_window(ctx, window, global_count)  # the gradient used: at w + e
+        ctx.parallel.backward_window(ctx, window, global_count)  # the gradient used: at w + e
         with torch.no_grad():
             for p, w in zip(with_grad, saved):
                 p.copy_(w)  # exact restore; (w + e) - e is not w in floating point

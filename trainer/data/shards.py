@@ -385,16 +385,9 @@ class _Progress:
         )
 
 
-def build(
-    source: Source,
-    tokenizer: Path | None,
-    out: Path,
-    key: dict[str, Any],
-    workers: int,
-    quiet: bool = False,
-) -> None:
-    """Tokenize `source` into shards under `out` (the caller holds the lock). Shards already
-    committed by an interrupted run are kept, not redone."""
+def _prepare(out: Path, tokenizer: Path | None) -> tuple[int, np.dtype]:
+    """The shard folder, cleared of half-written files, its build logged; the vocabulary size
+    and the token dtype that holds it."""
     out.mkdir(parents=True, exist_ok=True)
     for tmp in out.glob(".*.tmp"):  # half-written by a killed run: never committed
         with contextlib.suppress(OSError):
@@ -411,7 +404,35 @@ def build(
         from trainer.data.tokenize import load_tokenizer
 
         vocab = load_tokenizer(tokenizer).get_vocab_size()
-    dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
+    return vocab, np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
+
+
+def _pool(workers: int, tokenizer: Path | None, source: Source) -> ProcessPoolExecutor | None:
+    """Tokenizer worker processes (None: tokenize in this process, set up here)."""
+    init = (None if tokenizer is None else str(tokenizer), str(source.paths[0]), source.field)
+    if workers == 1:
+        _init_worker(*init)
+        return None
+    # fork: workers start in milliseconds and import nothing again.
+    return ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("fork"),
+        initializer=_init_worker,
+        initargs=init,
+    )
+
+
+def build(
+    source: Source,
+    tokenizer: Path | None,
+    out: Path,
+    key: dict[str, Any],
+    workers: int,
+    quiet: bool = False,
+) -> None:
+    """Tokenize `source` into shards under `out` (the caller holds the lock). Shards already
+    committed by an interrupted run are kept, not redone."""
+    vocab, dtype = _prepare(out, tokenizer)
     total = sum(size for _, size, _ in key["files"])
     progress = _Progress(source, total, quiet)
     counts: list[list[int]] = []  # per shard: documents, tokens
@@ -423,19 +444,8 @@ def build(
         counts.append([n_docs, n_tokens])
 
     pending: deque[tuple[int, Chunk, Any]] = deque()
-    pool = None
     workers = max(1, workers)
-    init = (None if tokenizer is None else str(tokenizer), str(source.paths[0]), source.field)
-    if workers > 1:
-        # fork: workers start in milliseconds and import nothing again.
-        pool = ProcessPoolExecutor(
-            workers,
-            mp_context=multiprocessing.get_context("fork"),
-            initializer=_init_worker,
-            initargs=init,
-        )
-    else:
-        _init_worker(*init)
+    pool = _pool(workers, tokenizer, source)
 
     def drain(limit: int) -> None:
         while len(pending) > limit:

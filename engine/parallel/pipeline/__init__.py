@@ -20,8 +20,22 @@ asynchronously, each tensor preceded by a header with its shape and dtype, so mi
 may differ in length.
 """
 
-from engine.parallel.pipeline.parallel import PipelineParallel
-from engine.parallel.pipeline.schedule import SCHEDULES
-from engine.parallel.pipeline.stages import DeclaresStages, NotSplittable, stage_ranges
+from importlib import import_module
+from typing import Any
 
-__all__ = ["SCHEDULES", "DeclaresStages", "NotSplittable", "PipelineParallel", "stage_ranges"]
+# Imported on first use: the runtime pulls in DTensor, slow to import, while the schedules
+# are plain lists anyone may read.
+_EXPORTS = {
+    "PipelineParallel": "engine.parallel.pipeline.parallel",
+    "SCHEDULES": "engine.parallel.pipeline.schedule",
+    "DeclaresStages": "engine.parallel.pipeline.stages",
+    "NotSplittable": "engine.parallel.pipeline.stages",
+    "stage_ranges": "engine.parallel.pipeline.stages",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

@@ -15,7 +15,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine.distributed import DistInfo
-from engine.parallel import MeshSplit, all_reduce_flat, local_values, shard_units
+from engine.parallel.base import (
+    NO_GUARD,
+    LayoutError,
+    MeshSplit,
+    RunShape,
+    WindowGuard,
+    all_reduce_flat,
+    local_values,
+)
+from engine.parallel.fsdp import shard_units
 from engine.parallel.pipeline.links import Links
 from engine.parallel.pipeline.schedule import Action, actions
 from engine.parallel.pipeline.stages import (
@@ -33,7 +42,7 @@ from engine.parallel.pipeline.state import (
     named_optimizer_state,
     on_cpu,
 )
-from engine.parallel.tensor import check_dp_placements, dp_placement, sharded_dims
+from engine.parallel.tensor import check_dp_placements, dp_placement, sharded_squares
 
 
 class PipelineParallel(MeshSplit):
@@ -50,7 +59,7 @@ class PipelineParallel(MeshSplit):
     """
 
     name = "pp"
-    per_block = False
+    key = "dist.pp"
     # With `fsdp`, each stage is FSDP2-sharded over the data-parallel ranks (an instance
     # attribute then); forwards of a stage run in lockstep over its dp ranks anyway.
     shards_parameters = False
@@ -111,11 +120,27 @@ class PipelineParallel(MeshSplit):
         group compute the same ones, the first reports."""
         return self.tp_rank == 0
 
-    def mixed_tensors(self) -> contextlib.AbstractContextManager:
+    def optimizer_context(self) -> contextlib.AbstractContextManager:
         """With tensor parallelism: DTensor shards beside whole parameters in one optimizer."""
         if self.tensor is None:
             return contextlib.nullcontext()
-        return self.tensor.mixed_tensors()
+        return self.tensor.optimizer_context()
+
+    def describe(self) -> str:
+        tensor = f" | {self.tensor.describe()}" if self.tensor is not None else ""
+        return f"pipeline {self.pp} stages, {self.schedule}{tensor}"
+
+    def check(self, shape: RunShape) -> None:
+        super().check(shape)
+        if self.schedule == "interleaved_1f1b" and shape.accum % self.pp:
+            raise LayoutError(
+                "train.grad_accum_steps",
+                f"dist.pp_schedule=interleaved_1f1b sends micro-batches through the stages in "
+                f"groups of dist.pp={self.pp}: the micro-batches per step must be a multiple of "
+                f"it, got {shape.accum}",
+            )
+        if self.tensor is not None:
+            self.tensor.check(shape)
 
     def is_last(self, stage: int) -> bool:
         return stage == self.n_stages - 1
@@ -207,10 +232,18 @@ class PipelineParallel(MeshSplit):
         return contextlib.nullcontext()
 
     # ---- the window -----------------------------------------------------------------------
-    def backward_window(self, ctx: Any, window: Sequence[Any], count: torch.Tensor) -> torch.Tensor:
+    def backward_window(
+        self,
+        ctx: Any,
+        window: Sequence[Any],
+        count: torch.Tensor,
+        guard: WindowGuard = NO_GUARD,
+    ) -> torch.Tensor:
         """Forward and backward of the window's micro-batches through the pipeline, in the
         schedule's order; gradients are then summed over data-parallel ranks and shared
-        stages. Returns this rank's loss sum (zero on ranks without the last stage)."""
+        stages. Returns this rank's loss sum (zero on ranks without the last stage). No
+        per-micro-batch callbacks and no guard (`check` refuses both)."""
+        del guard
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.info.device)
@@ -240,7 +273,7 @@ class PipelineParallel(MeshSplit):
         self.bubble[0] += self.links.waited
         self.bubble[1] += time.perf_counter() - started
         self.sync_gradients([p for p in ctx.model.parameters() if p.requires_grad])
-        return loss_sum if self.reports else torch.zeroslaid_out_like(loss_sum)
+        return loss_sum if self.reports else torch.zeros_like(loss_sum)
 
     def _forward(
         self,
@@ -286,7 +319,7 @@ class PipelineParallel(MeshSplit):
             torch.autograd.backward(out, grad)
         hidden = inputs.pop((a.stage, a.micro), None)
         if hidden is not None:
-            grad_in = hidden.grad if hidden.grad is not None else torch.zeroslaid_out_like(hidden)
+            grad_in = hidden.grad if hidden.grad is not None else torch.zeros_like(hidden)
             self.links.send(grad_in, a.stage - 1, a.micro, backward=True)
 
     # ---- gradients ------------------------------------------------------------------------
@@ -302,7 +335,7 @@ class PipelineParallel(MeshSplit):
             for name, shape, dtype in self.shared:
                 p = by_name.get(name)
                 if p is not None and p.grad is None:
-                    p.grad = torch.zeroslaid_out_like(p)
+                    p.grad = torch.zeros_like(p)
                 flat.append(
                     local_values(p.grad)
                     if p is not None
@@ -315,24 +348,14 @@ class PipelineParallel(MeshSplit):
         same on every rank; float64 squares, like the single-process norm."""
         # Squares summed over the mesh dimensions each gradient is sharded along (dp under
         # FSDP, tp for a split layer), then over the stages.
-        by_dims: dict[tuple[str, ...], list[torch.Tensor]] = {}
-        for p in params:
-            if p.grad is not None and self.names.get(id(p)) not in self.not_counted:
-                by_dims.setdefault(sharded_dims(p.grad), []).append(local_values(p.grad))
-        sq = torch.zeros((), dtype=torch.float64, device=self.info.device)
-        for dims, grads in by_dims.items():
-            part = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)).square().sum()
-            for name in dims:
-                dist.all_reduce(part, op=dist.ReduceOp.SUM, group=self.mesh.get_group(name))
-            sq = sq + part
+        grads = [
+            p.grad
+            for p in params
+            if p.grad is not None and self.names.get(id(p)) not in self.not_counted
+        ]
+        sq = sharded_squares(grads, self.mesh, self.info.device)
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.pp_group)
         return sq.sqrt().float()
-
-    def agree_found_inf(self, precision: Any, optimizer: torch.optim.Optimizer) -> None:
-        """fp16: the GradScaler of every rank skips the step when any rank overflowed (any
-        stage, and any shard of a stage under FSDP)."""
-        for flag in precision.found_inf_flags(optimizer):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
     def metrics(self, peak_mb: float) -> dict[str, float]:
         """Per pipeline rank since the last call (collective over the pipeline ranks):
@@ -344,7 +367,7 @@ class PipelineParallel(MeshSplit):
         waited, total = self.bubble
         self.bubble = [0.0, 0.0]
         mine = torch.tensor([waited / total if total else 0.0, peak_mb], dtype=torch.float64)
-        everyone = [torch.zeroslaid_out_like(mine) for _ in range(self.pp)]
+        everyone = [torch.zeros_like(mine) for _ in range(self.pp)]
         dist.all_gather(everyone, mine.to(self.info.device), group=self.pp_group)
         out: dict[str, float] = {}
         for k, t in enumerate(everyone):
@@ -354,12 +377,18 @@ class PipelineParallel(MeshSplit):
 
     # ---- evaluation -----------------------------------------------------------------------
     def eval_sums(
-        self, task: Any, batches: Iterable[Any], sums_of: Any, n_forwards: int | None = None
+        self,
+        model: nn.Module,
+        task: Any,
+        batches: Iterable[Any],
+        sums_of: Any,
+        n_forwards: int | None = None,
     ) -> Iterator[tuple[Any, dict[str, torch.Tensor]]]:
         """Forward-only through the pipeline: for each batch, `(batch, the task's sums)` on the
         rank with the last stage (`sums_of(task, model, batch)`), nothing elsewhere. With
         `n_forwards` (FSDP stages: forwards are collective over the dp ranks) the first batch
         is run again until that many went through, and not yielded."""
+        del model  # this rank's stages run
         batches = list(batches) if n_forwards else batches
         extra = [None] * max(0, (n_forwards or 0) - len(batches))  # type: ignore[arg-type]
         for micro, batch in enumerate(chain(batches, extra)):
@@ -380,12 +409,13 @@ class PipelineParallel(MeshSplit):
             self.links.flush()
 
     @contextlib.contextmanager
-    def stages_mode(self, training: bool) -> Iterator[None]:
+    def eval_mode(self, model: nn.Module) -> Iterator[None]:
         modes = {s: st.training for s, st in self.stages.items()}
         for st in self.stages.values():
-            st.train(training)
+            st.eval()
         try:
-            yield
+            with super().eval_mode(model):
+                yield
         finally:
             for s, st in self.stages.items():
                 st.train(modes[s])
@@ -422,6 +452,7 @@ class PipelineParallel(MeshSplit):
         missing = sorted(k for k in own if k not in model_state)
         if missing:
             raise KeyError(f"the checkpoint has no {', '.join(missing[:3])}")
-        model.load_state_dict({k: laid_out_like(model_state[k], v) for k, v in own.items()})
-        if optimizer is not None and optimizer_state is not None:
-            load_named_optimizer_state(optimizer, self.names, optimizer_state)
+        with self.optimizer_context():  # stages split over tensor-parallel ranks
+            model.load_state_dict({k: laid_out_like(model_state[k], v) for k, v in own.items()})
+            if optimizer is not None and optimizer_state is not None:
+                load_named_optimizer_state(optimizer, self.names, optimizer_state)

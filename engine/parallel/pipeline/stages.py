@@ -10,6 +10,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from engine.parallel.base import LayoutError
+
 
 @runtime_checkable
 class DeclaresStages(Protocol):
@@ -21,8 +23,11 @@ class DeclaresStages(Protocol):
         ...
 
 
-class NotSplittable(ValueError):
+class NotSplittable(LayoutError):
     """The model cannot be cut into pipeline stages as asked."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("dist.pp", message)
 
 
 def stage_ranges(sizes: Sequence[int], n_stages: int, split: Sequence[int] | None) -> list[range]:

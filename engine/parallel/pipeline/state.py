@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.parallel import whole_tensor
+from engine.parallel.base import whole_tensor
 
 
 def on_cpu(t: torch.Tensor) -> torch.Tensor:

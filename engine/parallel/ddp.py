@@ -1,0 +1,66 @@
+"""`DataParallel`: DistributedDataParallel over the `dp` ranks; the bare model on one process."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.parallel.base import ParallelBase
+
+
+class DataParallel(ParallelBase):
+    """DDP averages the all-reduced gradients, hence `sync_divisor` = the data-parallel size.
+
+    Under the out-of-memory guard every micro-batch runs in `no_sync` and the window's
+    gradients are all-reduced by hand once every rank agreed that the last backward finished
+    (DDP's bucketed all-reduce runs inside autograd, where no agreement can happen: a rank
+    that ran out of memory there would leave its peers waiting in a bucket's all-reduce).
+    """
+
+    name = "ddp"
+
+    @property
+    def sync_divisor(self) -> int:
+        return self.dp_size  # 1 on one process: nothing wraps the model
+
+    def apply(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module] = (),
+        *,
+        param_dtype: torch.dtype | None = None,
+        reshard_after_forward: bool = True,
+    ) -> nn.Module:
+        del blocks, param_dtype, reshard_after_forward  # DDP replicates the whole model
+        if self.dp_size == 1:
+            return model
+        info = self.info
+        device_ids = [info.device.index] if info.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+    @contextlib.contextmanager
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
+        # DDP's `no_sync` must cover the forward too (it records whether to reduce there).
+        if enabled or not isinstance(model, nn.parallel.DistributedDataParallel):
+            yield
+        else:
+            with model.no_sync():
+                yield
+
+    def guarded_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return self.gradient_sync(model, False)  # reduced by hand after the window
+
+    def reduce_guarded_window(self, params: list[nn.Parameter]) -> None:
+        """Average the gradients over ranks as DDP does (sum, divided by the world size);
+        every rank has the same parameters with gradients (agreed before)."""
+        if self.dp_size == 1:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        works = [dist.all_reduce(g, op=dist.ReduceOp.SUM, async_op=True) for g in grads]
+        for w in works:
+            w.wait()
+        torch._foreach_div_(grads, float(self.dp_size))

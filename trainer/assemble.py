@@ -1,0 +1,215 @@
+"""The parts every command builds the same way from a config: the model laid out over the
+job's ranks, its task, its data. Training (`trainer.build`), evaluation (`trainer.evaluate`),
+export (`scripts/export_hf.py`) and planning all call these, so none of them assembles a
+model that training would not."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.distributed import DistInfo
+from engine.model import (
+    NoBlocks,
+    apply_activation_checkpointing,
+    find_blocks,
+    flops_per_token,
+    require_blocks,
+)
+from engine.parallel.base import LayoutError, Parallelism, RunShape
+from engine.parallel.dims import ParallelDims
+from engine.rng import seed_everything
+from engine.step import Task
+from trainer.components import check, instantiate
+from trainer.config import EXTRAS, Config, DataExtras, ModelExtras
+from trainer.data import DataSplits, as_splits
+from trainer.data.checks import check_samples
+from trainer.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def split_extras(node: dict[str, Any], group: str) -> tuple[dict[str, Any], Any]:
+    """A `model`/`data`/`task` node as (the `_target_`'s spec, the keys the trainer reads)."""
+    cls = EXTRAS[group]
+    names = {f.name for f in dataclasses.fields(cls)}
+    spec = {k: v for k, v in node.items() if k not in names}
+    extras = {k: v for k, v in node.items() if k in names}
+    target = {"_target_": f"{cls.__module__}.{cls.__qualname__}", **extras}
+    return spec, instantiate(target, group)
+
+
+def options(group: str) -> list[str]:
+    """The in-tree config names of a group (`model=gpt_tiny`), for error messages."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def check_config(cfg: Config) -> None:
+    """Every component's target imports and its arguments fit its signature (names, types,
+    required ones): a one-paragraph error naming the key, before any work starts."""
+    for group in ("model", "data"):
+        spec, _ = split_extras(getattr(cfg, group), group)
+        check(spec, group, options=options(group))
+    task = split_extras(cfg.task, "task")[0] if isinstance(cfg.task, dict) else cfg.task
+    check(task, "task", options=options("task"))
+    check(cfg.optim, "optim", provided=["params"], options=options("optim"))
+    check(cfg.scheduler, "scheduler", ["optimizer", "max_steps"], options("scheduler"))
+    check(cfg.step, "step", options=options("step"))
+    for name, spec in cfg.callbacks.items():
+        check(spec, f"callbacks.{name}")
+
+
+def build_data(node: dict[str, Any]) -> tuple[DataSplits, DataExtras]:
+    spec, extras = split_extras(node, "data")
+    splits = as_splits(instantiate(spec, "data"), spec["_target_"])
+    return splits, extras
+
+
+def build_model(node: dict[str, Any], info: DistInfo) -> tuple[nn.Module, ModelExtras]:
+    """The user's module (or the in-tree GPT) on this rank's device."""
+    spec, extras = split_extras(node, "model")
+    model = instantiate(spec, "model")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            "model._target_",
+            f"{spec['_target_']} returned a {type(model).__name__}; it must return an nn.Module",
+        )
+    return model.to(info.device), extras
+
+
+def build_task(node: dict[str, Any]) -> Task:
+    spec, _ = split_extras(node, "task")  # task.check_sum is the trainer's (trainer/sum_check.py)
+    task = instantiate(spec, "task")
+    if not isinstance(task, Task):
+        raise ConfigError(
+            "task._target_",
+            f"{spec['_target_']} built a {type(task).__name__}, which is not a task: it needs "
+            "count_items(batch) (loss items, without the model) and loss_sum(model, batch) (the "
+            "summed loss), see engine/step.py; or select "
+            f"task={'|'.join(options('task'))}",
+        )
+    return task
+
+
+def check_fits(model: nn.Module, data: DataSplits, spec: dict[str, Any]) -> None:
+    """Token ids and sequence lengths the data declares must fit what the model declares."""
+    # Optional model attributes (the in-tree GPT and transformers models have them).
+    vocab = getattr(model, "vocab_size", None)
+    if isinstance(vocab, int) and data.vocab_size is not None and data.vocab_size > vocab:
+        key = "model.vocab_size" if "vocab_size" in spec else "model"
+        if isinstance(spec.get("config"), dict) and "vocab_size" in spec["config"]:
+            key = "model.config.vocab_size"  # a transformers model's config field
+        raise ConfigError(
+            key,
+            f"the data ({data.description or 'data'}) holds token ids up to "
+            f"{data.vocab_size - 1}; the model's vocabulary must be at least {data.vocab_size}, "
+            f"got {vocab}",
+        )
+    longest = getattr(model, "max_seq_len", None)
+    if isinstance(longest, int) and data.seq_len is not None and data.seq_len > longest:
+        raise ConfigError(
+            "data.block_size",
+            f"must be <= the model's longest sequence ({longest}: model.block_size, or a "
+            f"transformers model's n_positions / max_position_embeddings), got {data.seq_len}",
+        )
+
+
+def layout_error(exc: LayoutError) -> ConfigError:
+    """An engine refusal of a layout, as the config error naming its key."""
+    return ConfigError(exc.key, str(exc))
+
+
+def build_parallelism(dims: ParallelDims, info: DistInfo) -> Parallelism:
+    """The parallelism of `dims` on this job's ranks, the device mesh built once."""
+    try:
+        return dims.build(info)
+    except LayoutError as exc:
+        raise layout_error(exc) from None
+
+
+def check_layout(parallel: Parallelism, shape: RunShape) -> None:
+    """The parallelism's refusals of the run's other choices, as config errors."""
+    try:
+        parallel.check(shape)
+    except LayoutError as exc:
+        raise layout_error(exc) from None
+
+
+def parallelize(
+    model: nn.Module,
+    extras: ModelExtras,
+    parallel: Parallelism,
+    *,
+    compile: bool = False,
+    precision: str = "fp32",
+) -> nn.Module:
+    """Activation checkpointing, compilation and the parallelism (DDP; FSDP2 sharding each
+    block and the root; tensor or pipeline splits), in that order. The model's own parameter
+    names are kept."""
+    try:
+        blocks = find_blocks(model, extras.block_classes, key="model.block_classes")
+        if extras.activation_checkpointing:
+            require_blocks(
+                model, blocks, "model.activation_checkpointing=true", "model.block_classes"
+            )
+            apply_activation_checkpointing(blocks)
+        if parallel.per_block:
+            require_blocks(model, blocks, f"dist.strategy={parallel.name}", "model.block_classes")
+    except NoBlocks as exc:
+        message = str(exc).removeprefix("model.block_classes: ")
+        raise ConfigError("model.block_classes", message) from None
+    if compile:  # in place: parameter names (and checkpoints) stay the same
+        for module in blocks if parallel.per_block else [model]:
+            module.compile()
+    param_dtype = torch.bfloat16 if precision == "bf16" else None
+    try:
+        return parallel.apply(model, blocks, param_dtype=param_dtype)
+    except LayoutError as exc:
+        raise layout_error(exc) from None
+
+
+@dataclass
+class Assembly:
+    """A model laid out over the job's ranks, with its task and data: what every command
+    starts from. `model` is the user's module (pruned to this rank's stages under a pipeline),
+    `wrapped` what the step calls."""
+
+    model: nn.Module
+    wrapped: nn.Module
+    model_extras: ModelExtras
+    parallel: Parallelism
+    task: Task
+    data: DataSplits
+    data_extras: DataExtras
+    flops_per_token: float
+    n_params: int
+
+
+def assemble(cfg: Config, info: DistInfo, dims: ParallelDims | None = None) -> Assembly:
+    """Seed, build the model, data and task, check that they fit, and lay the model out over
+    the ranks (`dims`, by default `dist.*`'s in this world)."""
+    parallel = build_parallelism(dims or cfg.dist.dims(info.world_size), info)
+    seed_everything(cfg.seed)  # same initial weights on every rank
+    model, model_extras = build_model(cfg.model, info)
+    data, data_extras = build_data(cfg.data)
+    check_samples(data, cfg.data["_target_"])
+    check_fits(model, data, cfg.model)
+    task = build_task(cfg.task)
+    # Of the whole model, before pipeline stages prune it to their own parameters.
+    flops = flops_per_token(model, data.seq_len)
+    n_params = sum(p.numel() for p in model.parameters())
+    wrapped = parallelize(
+        model,
+        model_extras,
+        parallel,
+        compile=cfg.train.compile,
+        precision=cfg.train.precision,
+    )
+    return Assembly(
+        model, wrapped, model_extras, parallel, task, data, data_extras, flops, n_params
+    )
