@@ -8,15 +8,15 @@ mean.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from engine.callbacks import CallbackList
 from engine.distributed import DistInfo
 from engine.numerics.precision import Precision
 from engine.parallel.base import Parallelism
@@ -62,6 +62,85 @@ class EvalTask(Task, Protocol):
     """
 
     def eval_sums(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class AveragesWeights(Protocol):
+    """A callback that keeps its own copy of the weights (an EMA): engine/callbacks'
+    `AveragedWeights`. Evaluation swaps them in; `evaluate` says whether each evaluation also
+    reports their loss."""
+
+    evaluate: bool
+
+    def attach(self, model: nn.Module) -> None: ...
+
+    def weights_swapped(self, model: nn.Module) -> contextlib.AbstractContextManager[None]: ...
+
+
+class CallbackList:
+    """Calls every callback (engine/callbacks' `Callback`s) in order; keyed by name so
+    checkpoints can restore each one."""
+
+    def __init__(self, callbacks: dict[str, Any] | None = None) -> None:
+        self.named: dict[str, Any] = dict(callbacks or {})
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.named.values())
+
+    def setup(self, ctx: StepContext) -> None:
+        for cb in self.named.values():
+            cb.setup(ctx)
+
+    def after_micro_batch(
+        self, ctx: StepContext, batch: Any, global_count: torch.Tensor, last: bool
+    ) -> None:
+        for cb in self.named.values():
+            cb.on_after_micro_batch(ctx, batch, global_count, last)
+
+    def after_backward(self, ctx: StepContext) -> None:
+        for cb in self.named.values():
+            cb.on_after_backward(ctx)
+
+    def before_optimizer_step(self, ctx: StepContext) -> None:
+        for cb in self.named.values():
+            cb.on_before_optimizer_step(ctx)
+
+    def after_optimizer_step(self, ctx: StepContext, step: int) -> None:
+        for cb in self.named.values():
+            cb.on_after_optimizer_step(ctx, step)
+
+    def evaluate(self, step: int, metrics: dict[str, float]) -> None:
+        for cb in self.named.values():
+            cb.on_evaluate(step, metrics)
+
+    def averaged_weights(self) -> dict[str, AveragesWeights]:
+        return {n: cb for n, cb in self.named.items() if isinstance(cb, AveragesWeights)}
+
+    def summaries(self, global_batch_size: int) -> list[str]:
+        lines = [cb.summary(global_batch_size) for cb in self.named.values()]
+        return [line for line in lines if line]
+
+    def metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for cb in self.named.values():
+            out.update(cb.metrics())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: cb.state_dict() for name, cb in self.named.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # A stateless callback may be added on resume; a stateful one must find its state.
+        missing = sorted(
+            n
+            for n, cb in self.named.items()
+            if n not in state and cb.state_dict() and not cb.state_optional
+        )
+        if missing:
+            raise KeyError(f"checkpoint holds no state for callbacks {missing}")
+        for name, cb in self.named.items():
+            if name in state:
+                cb.load_state_dict(state[name])
 
 
 @dataclass

@@ -16,7 +16,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from engine.numerics import PRECISIONS
-from engine.parallel.dims import LayoutError, ParallelDims
+from engine.parallel import LayoutError
+from engine.parallel.dims import ParallelDims
 from trainer.errors import ConfigError, require
 
 

@@ -7,7 +7,6 @@ gradients outside `on_after_backward`) breaks the exactness guarantees, so don't
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -99,68 +98,3 @@ class AveragedWeights(Callback):
     def weights_swapped(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Within the context `model` holds these weights; its own come back after."""
         raise NotImplementedError
-
-
-class CallbackList:
-    """Calls every callback in order; keyed by name so checkpoints can restore each one."""
-
-    def __init__(self, callbacks: dict[str, Callback] | None = None) -> None:
-        self.named: dict[str, Callback] = dict(callbacks or {})
-
-    def __iter__(self) -> Iterable[Callback]:
-        return iter(self.named.values())
-
-    def setup(self, ctx: StepContext) -> None:
-        for cb in self.named.values():
-            cb.setup(ctx)
-
-    def after_micro_batch(
-        self, ctx: StepContext, batch: Any, global_count: torch.Tensor, last: bool
-    ) -> None:
-        for cb in self.named.values():
-            cb.on_after_micro_batch(ctx, batch, global_count, last)
-
-    def after_backward(self, ctx: StepContext) -> None:
-        for cb in self.named.values():
-            cb.on_after_backward(ctx)
-
-    def before_optimizer_step(self, ctx: StepContext) -> None:
-        for cb in self.named.values():
-            cb.on_before_optimizer_step(ctx)
-
-    def after_optimizer_step(self, ctx: StepContext, step: int) -> None:
-        for cb in self.named.values():
-            cb.on_after_optimizer_step(ctx, step)
-
-    def evaluate(self, step: int, metrics: dict[str, float]) -> None:
-        for cb in self.named.values():
-            cb.on_evaluate(step, metrics)
-
-    def averaged_weights(self) -> dict[str, AveragedWeights]:
-        return {n: cb for n, cb in self.named.items() if isinstance(cb, AveragedWeights)}
-
-    def summaries(self, global_batch_size: int) -> list[str]:
-        lines = [cb.summary(global_batch_size) for cb in self.named.values()]
-        return [line for line in lines if line]
-
-    def metrics(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for cb in self.named.values():
-            out.update(cb.metrics())
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {name: cb.state_dict() for name, cb in self.named.items()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # A stateless callback may be added on resume; a stateful one must find its state.
-        missing = sorted(
-            n
-            for n, cb in self.named.items()
-            if n not in state and cb.state_dict() and not cb.state_optional
-        )
-        if missing:
-            raise KeyError(f"checkpoint holds no state for callbacks {missing}")
-        for name, cb in self.named.items():
-            if name in state:
-                cb.load_state_dict(state[name])

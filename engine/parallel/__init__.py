@@ -9,3 +9,11 @@
 
 Nothing is imported here: `engine.parallel.dims` must stay cheap to import (config checks).
 """
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run, named by the config `key` that asks for it: one paragraph."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key

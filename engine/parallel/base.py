@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.distributed import DistInfo
-from engine.parallel.dims import LayoutError
+from engine.parallel import LayoutError
 
 __all__ = ["LayoutError", "MeshSplit", "ParallelBase", "Parallelism", "RunShape"]
 
@@ -33,9 +33,10 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-    from engine.callbacks import CallbackList
     from engine.numerics.precision import Precision
-    from engine.step import Batch, StepContext, Task
+
+Batch = Any  # a micro-batch, whatever the collate function made of the samples
+Task = Any  # engine/step.py's Task: count_items(batch), loss_sum(model, batch)
 
 # A function giving a batch's sums for evaluation: (task, model, batch) -> {"loss": ..., ...}.
 SumsOf = Callable[[Any, Any, Any], dict[str, torch.Tensor]]
@@ -49,7 +50,7 @@ class RunShape:
     compile: bool = False
     per_layer_norms: bool = False
     step: Any = None  # the step strategy object
-    callbacks: CallbackList | None = None
+    callbacks: Any = None  # the run's CallbackList
     accum: int = 1  # micro-batches per optimizer step and rank
     checkpoint_format: str = "full"  # `full` or `sharded`, resolved
 
@@ -63,11 +64,11 @@ class WindowGuard(Protocol):
         """Run micro-batch `index` of `count` (`fn`: its forward and backward)."""
         ...
 
-    def gradient_sync(self, ctx: StepContext, enabled: bool) -> contextlib.AbstractContextManager:
+    def gradient_sync(self, ctx: WindowContext, enabled: bool) -> contextlib.AbstractContextManager:
         """Around a micro-batch: whether and how its gradients communicate."""
         ...
 
-    def after_window(self, ctx: StepContext) -> None:
+    def after_window(self, ctx: WindowContext) -> None:
         """After the last micro-batch's backward."""
         ...
 
@@ -79,14 +80,29 @@ class NoGuard:
         del index, count
         return fn()
 
-    def gradient_sync(self, ctx: StepContext, enabled: bool) -> contextlib.AbstractContextManager:
+    def gradient_sync(self, ctx: WindowContext, enabled: bool) -> contextlib.AbstractContextManager:
         return ctx.parallel.gradient_sync(ctx.model, enabled)
 
-    def after_window(self, ctx: StepContext) -> None:
+    def after_window(self, ctx: WindowContext) -> None:
         del ctx
 
 
 NO_GUARD = NoGuard()
+
+
+@runtime_checkable
+class WindowContext(Protocol):
+    """What a parallelism reads of the step's context (engine/step.py's `StepContext`)."""
+
+    model: nn.Module
+    task: Any
+    precision: Precision
+    callbacks: Any  # the run's CallbackList: `after_micro_batch` after each backward
+    parallel: Parallelism
+    sync_every_micro_batch: bool
+    grad_sync_divisor: int
+
+    def trainable_parameters(self) -> list[nn.Parameter]: ...
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -175,7 +191,7 @@ class Parallelism(Protocol):
 
     def backward_window(
         self,
-        ctx: StepContext,
+        ctx: WindowContext,
         window: Sequence[Batch],
         global_count: torch.Tensor,
         guard: WindowGuard = NO_GUARD,
@@ -347,7 +363,7 @@ class ParallelBase:
 
     def backward_window(
         self,
-        ctx: StepContext,
+        ctx: WindowContext,
         window: Sequence[Batch],
         global_count: torch.Tensor,
         guard: WindowGuard = NO_GUARD,
@@ -544,7 +560,7 @@ class MeshSplit(ParallelBase):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
 
-def micro_backward(ctx: StepContext, batch: Batch, count: torch.Tensor) -> torch.Tensor:
+def micro_backward(ctx: WindowContext, batch: Batch, count: torch.Tensor) -> torch.Tensor:
     """Forward + backward of one micro-batch, scaled by the window's global `count` (clamped
     to at least 1); returns its loss sum, detached (the graph goes with this frame)."""
     with ctx.precision.autocast():

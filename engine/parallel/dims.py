@@ -18,19 +18,12 @@ if TYPE_CHECKING:
     from engine.distributed import DistInfo
     from engine.parallel.base import Parallelism
 
+from engine.parallel import LayoutError
 from engine.parallel.pipeline.schedule import SCHEDULES
 
 STRATEGIES = ("ddp", "fsdp")
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # the mesh's dimension names, outermost first
 _NAMES = {"pp": "pipeline", "cp": "context-parallel", "tp": "tensor-parallel"}
-
-
-class LayoutError(ValueError):
-    """A layout that cannot run, named by the config `key` that asks for it: one paragraph."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(message)
-        self.key = key
 
 
 def _require(condition: bool, key: str, message: str) -> None:

@@ -4,15 +4,12 @@ shape and dtype, so micro-batches may differ in length."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from engine.parallel.pipeline.parallel import PipelineParallel
-
 
 _DTYPES = [
     torch.float32,
@@ -35,13 +32,15 @@ class _Sent:
 class Links:
     """Point-to-point transfers between pipeline stages of one data-parallel replica."""
 
-    def __init__(self, parallel: PipelineParallel) -> None:
-        self.p = parallel
+    def __init__(
+        self, rank_of_stage: Callable[[int], int], n_stages: int, device: torch.device
+    ) -> None:
+        self.rank_of_stage, self.n_stages, self.device = rank_of_stage, n_stages, device
         self.pending: list[_Sent] = []
         self.waited = 0.0  # seconds blocked in receives (the bubble, on a host-synchronous link)
 
     def _tag(self, stage: int, micro: int, backward: bool) -> int:
-        return ((micro * self.p.n_stages + stage) * 2 + int(backward)) * 2
+        return ((micro * self.n_stages + stage) * 2 + int(backward)) * 2
 
     def send(self, t: torch.Tensor, to_stage: int, micro: int, backward: bool) -> None:
         if t.dim() > _HEADER - 2:
@@ -49,14 +48,14 @@ class Links:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
         header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        peer, tag = self.p.rank_of_stage(to_stage), self._tag(to_stage, micro, backward)
-        device = self.p.info.device
+        peer, tag = self.rank_of_stage(to_stage), self._tag(to_stage, micro, backward)
+        device = self.device
         for i, x in enumerate((header.to(device), t.detach().contiguous())):
             self.pending.append(_Sent(dist.isend(x, peer, tag=tag + i), x))
 
     def recv(self, from_stage: int, at_stage: int, micro: int, backward: bool) -> torch.Tensor:
-        peer, tag = self.p.rank_of_stage(from_stage), self._tag(at_stage, micro, backward)
-        device = self.p.info.device
+        peer, tag = self.rank_of_stage(from_stage), self._tag(at_stage, micro, backward)
+        device = self.device
         started = time.perf_counter()
         header = torch.empty(_HEADER, dtype=torch.int64, device=device)
         dist.recv(header, peer, tag=tag)

@@ -93,7 +93,7 @@ class PipelineParallel(MeshSplit):
         self.head: nn.Module | None = None
         self.names: dict[int, str] = {}  # id(parameter) -> its name in the whole model
         self.shared: list[tuple[str, torch.Size, torch.dtype]] = []  # on several stages
-        self.links = Links(self)
+        self.links = Links(self.rank_of_stage, self.n_stages, info.device)
         self.ranges: list[range] = []
         self.bubble = [0.0, 0.0]  # seconds blocked in receives, seconds of schedule, since read
 
