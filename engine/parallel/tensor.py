@@ -91,6 +91,7 @@ def tensor_plan(model: nn.Module) -> dict[str, str]:
     `base_model_tp_plan` (paths under the base model's prefix)."""
     if isinstance(model, DeclaresTensorPlan):
         return dict(model.tensor_parallel_plan())
+    # A transformers model's config (optional attributes of a foreign object).
     config = getattr(model, "config", None)
     plan = getattr(config, "base_model_tp_plan", None)
     if plan:
@@ -106,6 +107,7 @@ def tensor_plan(model: nn.Module) -> dict[str, str]:
 
 def check_heads(model: nn.Module, tp: int) -> None:
     """Attention heads (and key/value heads) must split evenly over the `tp` ranks."""
+    # The head counts of a transformers config or the in-tree GPT's (optional attributes).
     for config in (getattr(model, "config", None), getattr(model, "cfg", None)):
         for name in ("num_attention_heads", "num_key_value_heads", "n_head"):
             heads = getattr(config, name, None)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine.distributed import DistInfo
+from engine.numerics.chunked_ce import OutputHead
 from engine.parallel.base import (
     NO_GUARD,
     LayoutError,
@@ -170,8 +171,7 @@ class PipelineParallel(MeshSplit):
             )
         if self.tensor is not None:  # split the layers first: the stages share them
             self.tensor.apply(model)
-        get_head = getattr(model, "output_head", None)
-        self.head = get_head() if callable(get_head) else None
+        self.head = model.output_head() if isinstance(model, OutputHead) else None
         sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
         self.ranges = stage_ranges(sizes, self.n_stages, self.split)
         for s in range(self.pp_rank, self.n_stages, self.pp):
