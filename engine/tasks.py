@@ -81,7 +81,9 @@ class CausalLMTask:
     model takes, e.g. `attention_mask`) and optionally `labels`; without `labels` the targets
     are `input_ids`, with positions where `attention_mask` is 0 ignored. Dict targets are
     shifted here: the logits at t predict `labels[:, t + 1]`, so the loss items are the
-    non-ignored `labels[:, 1:]` (one fewer per row than the labels).
+    non-ignored `labels[:, 1:]` (one fewer per row than the labels). A dict with `shift_labels`
+    (transformers' name) holds targets aligned with the positions already: `shift_labels[:, t]`
+    is what position t predicts (so a sequence split over ranks keeps its targets, dist.cp).
 
     Large vocabularies: when the model declares `OutputHead` (engine/numerics/chunked_ce.py) and its
     output layer has at least `chunked_vocab_threshold` classes, the loss is computed
@@ -112,7 +114,12 @@ class CausalLMTask:
             and inner.output_head().out_features >= self.chunked_vocab_threshold
         )
 
-    def _targets(self, batch: Any) -> tuple[Any, torch.Tensor, bool]:
+    def _targets(self, batch: Any) -> tuple[Any, torch.Tensor, bool, bool]:
+        """(model inputs, targets, inputs are keyword arguments, the targets are shifted:
+        position t predicts target t, one position fewer than the inputs)."""
+        if isinstance(batch, Mapping) and "shift_labels" in batch:  # aligned already
+            inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+            return inputs, batch["shift_labels"], True, False
         if isinstance(batch, Mapping) and "labels" not in batch:
             if "input_ids" not in batch:
                 raise TaskOutputError(
@@ -123,20 +130,20 @@ class CausalLMTask:
             mask = batch.get("attention_mask")
             if mask is not None:
                 labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
-            return dict(batch), labels[:, 1:], True
+            return dict(batch), labels[:, 1:], True, True
         inputs, targets, as_kwargs = _split(batch, self.name)
-        return inputs, (targets[:, 1:] if as_kwargs else targets), as_kwargs
+        return inputs, (targets[:, 1:] if as_kwargs else targets), as_kwargs, as_kwargs
 
     def count_items(self, batch: Any) -> torch.Tensor:
-        _, targets, _ = self._targets(batch)
+        targets = self._targets(batch)[1]
         return (targets != IGNORE_INDEX).sum()
 
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        inputs, targets, as_kwargs = self._targets(batch)
+        inputs, targets, as_kwargs, shifted = self._targets(batch)
         if self.chunked(model):
-            return self._chunked_loss_sum(model, inputs, targets, as_kwargs)
+            return self._chunked_loss_sum(model, inputs, targets, as_kwargs, shifted)
         logits = logits_of(_forward(model, inputs, as_kwargs), self.name)  # (B, T, V)
-        if as_kwargs:
+        if shifted:
             logits = logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
         _check_shapes(logits, targets, self.name, "the targets")
         return F.cross_entropy(
@@ -147,9 +154,9 @@ class CausalLMTask:
         )
 
     def _chunked_loss_sum(
-        self, model: nn.Module, inputs: Any, targets: torch.Tensor, as_kwargs: bool
+        self, model: nn.Module, inputs: Any, targets: torch.Tensor, as_kwargs: bool, shifted: bool
     ) -> torch.Tensor:
-        if as_kwargs:  # (B, T): the last position predicts nothing
+        if shifted:  # (B, T): the last position predicts nothing
             targets = F.pad(targets, (0, 1), value=IGNORE_INDEX)
         # Through the (wrapped) model's own call: DDP's and FSDP's hooks fire as for logits.
         loss_kwargs = {"head_loss": self.head_loss, "head_targets": targets}

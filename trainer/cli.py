@@ -213,11 +213,11 @@ def exit_with(error: UserError) -> None:
 
 def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInfo], T]) -> T:
     """Validate, join the process group, run `body`, leave cleanly; exit non-zero on error."""
-    from engine.distributed import init_distributed, shutdown_distributed
-
     info: DistInfo | None = None
     try:
         config, plain = to_config(cfg)
+        from engine.distributed import init_distributed  # torch: after a config that is valid
+
         info = init_distributed(config.dist.backend, config.train.device, config.dist.timeout_s)
         result = body(config, plain, info)
     except UserError as exc:
@@ -228,7 +228,7 @@ def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInf
                 print(f"error: {exc}", file=sys.stderr, flush=True)
         else:
             print(f"error (rank {info.rank}): {exc}", file=sys.stderr, flush=True)
-        shutdown_distributed(clean=False)
+        leave_process_group(clean=False)
         sys.exit(EXIT_USER_ERROR)
     except Exception as exc:
         rank = info.rank if info is not None and info.distributed else None
@@ -243,10 +243,19 @@ def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInf
             head = getattr(exc, "cumulus_context", "training failed:")
             print(f"{prefix}{head}\n{traceback.format_exc()}", file=sys.stderr)
         sys.stderr.flush()
-        shutdown_distributed(clean=False)
+        leave_process_group(clean=False)
         sys.exit(1)
     # Free what the run built (DDP's reducer, loader workers) while the process group still
     # exists: destroyed later, at interpreter exit, gloo's threads can abort the process.
     gc.collect()
-    shutdown_distributed(clean=True)
+    leave_process_group(clean=True)
     return result
+
+
+def leave_process_group(clean: bool) -> None:
+    """Leave the process group if this process joined one (a refused config never loaded
+    torch: nothing to leave)."""
+    if "torch.distributed" in sys.modules:
+        from engine.distributed import shutdown_distributed
+
+        shutdown_distributed(clean=clean)

@@ -208,6 +208,12 @@ class DistCfg:
     tp: int = 1
     # Megatron's sequence parallelism on top of `tp`: norms and dropout on sequence shards.
     tp_sequence_parallel: bool = False
+    # Context parallelism (engine/parallel/context.py): each sequence split over `cp` ranks
+    # (chunks r and 2cp-1-r: the causal load balance), attention over the whole sequence;
+    # the world is pp x data-parallel x cp x tp ranks. `allgather`: keys and values gathered
+    # along the sequence (any backend); `ring`: torch's ring attention (CUDA kernels only).
+    cp: int = 1
+    cp_impl: str = "allgather"
 
     def __post_init__(self) -> None:
         require(
@@ -229,6 +235,8 @@ class DistCfg:
                 pp_virtual=self.pp_virtual,
                 pp_split=None if self.pp_split is None else tuple(self.pp_split),
                 sequence_parallel=self.tp_sequence_parallel,
+                cp=self.cp,
+                cp_impl=self.cp_impl,
                 world=world,
             )
         except LayoutError as exc:

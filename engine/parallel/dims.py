@@ -22,6 +22,7 @@ from engine.parallel import LayoutError
 from engine.parallel.pipeline.schedule import SCHEDULES
 
 STRATEGIES = ("ddp", "fsdp")
+CP_IMPLS = ("allgather", "ring")  # engine/parallel/context.py
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # the mesh's dimension names, outermost first
 _NAMES = {"pp": "pipeline", "cp": "context-parallel", "tp": "tensor-parallel"}
 
@@ -44,6 +45,7 @@ class ParallelDims:
     pp_virtual: int = 1
     pp_split: tuple[int, ...] | None = None
     sequence_parallel: bool = False
+    cp_impl: str = "allgather"
     world: int | None = None
 
     def __post_init__(self) -> None:
@@ -59,6 +61,11 @@ class ParallelDims:
                 f"dist.{key}",
                 f"must be a positive number, got {value!r}",
             )
+        _require(
+            self.cp_impl in CP_IMPLS,
+            "dist.cp_impl",
+            f"must be one of {', '.join(CP_IMPLS)}, got {self.cp_impl!r}",
+        )
         _require(
             not self.sequence_parallel or self.tp > 1,
             "dist.tp_sequence_parallel",
@@ -150,8 +157,12 @@ class ParallelDims:
         dims = self if self.world == info.world_size else self.for_world(info.world_size)
         if mesh is None:
             mesh = dims.mesh(info.device.type)
-        if dims.cp > 1:
-            raise LayoutError("dist.cp", "context parallelism is not available in this version")
+        if dims.cp > 1:  # over the parallelism of a data-parallel dimension of dp x cp ranks
+            from engine.parallel.context import ContextParallel
+
+            cp_group = mesh.get_group("cp")  # type: ignore[union-attr]
+            inner = replace(dims, cp=1).build(info)
+            return ContextParallel(inner, info, dims.cp, cp_group, dims.cp_impl)
         if dims.pp > 1:
             from engine.parallel.pipeline import PipelineParallel
 

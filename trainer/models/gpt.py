@@ -6,12 +6,16 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.numerics.chunked_ce import HeadLoss
+
+if TYPE_CHECKING:
+    from engine.parallel.context import SequenceShard
 from engine.numerics.functional import fake_quantize
 
 
@@ -70,6 +74,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = linear(cfg, cfg.n_embd, 3 * cfg.n_embd)
         self.proj = linear(cfg, cfg.n_embd, cfg.n_embd)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.sequence: SequenceShard | None = None  # dist.cp: this rank's share of it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hs = x.shape[-1] // self.n_head
@@ -79,9 +84,11 @@ class CausalSelfAttention(nn.Module):
         B, T = qkv.shape[:2]
         q, k, v = qkv.chunk(3, dim=2)
         q, k, v = (t.view(B, T, -1, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        dropout = self.dropout if self.training else 0.0
+        if self.sequence is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:  # over the whole sequence, every rank's keys and values (dist.cp)
+            y = self.sequence.attend(q, k, v, dropout_p=dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -139,6 +146,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight
+        self.sequence: SequenceShard | None = None  # dist.cp: this rank's share of it
         self.apply(self._init_weights)
         # GPT-2: scale residual projections by 1/sqrt(2 * n_layer).
         for name, p in self.named_parameters():
@@ -192,6 +200,13 @@ class GPT(nn.Module):
             "ln_f": "sequence_gather",
         }
 
+    def context_parallel(self, shard: SequenceShard) -> None:
+        """`dist.cp` (engine/parallel/context.py): every attention attends over the whole
+        sequence (`shard.attend`), positions are those of this rank's tokens in it."""
+        self.sequence = shard
+        for block in self.blocks:
+            block.attn.sequence = shard
+
     def output_head(self) -> nn.Linear:
         """The output layer (engine/numerics/chunked_ce.py's `OutputHead`): its weight is
         `tok_emb`'s."""
@@ -223,11 +238,9 @@ class GPT(nn.Module):
         """Logits (B, T, vocab) for token ids `idx` (B, T); with `head_loss`, instead its
         value on the final hidden states, the output layer and `head_targets` (B, T)."""
         first, last = getattr(self, "stage_ends", (True, True))  # a pipeline stage: either end
+        x = idx  # on a stage after the first: the previous stage's hidden states
         if first:
-            pos = torch.arange(idx.size(1), device=idx.device)
-            x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
-        else:
-            x = idx  # the previous stage's hidden states
+            x = self.drop(self.tok_emb(idx) + self.pos_emb(self.positions(idx)))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
         if not last:
@@ -236,6 +249,15 @@ class GPT(nn.Module):
         if head_loss is not None:  # e.g. a chunked cross-entropy that never holds all logits
             return head_loss(x, self.lm_head, head_targets)
         return self.lm_head(x)  # (B, T, vocab)
+
+    def positions(self, idx: torch.Tensor) -> torch.Tensor:
+        """The positions of the tokens `idx` (B, T) hold in their sequences: 0..T-1, or under
+        `dist.cp` those of this rank's chunks (padding past the table shares its last row:
+        nothing before it attends to it)."""
+        if self.sequence is None:
+            return torch.arange(idx.size(1), device=idx.device)
+        pos = self.sequence.positions(idx.size(1), idx.device)
+        return pos.clamp(max=self.cfg.block_size - 1)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -22,7 +22,7 @@ import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,7 +31,11 @@ from engine.numerics.chunked_ce import HeadLoss
 from engine.parallel.pipeline import NotSplittable
 from trainer.errors import UserError
 
+if TYPE_CHECKING:
+    from engine.parallel.context import SequenceShard
+
 EXTRA = "hf"
+CONTEXT_PARALLEL = "cumulus_context_parallel"  # an attention function registered for dist.cp
 # Config fields that do not change the architecture: applied to a pretrained model too.
 RUNTIME = {"use_cache", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"}
 # model_types whose causal LM computes `logits = lm_head(last_hidden_state)` and nothing more
@@ -166,11 +170,17 @@ class CumulusHooks:
     """What cumulus asks of a model beyond `forward`, for any transformers causal LM."""
 
     config: Any
+    context_shard: Any  # dist.cp: the SequenceShard `context_parallel` was given
 
     def pipeline_stage(self, blocks: Sequence[int], first: bool, last: bool) -> nn.Module:
         """`dist.pp`: a stage sharing this model's parameters: `GPT2Stage` for GPT-2, else
         `PipelineStage`, for families whose config declares the base model as embedding ->
         layers -> norm."""
+        if self.context_shard is not None:  # set by `context_parallel`
+            raise NotSplittable(
+                "dist.cp with dist.pp is not built for transformers models yet (their stages "
+                "compute position ids themselves); use dist.cp or dist.pp, or the in-tree GPT"
+            )
         own = STAGES.get(self.config.model_type)
         if own is not None:
             return own(self, blocks, first, last)  # type: ignore[call-arg]
@@ -183,6 +193,35 @@ class CumulusHooks:
                 "stage of its own (model=hf_gpt2)"
             )
         return PipelineStage(self, blocks, first, last)  # type: ignore[arg-type]
+
+    def context_parallel(self, shard: SequenceShard) -> None:
+        """`dist.cp` (engine/parallel/context.py): attention through transformers' own
+        attention-function registry, over the whole sequence (`shard.attend`; transformers
+        builds no mask for it), and the position ids (rotary or learned) of this rank's tokens,
+        given to every forward."""
+        from transformers import AttentionInterface
+
+        def attention(
+            module: nn.Module,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: torch.Tensor | None,
+            dropout: float = 0.0,
+            scaling: float | None = None,
+            **kwargs: Any,
+        ) -> tuple[torch.Tensor, None]:
+            del module, attention_mask, kwargs  # causal over global positions; right padding
+            out = shard.attend(query, key, value, dropout_p=dropout, scale=scaling)
+            return out.transpose(1, 2).contiguous(), None  # (B, T, heads, head_dim)
+
+        AttentionInterface.register(CONTEXT_PARALLEL, attention)
+        self.set_attn_implementation(CONTEXT_PARALLEL)  # type: ignore[attr-defined]
+        self.context_shard = shard
+        limit = self.max_seq_len
+        self.register_forward_pre_hook(  # type: ignore[attr-defined]
+            functools.partial(_shard_positions, shard, limit), with_kwargs=True
+        )
 
     @property
     def max_seq_len(self) -> int | None:
@@ -235,6 +274,21 @@ class CumulusHooks:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             return parent(input_ids, max_new_tokens=max_new_tokens, **kwargs)
+
+
+def _shard_positions(
+    shard: SequenceShard, limit: int | None, module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict]:
+    """A forward pre-hook: the position ids of this rank's tokens in their sequences (past a
+    learned table's end, its last row: only padding sits there)."""
+    del module
+    ref = kwargs.get("input_ids", args[0] if args else None)
+    if ref is None:
+        ref = kwargs["inputs_embeds"]
+    pos = shard.positions(ref.shape[1], ref.device)
+    if limit is not None:
+        pos = pos.clamp(max=limit - 1)
+    return args, {**kwargs, "position_ids": pos.unsqueeze(0).expand(ref.shape[0], -1)}
 
 
 def refuse_custom_code(path: Path) -> None:
@@ -343,6 +397,7 @@ def causal_lm(
     else:
         model = model_cls(hf_config)
     model.config.architectures = [cls.__name__]  # what save_pretrained records
+    model.context_shard = None  # dist.cp: `context_parallel` sets it
     if not isinstance(getattr(model, "vocab_size", None), int):  # Llama sets it, GPT-2 not
         model.vocab_size = int(hf_config.vocab_size)  # what the trainer checks the data against
     return model
