@@ -103,6 +103,8 @@ class WindowContext(Protocol):
     grad_sync_divisor: int
 
     def trainable_parameters(self) -> list[nn.Parameter]: ...
+
+
 _HALF = (torch.float16, torch.bfloat16)
 
 
