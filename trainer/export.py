@@ -184,6 +184,7 @@ def _byte_text(data: dict[str, Any]) -> bool:
 def run_tokenizer(data: dict[str, Any]) -> tuple[Any, str]:
     """(a `PreTrainedTokenizerFast` for the run's data or None, what it is). Loaded before
     anything is written: a bad tokenizer leaves no half-written export."""
+    transformers = _transformers()  # first: without the extra, one line naming it
     if data.get("tokenizer"):
         from trainer.data.tokenize import eos_id, load_tokenizer
 
@@ -195,5 +196,5 @@ def run_tokenizer(data: dict[str, Any]) -> tuple[Any, str]:
         tok, name, what = byte_tokenizer(), None, "a byte-level tokenizer (ids = UTF-8 bytes)"
     else:
         return None, "no tokenizer: the run's data were token ids with no data.tokenizer"
-    fast = _transformers().PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=name)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=name)
     return fast, what
