@@ -341,7 +341,7 @@ def test_unreachable_target_and_both_settings_are_one_line() -> None:
     spent = PrivacySpent(step)
     spent.steps = 6
     assert spent.summary() == (
-        "privacy: epsilon 1.9997 at delta 1e-05 after 6 steps (noise multiplier 1.33789, "
+        "  privacy: epsilon 1.9997 at delta 1e-05 after 6 steps (noise multiplier 1.33789, "
         "sampling rate 0.125); target epsilon 2 over 6 steps"
     )
 

@@ -48,9 +48,11 @@ def export_support(model: nn.Module) -> str | None:
 
 def export_line(model: nn.Module) -> str:
     """One line for a run's header: what `scripts/export_hf.py` will make of this model."""
-    why = export_support(model)
-    if why is not None:
-        return f"export: not exportable to Hugging Face ({why})"
+    if export_support(model) is not None:
+        return (
+            f"export: scripts/export_hf.py cannot export a {type(model).__name__} (no Hugging "
+            "Face architecture to map it to; it exports the in-tree GPT and transformers models)"
+        )
     kind = type(model).__name__ if hasattr(model, "save_pretrained") else "GPT2LMHeadModel"
     return f"export: scripts/export_hf.py writes it as transformers' {kind}"
 

@@ -180,10 +180,11 @@ class DPSGDStep:
         )
 
     def summary(self, steps: int) -> str:
-        """One line for the end of a run: ε spent, at what δ, noise and sampling rate."""
+        """One line for the end-of-run summary (indented as its other lines): ε spent, at
+        what δ, the noise multiplier and sampling rate, and the target if one chose σ."""
         sigma, rate = self.noise_multiplier, self.sample_rate
         # ASCII: a console in a Latin-1 locale must not fail on a Greek letter.
-        text = f"privacy: epsilon {self.epsilon(steps):.5g} at delta {self.delta:g}"
+        text = f"  privacy: epsilon {self.epsilon(steps):.5g} at delta {self.delta:g}"
         text += f" after {steps} steps"
         if sigma is not None:
             text += f" (noise multiplier {sigma:.6g}"
