@@ -1,6 +1,9 @@
-"""Write a trained checkpoint of a transformers model (`model=hf_*`) as a Hugging Face
-directory that `AutoModelForCausalLM.from_pretrained` loads (safetensors + config.json, with
-the tokenizer when the run used `data.tokenizer`).
+"""Write a trained checkpoint as a Hugging Face directory that
+`AutoModelForCausalLM.from_pretrained` loads (safetensors + config.json) and `AutoTokenizer`
+beside it: a transformers model (`model=hf_*`) as its own class, the in-tree GPT
+(`model=gpt_small|gpt_tiny`) as `GPT2LMHeadModel` with the same logits (`trainer/export.py`).
+The tokenizer is the run's `data.tokenizer`, or for byte-level text one whose ids are the
+UTF-8 bytes. Other models (a CNN, your own) have no mapping and are refused.
 
     python scripts/export_hf.py checkpoint=RUN_DIR/checkpoints/step_NNNNNNNN out=DIR
     python scripts/export_hf.py checkpoint=RUN_DIR out=DIR trust=[mypkg]
@@ -29,6 +32,7 @@ from trainer.cli import run_command  # noqa: E402
 from trainer.config import Config, register_configs  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.evaluate import checkpoint_config, resolve_checkpoint  # noqa: E402
+from trainer.export import export_support, run_tokenizer, to_gpt2  # noqa: E402
 from trainer.identity import register_resolvers  # noqa: E402
 from trainer.state import RunState  # noqa: E402
 from trainer.trust import parse_trust  # noqa: E402
@@ -43,29 +47,20 @@ def export(path: Path, cfg: Config, info: DistInfo, out: Path) -> None:
         raise UserError(f"checkpoint: {exc}") from None
     seed_everything(cfg.seed)
     model, _ = build_model(cfg.model, info)
-    if not hasattr(model, "save_pretrained"):
-        raise UserError(
-            f"checkpoint: {path} holds a {type(model).__name__}, not a transformers model "
-            "(model=hf_gpt2, model=hf_llama or model._target_=trainer.models.hf.causal_lm); "
-            "only those export to a Hugging Face directory"
-        )
+    why = export_support(model)
+    if why is not None:
+        raise UserError(f"checkpoint: {path} holds {why}")
     RunState(model, None, build_parallelism("ddp", info)).load(ckpt)  # the whole model
-    tokenizer = cfg.data.get("tokenizer")
-    fast = None
-    if tokenizer:  # loaded first: a bad tokenizer leaves no half-written export
-        from transformers import PreTrainedTokenizerFast
-
-        from trainer.data.tokenize import eos_id, load_tokenizer
-
-        tok = load_tokenizer(str(tokenizer))
-        eos = eos_id(tok)
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok, eos_token=None if eos is None else tok.id_to_token(eos)
-        )
+    tokenizer, what = run_tokenizer(dict(cfg.data))  # before anything is written
+    if not hasattr(model, "save_pretrained"):  # the in-tree GPT
+        model = to_gpt2(model.cpu(), tokenizer.eos_token_id if tokenizer is not None else None)
     model.save_pretrained(out)
-    if fast is not None:
-        fast.save_pretrained(out)
-    print(f"exported step {ckpt.step} of {path} to {out}", flush=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    print(
+        f"exported step {ckpt.step} of {path} to {out} as {type(model).__name__}, with {what}",
+        flush=True,
+    )
 
 
 def main(argv: list[str]) -> None:

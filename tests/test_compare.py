@@ -125,6 +125,47 @@ def test_nulls_duplicates_and_one_sided_metrics(tmp_path: Path) -> None:
     assert code == 1 and row(out, "train/grad_norm")[2] == "inf", out
 
 
+def pipeline_record(step: int, loss: float, seed: int) -> dict:
+    """A training record as a `dist.pp=2` run writes it: trajectory metrics, and timing,
+    throughput and memory metrics that differ with `seed` (another launch, another machine)."""
+    noise = 1.0 + 0.37 * seed
+    return {
+        "step": step,
+        "train/loss": loss,
+        "train/grad_norm": 0.5,
+        "train/lr": 1e-3,
+        "train/epoch": 0,
+        "train/skipped_steps": 0,
+        "train/tokens_per_s": 9000.0 * noise,
+        "train/step_time_ms": 12.0 * noise,
+        "train/peak_mem_mb": 300.0 * noise,
+        "train/mfu": 0.01 * noise,
+        "train/pp_bubble": 0.2 * noise,
+        "train/pp_bubble/stage0": 0.1 * noise,
+        "train/pp_bubble/stage1": 0.3 * noise,
+        "train/pp_peak_mem_mb/stage0": 150.0 * noise,
+        "train/pp_peak_mem_mb/stage1": 140.0 * noise,
+    }
+
+
+def test_machine_metrics_are_left_out_by_their_names(tmp_path: Path) -> None:
+    """Two pipeline runs on one trajectory compare equal although every timing, throughput
+    and memory metric differs (the pipeline's bubble and per-stage memory included), and
+    none of those is listed; a real loss difference still fails."""
+    a = write(tmp_path / "a", [pipeline_record(s, 3.0 - 0.1 * s, 0) for s in (1, 2, 3)])
+    b = write(tmp_path / "b", [pipeline_record(s, 3.0 - 0.1 * s, 1) for s in (1, 2, 3)])
+    code, out, err = compare(a, b)
+    assert code == 0, out + err
+    for machine in ("pp_bubble", "pp_peak_mem_mb", "tokens_per_s", "step_time_ms", "mfu"):
+        assert machine not in out, out
+    assert row(out, "train/loss")[1] == "3", out
+    c = write(tmp_path / "c", [pipeline_record(s, 3.0 - 0.1 * s + (s == 3), 0) for s in (1, 2, 3)])
+    code, out, err = compare(a, c)
+    assert code == 1, out + err
+    last = out.splitlines()[-1]
+    assert last.startswith("DIFFERENT: 1 of 5 metrics") and last.endswith("train/loss (step 3)")
+
+
 def test_refusals_are_one_paragraph(tmp_path: Path) -> None:
     """No metrics.jsonl, no common step, a line that is not a record: exit 2 and one
     paragraph saying what to give."""

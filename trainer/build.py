@@ -25,6 +25,7 @@ from trainer.config import Config, DataExtras, TrainCfg
 from trainer.data.batches import build_train_batches, build_val_batches
 from trainer.data.loader import TrainBatches
 from trainer.errors import ConfigError
+from trainer.export import export_line
 from trainer.fit import Run, RunSettings, plain_step_window
 from trainer.metrics import TrainMeter
 from trainer.optim import build_optimizer, build_scheduler
@@ -75,7 +76,10 @@ def attach_privacy(
         raise ConfigError("step", str(exc)) from None
     if ctx.precision.scaler is not None:
         raise ConfigError("train.precision", "step=dp_sgd supports fp32 or bf16, not fp16")
-    step_fn.set_sampling(batches.plan.global_batch, len(batches.dataset))
+    try:
+        step_fn.set_sampling(batches.plan.global_batch, len(batches.dataset))
+    except ValueError as exc:  # step.target_epsilon out of reach
+        raise ConfigError("step.target_epsilon", str(exc)) from None
     ctx.callbacks.named["privacy"] = PrivacySpent(step_fn)
 
 
@@ -167,6 +171,7 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
             precision=cfg.train.precision,
             device=str(info.device),
             resumed=resumed,
+            export=export_line(parts.model),
         )
         # A task may name its loss items (`unit = "tokens"`), for the progress line's rate.
         sinks = build_sinks(cfg, config, banner, unit=getattr(parts.task, "unit", "items"))

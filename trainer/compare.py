@@ -7,8 +7,10 @@ apart: they have their own keys), and prints the largest difference per metric o
 steps both runs recorded. Exit 0 when every metric agrees within the tolerance, 1 when one
 does not, 2 when a run has no records or the runs share no step.
 
-Throughput, timing, memory and MFU never match between two runs and are left out; so are
-text samples. A value recorded as `null` (non-finite) matches only `null`.
+Metrics that measure the machine (timing, throughput, memory, utilization) never match
+between two runs and are left out by one naming rule that every metric follows
+(`measures_machine`); so are text samples. A value recorded as `null` (non-finite) matches
+only `null`.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-# Metrics that measure the machine, not the trajectory.
-SPEED = ["*_per_s", "*_time_ms", "*_time_s", "*/peak_mem_mb", "*/mfu", "*/sample"]
+# The naming rule (README, "Records"): a metric that measures the machine, not the trajectory,
+# ends a segment of its name (between slashes) with a unit of time, rate or memory, or is a
+# utilization. `train/pp_peak_mem_mb/stage0`, `train/tokens_per_s`, `train/pp_bubble` are;
+# `train/loss_scale` is not. A new metric named by the rule is left out without a change here.
+MACHINE_SUFFIXES = ("_s", "_ms", "_per_s", "_mb", "_gb", "_bytes", "mfu", "bubble")
 NOT_METRICS = {"step", "non_finite"}
 EXIT_DIFFERENT, EXIT_BAD_INPUT = 1, 2
 
@@ -111,9 +116,16 @@ def difference(metric: str, a: Series, b: Series, atol: float, rtol: float) -> D
     return worst
 
 
+def measures_machine(metric: str) -> bool:
+    """True for a timing, throughput, memory or utilization metric (`MACHINE_SUFFIXES`)."""
+    return any(part.endswith(MACHINE_SUFFIXES) for part in metric.split("/"))
+
+
 def selected(metric: str, keys: list[str], ignore: list[str]) -> bool:
     if keys:
         return any(fnmatch.fnmatchcase(metric, p) for p in keys)
+    if measures_machine(metric):
+        return False
     return not any(fnmatch.fnmatchcase(metric, p) for p in ignore)
 
 
@@ -129,9 +141,8 @@ def compare(
     """The per-metric differences of two runs, and the metrics only one of them recorded
     (`{"a": [...], "b": [...]}`). Raises `CompareError` when they share no step."""
     a, b = read_series(run_a), read_series(run_b)
-    patterns = [*SPEED, *(ignore or [])]
-    names_a = {m for m in a if selected(m, keys or [], patterns)}
-    names_b = {m for m in b if selected(m, keys or [], patterns)}
+    names_a = {m for m in a if selected(m, keys or [], ignore or [])}
+    names_b = {m for m in b if selected(m, keys or [], ignore or [])}
     diffs = [
         d
         for m in sorted(names_a & names_b)
@@ -196,7 +207,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         nargs="+",
         default=[],
         metavar="GLOB",
-        help=f"also leave these out (always left out: {' '.join(SPEED)})",
+        help="also leave these out (always left out: metrics whose name ends a segment with "
+        f"{', '.join(MACHINE_SUFFIXES)}: timing, throughput, memory, utilization)",
     )
     return parser.parse_args(argv)
 

@@ -124,7 +124,8 @@ class Progress(RecordSink):
         text = (
             f"[{bar}] {step}/{self.max_steps} | loss {record['train/loss']:.4f} | "
             f"lr {record['train/lr']:.2e} | {record['train/tokens_per_s']:,.0f} {self.rate} | "
-            f"eta {_duration(eta)}"
+            + (f"eps {record['train/epsilon']:.3g} | " if "train/epsilon" in record else "")
+            + f"eta {_duration(eta)}"
         )
         if self.live:
             self.stream.write("\r" + text.ljust(100))

@@ -30,6 +30,7 @@ class Banner:
     precision: str
     device: str
     resumed: Resumed
+    export: str  # what scripts/export_hf.py will make of the model
 
     def text(self) -> str:
         plan = self.plan
@@ -46,6 +47,7 @@ class Banner:
                 if self.resumed.path
                 else ""
             )
+            + f"\n  {self.export}"
         )
 
 

@@ -17,6 +17,7 @@ from trainer.cli import check_overrides, exit_with, run_command
 from trainer.config import Config, register_configs
 from trainer.errors import UserError
 from trainer.identity import register_resolvers
+from trainer.preemption import watch_launcher
 
 if TYPE_CHECKING:
     from engine.distributed import DistInfo
@@ -63,6 +64,7 @@ def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> 
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     fresh = run_dir.is_dir() and not any(run_dir.iterdir())  # Hydra just made it
+    watch_launcher()  # under torchrun: stop if the launcher dies, from start-up on
     try:
         run_command(cfg, lambda config, plain, info: train(config, plain, info, run_dir))
     except SystemExit as exc:

@@ -41,7 +41,7 @@ from engine.distributed import unwrap
 from engine.parallel.base import Parallelism
 from engine.step import Batch, StepContext, StepResult
 from engine.steps.accumulate import count_window, finish_step
-from engine.steps.privacy import RDPAccountant
+from engine.steps.privacy import RDPAccountant, noise_for_epsilon
 
 
 def check_per_sample_model(model: nn.Module, parallel: Parallelism) -> None:
@@ -83,36 +83,94 @@ def noise_seed(seed: int, step: int) -> int:
 class DPSGDStep:
     """Args:
     max_grad_norm: C, the clipping bound of each sample's gradient (L2 over all parameters).
-    noise_multiplier: σ; the noise added to the sum has standard deviation σ·C.
-    delta: the δ at which `train/epsilon` is reported.
+    noise_multiplier: σ; the noise added to the sum has standard deviation σ·C. None: 1.0,
+        or the one `target_epsilon` chooses.
+    delta: the δ at which `train/epsilon` is reported (and `target_epsilon` is met).
     seed: seeds the noise (with the step number); the run's `seed` by default config.
+    target_epsilon: instead of σ, the ε to spend over `steps` steps: σ is chosen in
+        `set_sampling`, once the sampling rate is known, as Opacus's
+        `make_private_with_epsilon` chooses it (`engine.steps.privacy.noise_for_epsilon`).
+        A checkpoint keeps the chosen σ, so a resumed (or extended) run adds the same noise
+        and its ε stays the truth.
+    steps: the run's optimizer steps (`${train.max_steps}` by default config).
     """
 
     def __init__(
-        self, max_grad_norm: float, noise_multiplier: float, delta: float = 1e-5, seed: int = 0
+        self,
+        max_grad_norm: float,
+        noise_multiplier: float | None = None,
+        delta: float = 1e-5,
+        seed: int = 0,
+        target_epsilon: float | None = None,
+        steps: int | None = None,
     ) -> None:
         if max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
-        if noise_multiplier < 0:
+        if noise_multiplier is not None and target_epsilon is not None:
+            raise ValueError(
+                f"noise_multiplier and target_epsilon are both set ({noise_multiplier:g} and "
+                f"{target_epsilon:g}); give one: step.noise_multiplier fixes the noise and "
+                "reports the epsilon it spends, step.target_epsilon chooses the noise multiplier "
+                "that spends at most that epsilon at step.delta over train.max_steps (as Opacus's "
+                "make_private_with_epsilon). Set the other to null"
+            )
+        if noise_multiplier is not None and noise_multiplier < 0:
             raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+        if target_epsilon is not None and not target_epsilon > 0:
+            raise ValueError(f"target_epsilon must be positive, got {target_epsilon}")
+        if target_epsilon is not None and (steps is None or steps < 1):
+            raise ValueError(
+                f"steps must be the run's optimizer steps (>= 1) to choose the noise for "
+                f"target_epsilon, got {steps}; configs/step/dp_sgd.yaml sets ${{train.max_steps}}"
+            )
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta}")
         self.max_grad_norm = float(max_grad_norm)
-        self.noise_multiplier = float(noise_multiplier)
+        self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
+        # σ; with a target, chosen by set_sampling (or restored from a checkpoint).
+        self.noise_multiplier: float | None = (
+            float(noise_multiplier)
+            if noise_multiplier is not None
+            else (1.0 if target_epsilon is None else None)
+        )
         self.delta = float(delta)
         self.seed = int(seed)
+        self.steps = steps
         # Global batch in samples (expected, if Poisson); None: the realized size of each step.
         self.batch_size: int | None = None
+        self.sample_rate: float | None = None
         self.accountant: RDPAccountant | None = None
         self._checked = False
 
     def set_sampling(self, global_batch_size: int, dataset_size: int) -> None:
         """The global batch in samples and the dataset it is drawn from: the divisor of the
-        noisy sum and the sampling rate q = global batch / dataset size of the accountant."""
+        noisy sum and the sampling rate q = global batch / dataset size of the accountant.
+        With `target_epsilon`, σ is chosen here (ValueError, one line, if out of reach)."""
         self.batch_size = int(global_batch_size)
-        rate = min(1.0, global_batch_size / dataset_size)
-        if self.noise_multiplier > 0:
-            self.accountant = RDPAccountant(rate, self.noise_multiplier)
+        self.sample_rate = min(1.0, global_batch_size / dataset_size)
+        if self.noise_multiplier is None:  # a target, and no σ restored
+            self.noise_multiplier = noise_for_epsilon(
+                self.target_epsilon, self.delta, self.sample_rate, self.steps
+            )
+        self._account()
+
+    def _account(self) -> None:
+        sigma = self.noise_multiplier
+        self.accountant = None
+        if self.sample_rate is not None and sigma is not None and sigma > 0:
+            self.accountant = RDPAccountant(self.sample_rate, sigma)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The σ a target chose (nothing otherwise: σ is the config's)."""
+        if self.target_epsilon is None:
+            return {}
+        return {"noise_multiplier": self.noise_multiplier}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        sigma = state.get("noise_multiplier")
+        if self.target_epsilon is not None and sigma is not None:
+            self.noise_multiplier = float(sigma)  # the noise the trajectory so far was made with
+            self._account()
 
     def epsilon(self, steps: int) -> float:
         """ε spent after `steps` optimizer steps (inf without noise)."""
@@ -122,8 +180,24 @@ class DPSGDStep:
             float("inf") if self.accountant is None else self.accountant.epsilon(steps, self.delta)
         )
 
+    def summary(self, steps: int) -> str:
+        """One line for the end-of-run summary (indented as its other lines): ε spent, at
+        what δ, the noise multiplier and sampling rate, and the target if one chose σ."""
+        sigma, rate = self.noise_multiplier, self.sample_rate
+        # ASCII: a console in a Latin-1 locale must not fail on a Greek letter.
+        text = f"  privacy: epsilon {self.epsilon(steps):.5g} at delta {self.delta:g}"
+        text += f" after {steps} steps"
+        if sigma is not None:
+            text += f" (noise multiplier {sigma:.6g}"
+            text += f", sampling rate {rate:.4g})" if rate is not None else ")"
+        if self.target_epsilon is not None:
+            text += f"; target epsilon {self.target_epsilon:g} over {self.steps} steps"
+        return text
+
     def __call__(self, ctx: StepContext, window: Sequence[Batch]) -> StepResult:
         if not self._checked:
+            if self.noise_multiplier is None:
+                raise ValueError("target_epsilon: call set_sampling() before the first step")
             check_per_sample_model(ctx.model, ctx.parallel)
             if ctx.precision.scaler is not None:
                 raise ValueError("step=dp_sgd supports train.precision=fp32|bf16, not fp16")
@@ -232,3 +306,9 @@ class PrivacySpent(Callback):
 
     def metrics(self) -> dict[str, Any]:
         return {"train/epsilon": self.step_fn.epsilon(self.steps)}
+
+    def summary(self, global_batch_size: int) -> str:
+        """The end-of-run line: ε spent so far, δ, the noise multiplier, the sampling rate
+        and the target, if one chose the noise."""
+        del global_batch_size
+        return self.step_fn.summary(self.steps)

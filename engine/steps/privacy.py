@@ -129,3 +129,45 @@ class RDPAccountant:
         if steps == 0:
             return 0.0
         return epsilon_from_rdp([r * steps for r in self._rdp], delta, self.alphas)[0]
+
+
+MAX_SIGMA = 1e6  # Opacus's bound on the search
+
+
+def noise_for_epsilon(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    tolerance: float = 0.01,
+) -> float:
+    """The noise multiplier that spends at most `target_epsilon` at `delta` over `steps`
+    steps at `sample_rate`: Opacus's `get_noise_multiplier` (what `make_private_with_epsilon`
+    uses), step for step: double σ from 20 until ε is within the target, then bisect until ε
+    is at most `tolerance` below it, and return the upper end (ε never above the target).
+    Raises ValueError (one line, naming `target_epsilon`) when σ up to MAX_SIGMA cannot."""
+
+    def epsilon(sigma: float) -> float:
+        return RDPAccountant(sample_rate, sigma).epsilon(steps, delta)
+
+    low, high, eps_high = 0.0, 10.0, math.inf
+    while eps_high > target_epsilon:
+        high *= 2
+        eps_high = epsilon(high)
+        if high > MAX_SIGMA:
+            raise ValueError(
+                f"target_epsilon {target_epsilon:g} is out of reach: after {steps} steps at "
+                f"sampling rate {sample_rate:.4g} (global batch / training samples) and "
+                f"delta={delta:g}, epsilon is still {eps_high:.3g} with noise multiplier "
+                f"{high:.3g} (the RDP bound does not fall below it however large the noise). "
+                "Ask for a larger step.target_epsilon or step.delta, or fewer steps "
+                "(train.max_steps), or set step.noise_multiplier instead"
+            )
+    while target_epsilon - eps_high > tolerance:
+        mid = (low + high) / 2
+        eps = epsilon(mid)
+        if eps < target_epsilon:
+            high, eps_high = mid, eps
+        else:
+            low = mid
+    return high

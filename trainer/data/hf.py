@@ -22,6 +22,15 @@ from trainer.errors import UserError
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
+def is_dataset(path: Path) -> bool:
+    """Whether `path` is what data=hf reads (a .jsonl, .json or .parquet file, or a
+    `save_to_disk` directory) rather than plain text files."""
+    if path.is_dir():
+        marks = ("dataset_dict.json", "dataset_info.json", "state.json")
+        return any((path / m).is_file() for m in marks)
+    return path.suffix in SUFFIXES
+
+
 def sources(path: Path, field: str) -> tuple[Source, Source | None]:
     """(training source, the data's own validation split if it has one)."""
     if not path.exists():

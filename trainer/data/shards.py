@@ -252,6 +252,15 @@ def chunks(source: Source) -> Iterator[Chunk]:
     raise ValueError(f"unknown source kind {source.kind!r}; valid: {', '.join(KINDS)}")
 
 
+def documents(source: Source) -> Iterator[list[str]]:
+    """The source's documents, a chunk (about CHUNK_BYTES of text) at a time, read exactly as
+    training reads them: JSON Lines line by line, Parquet by record batches, `save_to_disk`
+    through its memory map, each record through `source.field`. Memory is one chunk's, not
+    the corpus's (scripts/train_tokenizer.py trains on this)."""
+    for chunk in chunks(source):
+        yield chunk_texts(chunk, source.paths[0], source.field)
+
+
 # --- tokenizing: in worker processes ---------------------------------------------------------
 
 _WORKER: dict[str, Any] = {}
@@ -270,9 +279,13 @@ def _init_worker(tokenizer: str | None, path: str, field: str) -> None:
 
 
 def _texts_of(chunk: Chunk) -> list[str]:
+    return chunk_texts(chunk, _WORKER["path"], _WORKER["field"])
+
+
+def chunk_texts(chunk: Chunk, path: Path, field: str) -> list[str]:
+    """The documents of one chunk of the source at `path` (records' `field`)."""
     if chunk.kind == "texts":
         return chunk.payload
-    path, field = _WORKER["path"], _WORKER["field"]
     start, end = chunk.payload
     with open(path, "rb") as f:
         f.seek(start)

@@ -36,7 +36,12 @@ def stage_ranges(sizes: Sequence[int], n_stages: int, split: Sequence[int] | Non
     (`sizes`, per block) is as small as it can be."""
     n = len(sizes)
     if n < n_stages:
-        raise NotSplittable(f"{n} blocks cannot fill {n_stages} pipeline stages")
+        raise NotSplittable(
+            f"{n} block{'' if n == 1 else 's'} cannot fill {n_stages} pipeline stages "
+            "(dist.pp x dist.pp_virtual): "
+            f"every stage needs at least one block and the model has {n}, so the largest valid "
+            f"dist.pp is {n} (with dist.pp_virtual=V: {n} // V)"
+        )
     if split:
         starts = [0, *split]
         if len(starts) != n_stages or any(b <= a for a, b in pairwise(starts)):
