@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from engine.distributed import DistInfo
 from engine.numerics.chunked_ce import IGNORE_INDEX
@@ -81,18 +82,30 @@ class SequenceShard:
         """Causal attention of this rank's queries (B, H, T_local, D) over every rank's keys
         and values (B, H_kv, T_local, D; H a multiple of H_kv): keys and values all-gathered
         along the sequence, the mask from the tokens' global positions."""
-        local = q.shape[-2]
         k_all = _GatherSequence.apply(k, self)
         v_all = _GatherSequence.apply(v, self)
-        q_pos = self.positions(local, q.device)
-        k_pos = torch.arange(local * self.size, device=q.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # (T_local, T): True where a query may attend
         if k_all.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group
             repeat = q.shape[1] // k_all.shape[1]
             k_all = k_all.repeat_interleave(repeat, dim=1)
             v_all = v_all.repeat_interleave(repeat, dim=1)
+        # Recomputed in backward: the (T_local x T) mask and scores of a masked attention would
+        # otherwise be kept for backward, T^2 / cp memory where one process keeps O(T).
+        return checkpoint(self._masked, q, k_all, v_all, dropout_p, scale, use_reentrant=False)
+
+    def _masked(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dropout_p: float,
+        scale: float | None,
+    ) -> torch.Tensor:
+        """Attention of the local queries over the whole sequence, causal in global positions."""
+        q_pos = self.positions(q.shape[-2], q.device)
+        k_pos = torch.arange(k.shape[-2], device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # (T_local, T): True where a query may attend
         return F.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=mask, dropout_p=dropout_p, scale=scale
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale
         )
 
     def to_global(self, gathered: Sequence[torch.Tensor]) -> torch.Tensor:
