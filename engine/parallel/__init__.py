@@ -6,6 +6,7 @@
 - `fsdp`: FSDP2, and what it needs to recover from an out-of-memory error
 - `tensor`: tensor parallelism (and Megatron's sequence parallelism)
 - `pipeline/`: pipeline stages (schedules, stages, links between them, their state)
+- `context`: context parallelism (each sequence split over ranks), over any of the above
 
 Nothing is imported here: `engine.parallel.dims` must stay cheap to import (config checks).
 """
