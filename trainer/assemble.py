@@ -5,6 +5,7 @@ model that training would not."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,10 @@ def build_model(node: dict[str, Any], info: DistInfo) -> tuple[nn.Module, ModelE
             "model._target_",
             f"{spec['_target_']} returned a {type(model).__name__}; it must return an nn.Module",
         )
-    return model.to(info.device), extras
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.device != info.device for t in tensors):  # (a planner's fake tensors: in place)
+        model = model.to(info.device)
+    return model, extras
 
 
 def build_task(node: dict[str, Any]) -> Task:
@@ -190,12 +194,24 @@ class Assembly:
     n_params: int
 
 
-def assemble(cfg: Config, info: DistInfo, dims: ParallelDims | None = None) -> Assembly:
+def assemble(
+    cfg: Config,
+    info: DistInfo,
+    dims: ParallelDims | None = None,
+    building: contextlib.AbstractContextManager | None = None,
+    simulated: dict[Any, Any] | None = None,
+) -> Assembly:
     """Seed, build the model, data and task, check that they fit, and lay the model out over
-    the ranks (`dims`, by default `dist.*`'s in this world)."""
+    the ranks (`dims`, by default `dist.*`'s in this world). The model is built and laid out
+    within `building` (the planner's fake tensors); the mesh and the data never are. With
+    `simulated` (trainer.plan), this rank runs alone in a simulated world."""
     parallel = build_parallelism(dims or cfg.dist.dims(info.world_size), info)
+    if simulated is not None:
+        parallel.simulate_world(simulated)
+    building = building or contextlib.nullcontext()
     seed_everything(cfg.seed)  # same initial weights on every rank
-    model, model_extras = build_model(cfg.model, info)
+    with building:
+        model, model_extras = build_model(cfg.model, info)
     data, data_extras = build_data(cfg.data)
     check_samples(data, cfg.data["_target_"])
     check_fits(model, data, cfg.model)
@@ -203,13 +219,14 @@ def assemble(cfg: Config, info: DistInfo, dims: ParallelDims | None = None) -> A
     # Of the whole model, before pipeline stages prune it to their own parameters.
     flops = flops_per_token(model, data.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
-    wrapped = parallelize(
-        model,
-        model_extras,
-        parallel,
-        compile=cfg.train.compile,
-        precision=cfg.train.precision,
-    )
+    with building:
+        wrapped = parallelize(
+            model,
+            model_extras,
+            parallel,
+            compile=cfg.train.compile,
+            precision=cfg.train.precision,
+        )
     return Assembly(
         model, wrapped, model_extras, parallel, task, data, data_extras, flops, n_params
     )

@@ -33,6 +33,9 @@ from trainer.preemption import StopRequest
 from trainer.sinks import Banner, build_sinks
 from trainer.state import ResumeSettings, RunState, TrainingProgress, build_checkpointer, resume
 
+# A step builds the optimizer's state (Adam's moments): the second one is a steady step.
+MEMORY_REPORT_STEPS = 2
+
 
 def instantiate_callback(name: str, spec: Any) -> Callback:
     cb = instantiate(spec, f"callbacks.{name}")
@@ -122,6 +125,20 @@ def build_state(
     return state
 
 
+def run_shape(cfg: Config, step_fn: Any, ctx: StepContext, plan: BatchPlan) -> RunShape:
+    """The run's choices a parallelism may refuse (its `check`)."""
+    fmt = cfg.checkpoint.format
+    return RunShape(
+        auto_micro_batch=cfg.train.micro_batch_size == AUTO,
+        compile=cfg.train.compile,
+        per_layer_norms=cfg.train.grad_norms == "per_layer",
+        step=step_fn,
+        callbacks=ctx.callbacks,
+        accum=plan.accum,
+        checkpoint_format=fmt if fmt != "auto" else ctx.parallel.checkpoint_format,
+    )
+
+
 def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo) -> Run:
     dims = cfg.dist.dims(info.world_size)  # the layout and the batch arithmetic first
     plan = BatchPlan.from_config(cfg.train, dims.dp)
@@ -129,17 +146,7 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
     parallel = parts.parallel
     ctx = build_context(cfg, parts, info)
     step_fn = build_step(cfg.step)
-    fmt = cfg.checkpoint.format if cfg.checkpoint.format != "auto" else parallel.checkpoint_format
-    shape = RunShape(
-        auto_micro_batch=cfg.train.micro_batch_size == AUTO,
-        compile=cfg.train.compile,
-        per_layer_norms=cfg.train.grad_norms == "per_layer",
-        step=step_fn,
-        callbacks=ctx.callbacks,
-        accum=plan.accum,
-        checkpoint_format=fmt,
-    )
-    check_layout(parallel, shape)
+    check_layout(parallel, run_shape(cfg, step_fn, ctx, plan))
     step_fn, plan, auto_window = setup_auto(cfg, ctx, parts.data, step_fn, plan)
     batches = build_train_batches(parts.data, parts.data_extras, cfg.seed, info, plan, parallel)
     val_batches = build_val_batches(
@@ -192,9 +199,18 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
         resumed=resumed,
         sinks=sinks,
         stop=StopRequest(info),
-        step_window=auto_window or plain_step_window,
+        step_window=measured(auto_window or plain_step_window, cfg, run_dir),
         decode=parts.data.decode,
     )
+
+
+def measured(step_window: Any, cfg: Config, run_dir: Path) -> Any:
+    """`train.memory_report=true`: the first steps measured (trainer/memory.py)."""
+    if not cfg.train.memory_report:
+        return step_window
+    from trainer.memory import MemoryWindow
+
+    return MemoryWindow(step_window, MEMORY_REPORT_STEPS, run_dir / "memory_report.json")
 
 
 def resume_settings(cfg: Config, plan: BatchPlan, settings: RunSettings) -> ResumeSettings:

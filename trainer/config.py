@@ -43,6 +43,9 @@ class TrainCfg:
     # total: one global norm per record. per_layer: also grad_norm/<layer> for every block.
     grad_norms: str = "total"
     device: str = "auto"
+    # Measure each rank's tensor memory over the first steps (trainer/memory.py, the planner's
+    # tracker on real tensors) and write memory_report.json in the run directory.
+    memory_report: bool = False
 
     def __post_init__(self) -> None:
         _positive(self.max_steps, "train.max_steps")
@@ -243,6 +246,31 @@ class DistCfg:
             raise ConfigError(exc.key, str(exc)) from None
 
 
+@dataclass
+class PlanCfg:
+    """`python -m trainer.plan` (trainer/plan.py): the simulated world and its GPUs."""
+
+    world: int = 8  # GPUs of the simulated world
+    gpu: str = "h100"  # trainer/gpus.py: memory, peak FLOP/s, links
+    search: bool = False  # also rank the valid layouts of `world` by predicted step time
+    out: str = "plan.json"
+    # Memory kept free for what no tensor tracker sees (CUDA context, NCCL, fragmentation).
+    headroom: float = 0.1
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        from trainer.gpus import GPUS
+
+        _positive(self.world, "plan.world")
+        _positive(self.gpus_per_node, "plan.gpus_per_node")
+        require(
+            self.gpu in GPUS,
+            "plan.gpu",
+            f"must be one of {', '.join(GPUS)}, got {self.gpu!r}",
+        )
+        require(0 <= self.headroom < 1, "plan.headroom", f"must be in [0, 1), got {self.headroom}")
+
+
 def _component(**defaults: Any) -> Any:
     """A component node: `_target_` plus arguments, open to any key (its target's signature
     decides which are valid, checked by trainer/components.py)."""
@@ -270,6 +298,8 @@ class Config:
         default_factory=lambda: _component(_target_="engine.steps.accumulate.AccumulateStep")
     )
     callbacks: dict[str, Any] = field(default_factory=dict)
+    # python -m trainer.plan only (training ignores it).
+    plan: PlanCfg = field(default_factory=PlanCfg)
 
 
 COMPONENTS = ("model", "task", "data", "optim", "scheduler", "step")

@@ -274,6 +274,18 @@ class Parallelism(Protocol):
         """Collective: load a `sharded` checkpoint (and the tensors of `extra`, in place)."""
         ...
 
+    # ---- a simulated world (trainer.plan) ----
+    def simulate_world(self, book: dict[Any, Any]) -> None:
+        """This rank runs alone on a fake process group with fake tensors (trainer.plan):
+        what it would receive from peers comes from `book`, where other ranks' simulated runs
+        recorded what they send. Called before `apply`."""
+        ...
+
+    def untracked_bytes(self, model: nn.Module) -> dict[str, int]:
+        """Memory the layout allocates outside torch's dispatcher, which a tracker of tensors
+        cannot see (DDP's gradient buckets), by what it holds."""
+        ...
+
     # ---- out-of-memory recovery (train.micro_batch_size=auto) ----
     def guard_collectives(self, model: nn.Module, agreement: Callable[[bool], int]) -> None:
         """Make the collectives inside forward and backward agree on out-of-memory first."""
@@ -302,6 +314,7 @@ class ParallelBase:
 
     def __init__(self, info: DistInfo, mesh: DeviceMesh | None = None) -> None:
         self.info, self.mesh = info, mesh
+        self.simulated: dict[Any, Any] | None = None  # trainer.plan's record of peers
 
     @property
     def dp_rank(self) -> int:
@@ -482,6 +495,14 @@ class ParallelBase:
 
         with self.optimizer_context():
             load_sharded(path, model, optimizer, extra)
+
+    # ---- a simulated world ----
+    def simulate_world(self, book: dict[Any, Any]) -> None:
+        self.simulated = book
+
+    def untracked_bytes(self, model: nn.Module) -> dict[str, int]:
+        del model
+        return {}
 
     # ---- out-of-memory recovery ----
     def guard_collectives(self, model: nn.Module, agreement: Callable[[bool], int]) -> None:

@@ -36,11 +36,21 @@ class DataParallel(ParallelBase):
         reshard_after_forward: bool = True,
     ) -> nn.Module:
         del blocks, param_dtype, reshard_after_forward  # DDP replicates the whole model
-        if self.dp_size == 1:
+        if self.dp_size == 1 or self.simulated is not None:
+            # Simulated (trainer.plan): DDP's C++ reducer cannot run on fake tensors; every
+            # rank holds the whole model, and its buckets are `untracked_bytes`.
             return model
         info = self.info
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+    def untracked_bytes(self, model: nn.Module) -> dict[str, int]:
+        """DDP's gradient buckets: a copy of every trainable parameter's gradient, allocated
+        by its C++ reducer (gradient_as_bucket_view is off)."""
+        if self.dp_size == 1:
+            return {}
+        params = [p for p in model.parameters() if p.requires_grad]
+        return {"ddp_buckets": sum(p.numel() * p.element_size() for p in params)}
 
     @contextlib.contextmanager
     def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:

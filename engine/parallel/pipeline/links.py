@@ -70,3 +70,37 @@ class Links:
         for sent in self.pending:
             sent.work.wait()
         self.pending.clear()
+
+
+class RecordedLinks(Links):
+    """Links of a simulated world (trainer.plan): nothing crosses ranks. Sends record the
+    shape and dtype of what they would send in `book` (shared by the runs of every stage's
+    rank, which the planner runs in stage order); a receive returns an empty tensor shaped as
+    recorded: the forward input of a stage as its predecessor sent it (or, before that
+    stage ran, any stage boundary's for the same micro-batch: a transformer's hidden states
+    have one shape throughout), the gradient of a stage's output as that output."""
+
+    def __init__(self, book: dict[Any, Any], n_stages: int, device: torch.device) -> None:
+        super().__init__(lambda stage: stage, n_stages, device)
+        self.book = book
+
+    def send(self, t: torch.Tensor, to_stage: int, micro: int, backward: bool) -> None:
+        if not backward:
+            self.book[to_stage, micro] = (tuple(t.shape), t.dtype)
+        # What this rank would send, for the planner's traffic (with its header).
+        self.book["sent_bytes"] = self.book.get("sent_bytes", 0) + t.numel() * t.element_size()
+
+    def recv(self, from_stage: int, at_stage: int, micro: int, backward: bool) -> torch.Tensor:
+        stage = at_stage + 1 if backward else at_stage  # the boundary the tensor crosses
+        spec = self.book.get((stage, micro))
+        if spec is None:
+            spec = next(
+                (v for k, v in self.book.items() if isinstance(k, tuple) and k[1] == micro), None
+            )
+        if spec is None:
+            raise RuntimeError(f"simulated pipeline: nothing recorded for micro-batch {micro}")
+        shape, dtype = spec
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def flush(self) -> None:
+        pass

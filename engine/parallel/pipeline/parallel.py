@@ -26,7 +26,7 @@ from engine.parallel.base import (
     local_values,
 )
 from engine.parallel.fsdp import shard_units
-from engine.parallel.pipeline.links import Links
+from engine.parallel.pipeline.links import Links, RecordedLinks
 from engine.parallel.pipeline.schedule import Action, actions
 from engine.parallel.pipeline.stages import (
     DeclaresStages,
@@ -121,6 +121,12 @@ class PipelineParallel(MeshSplit):
         group compute the same ones, the first reports."""
         return self.tp_rank == 0
 
+    def simulate_world(self, book: dict[Any, Any]) -> None:
+        """trainer.plan: stage boundaries exchange nothing; receives return empty tensors
+        shaped as the simulated peers recorded them."""
+        super().simulate_world(book)
+        self.links = RecordedLinks(book, self.n_stages, self.info.device)
+
     def optimizer_context(self) -> contextlib.AbstractContextManager:
         """With tensor parallelism: DTensor shards beside whole parameters in one optimizer."""
         if self.tensor is None:
@@ -174,6 +180,9 @@ class PipelineParallel(MeshSplit):
         self.head = model.output_head() if isinstance(model, OutputHead) else None
         sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
         self.ranges = stage_ranges(sizes, self.n_stages, self.split)
+        if self.simulated is not None:  # no peer answers: every rank's names, from here
+            self._names_by_rank = self._stage_names(model)
+            self._shapes = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
         for s in range(self.pp_rank, self.n_stages, self.pp):
             stage = model.pipeline_stage(list(self.ranges[s]), s == 0, self.is_last(s))
             if not isinstance(stage, nn.Module):
@@ -204,20 +213,36 @@ class PipelineParallel(MeshSplit):
         shard_units(units, self.mesh["dp"], param_dtype, reshard, dp_placement)
         self.shards_parameters = True
 
+    def _stage_names(self, model: nn.Module) -> list[list[str]]:
+        """The trained parameter names of every pipeline rank's stages (a simulated world)."""
+        names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        out = []
+        for rank in range(self.pp):
+            held: set[str] = set()
+            for s in range(rank, self.n_stages, self.pp):
+                stage = model.pipeline_stage(list(self.ranges[s]), s == 0, self.is_last(s))
+                held |= {names[id(p)] for p in stage.parameters() if id(p) in names}
+            out.append(sorted(held))
+        return out
+
     def _find_shared(self, model: nn.Module) -> None:
         trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         mine = {n: (local_values(p).shape, p.dtype) for n, p in trained}
         everyone: list[Any] = [None] * self.pp
-        dist.all_gather_object(everyone, sorted(mine), group=self.pp_group)
+        if self.simulated is not None:
+            everyone = self._names_by_rank
+        else:
+            dist.all_gather_object(everyone, sorted(mine), group=self.pp_group)
         seen: dict[str, int] = {}
         for names in everyone:
             for n in names:
                 seen[n] = seen.get(n, 0) + 1
         shared = sorted(n for n, c in seen.items() if c > 1)
-        shapes: list[Any] = [None] * self.pp
-        dist.all_gather_object(
-            shapes, {n: mine[n] for n in shared if n in mine}, group=self.pp_group
-        )
+        shapes: list[Any] = [{n: mine[n] for n in shared if n in mine}] * self.pp
+        if self.simulated is None:
+            dist.all_gather_object(shapes, shapes[0], group=self.pp_group)
+        else:  # a peer's copy of a shared parameter, as this rank knew it whole
+            shapes.append({n: s for n, s in self._shapes.items() if n in shared and n not in mine})
         known = {k: v for d in shapes for k, v in d.items()}
         self.shared = [(n, *known[n]) for n in shared]
         # A shared parameter's gradient norm counts on the lowest pipeline rank holding it.
