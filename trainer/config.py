@@ -252,6 +252,7 @@ class PlanCfg:
 
     world: int = 8  # GPUs of the simulated world
     gpu: str = "h100"  # trainer/gpus.py: memory, peak FLOP/s, links
+    memory_bytes: int | None = None  # the GPU's memory, if not the data sheet's
     search: bool = False  # also rank the valid layouts of `world` by predicted step time
     out: str = "plan.json"
     # Memory kept free for what no tensor tracker sees (CUDA context, NCCL, fragmentation).

@@ -91,7 +91,8 @@ def fake_world(rank: int, world: int) -> Iterator[None]:
 
 
 class CommCounter(TorchDispatchMode):
-    """Bytes each collective moves, by collective and by the mesh dimension of its group."""
+    """Bytes each collective moves, by collective and by the mesh dimension of its group
+    ("other group": the default group, or one no mesh names)."""
 
     def __init__(self, meshes: list[Any]) -> None:
         super().__init__()
@@ -111,10 +112,12 @@ class CommCounter(TorchDispatchMode):
         if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
             tensors = [a for a in _flat(args) if isinstance(a, torch.Tensor)]
             size = max((t.numel() * t.element_size() for t in tensors), default=0)
-            group = next((a for a in _flat(args) if isinstance(a, str)), None)  # funcol's
-            if group is None:  # c10d's: the ProcessGroup, boxed (a ScriptObject)
-                group = next(filter(None, map(_group_name, _flat(args))), None)
-            dim = self._dims().get(str(group), "world")
+            known = self._dims()
+            # funcol's group is a name among its string arguments (beside a reduce op's);
+            # c10d's the ProcessGroup itself, boxed (a ScriptObject).
+            names = [a for a in _flat(args) if isinstance(a, str)]
+            names += [n for n in map(_group_name, _flat(args)) if n]
+            dim = next((known[n] for n in names if n in known), "other group")
             key = f"{func.__name__.split('.')[0].strip('_')}/{dim}"
             self.bytes[key] = self.bytes.get(key, 0) + size
         return func(*args, **kwargs)
@@ -277,6 +280,9 @@ class Plan:
     estimate: Estimate
     layout: str
     seconds: float
+    micro: int  # the planned micro-batch, accumulation and global batch
+    accum: int
+    global_batch: int
     layouts: list[dict[str, Any]] | None = None
 
     def as_json(self) -> dict[str, Any]:
@@ -321,7 +327,8 @@ def plan_run(cfg: Config) -> Plan:
     pc = cfg.plan
     gpu = GPUS[pc.gpu]
     dims = cfg.dist.dims(pc.world)
-    capacity = gpu.memory_bytes * (1 - pc.headroom)
+    gpu_memory = pc.memory_bytes or gpu.memory_bytes
+    capacity = gpu_memory * (1 - pc.headroom)
     book: dict[Any, Any] = {}  # what pipeline stages sent, for the next stage's rank
     planned: list[RolePlan] = []
     comm_total: dict[str, int] = {}
@@ -339,8 +346,8 @@ def plan_run(cfg: Config) -> Plan:
         f"data parallel ({cfg.dist.strategy})" if dims.dp > 1 else "one GPU"
     )
     return Plan(
-        pc.world, pc.gpu, gpu.memory_bytes, parts.n_params, planned, est, layout,
-        time.perf_counter() - started,
+        pc.world, pc.gpu, gpu_memory, parts.n_params, planned, est, layout,
+        time.perf_counter() - started, plan.micro, plan.accum, plan.global_batch,
     )  # fmt: skip
 
 
