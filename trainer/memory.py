@@ -51,6 +51,7 @@ class MemoryReport:
     temporaries_bytes: int  # at the peak: everything else allocated in the step
     buffers_bytes: int
     untracked: dict[str, int] = field(default_factory=dict)
+    at_peak: dict[str, int] = field(default_factory=dict)  # the tracker's categories there
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +112,7 @@ def report(
         temporaries_bytes=peak.get("TEMP", 0),
         buffers_bytes=local_bytes(model.buffers()),
         untracked=untracked,
+        at_peak=dict(peak),
     )
 
 

@@ -109,6 +109,10 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _FUSED_UPDATES:
+            # In place and allocation-free on a GPU; on fake DTensors the update would be
+            # materialized out of place (copies of every state), which no real run does.
+            return None
         if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
             tensors = [a for a in _flat(args) if isinstance(a, torch.Tensor)]
             size = max((t.numel() * t.element_size() for t in tensors), default=0)
@@ -121,6 +125,13 @@ class CommCounter(TorchDispatchMode):
             key = f"{func.__name__.split('.')[0].strip('_')}/{dim}"
             self.bytes[key] = self.bytes.get(key, 0) + size
         return func(*args, **kwargs)
+
+
+_FUSED_UPDATES = {
+    torch.ops.aten._fused_adamw_.default,
+    torch.ops.aten._fused_adam_.default,
+    torch.ops.aten._fused_sgd_.default,
+}
 
 
 def _group_name(x: Any) -> str | None:

@@ -55,7 +55,14 @@ class DataParallel(ParallelBase):
     @contextlib.contextmanager
     def gradient_sync(self, model: nn.Module, enabled: bool) -> Iterator[None]:
         # DDP's `no_sync` must cover the forward too (it records whether to reduce there).
-        if enabled or not isinstance(model, nn.parallel.DistributedDataParallel):
+        if enabled and self.simulated is not None and self.dp_size > 1:
+            # Simulated: the reduction's working copy of the gradients, as DDP's reducer
+            # allocates it around a synchronized backward (what a tracker sees of it).
+            params = [p for p in model.parameters() if p.requires_grad]
+            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+            yield
+            del flat
+        elif enabled or not isinstance(model, nn.parallel.DistributedDataParallel):
             yield
         else:
             with model.no_sync():
