@@ -222,7 +222,7 @@ table { border-collapse: collapse; }
 td, th { border: 1px solid #ccc; padding: 2px 8px; text-align: left; vertical-align: top; }
 pre { background: #f6f6f6; padding: 8px; white-space: pre-wrap; font-size: 12px; }
 .charts { display: flex; flex-wrap: wrap; gap: 12px; }
-figure { margin: 0; } figcaption { font-weight: 600; margin: 4px 0; }
+figure { margin: 0; width: 560px; } figcaption { font-weight: 600; margin: 4px 0; }
 svg.chart { background: #fff; font-size: 11px; }
 svg .frame { fill: none; stroke: #999; } svg .grid { stroke: #eee; }
 svg .series { fill: none; stroke-width: 1.5; } svg .mark { stroke-width: 2; }
@@ -327,8 +327,11 @@ def build_report(
     runs = [load_run(p, label) for p, label in zip(paths, names or labels(paths))]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(render(runs, preface), encoding="utf-8")
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(render(runs, preface), encoding="utf-8")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 
