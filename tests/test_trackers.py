@@ -272,6 +272,7 @@ def test_refused_config_imports_no_tracker(tmp_path: Path) -> None:
     [
         ("logger=[tensorboard,comet]", "no config named 'comet'"),
         ("+logger.trackers.comet=true", "unknown tracker 'comet'"),
+        ("logger.trackers.tensorboard=true", "trackers are chosen by selecting their configs"),
     ],
 )
 def test_unknown_tracker_is_one_paragraph(tmp_path: Path, override: str, says: str) -> None:
