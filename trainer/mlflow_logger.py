@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from trainer.config import MlflowCfg
 from trainer.metrics import RecordSink
@@ -68,7 +69,7 @@ class MlflowSink(RecordSink):
         sent_through: int | None = None,
     ) -> None:
         uri = tracking_uri(cfg, run_dir)
-        if uri.startswith("file:"):
+        if urlparse(uri).scheme in ("", "file"):  # a directory: MLflow's file store
             # MLflow 3 keeps the file store but asks to opt in; it is the local store that
             # needs neither a database nor a server.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")

@@ -324,7 +324,9 @@ def build_report(
     """Write the page of `paths` (run directories or metrics.jsonl files) to `out`,
     atomically (a reader never sees half a page). `names` label the runs (default: the
     shortest distinct ends of their paths); `preface` is a (title, text) shown first."""
-    runs = [load_run(p, label) for p, label in zip(paths, names or labels(paths))]
+    runs = [load_run(p, "") for p in paths]
+    for run, label in zip(runs, names or labels([r.path for r in runs])):
+        run.label = label
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
