@@ -521,7 +521,10 @@ def write_outputs(
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+        try:
+            print(__doc__, flush=True)
+        except BrokenPipeError:  # `| head`: the reader left
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     try:
         settings, overrides = parse(argv)
