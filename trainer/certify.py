@@ -17,7 +17,7 @@ Layouts (N: number of processes, 2 if left out of the name):
 
 | name | what |
 | --- | --- |
-| `single` | the reference: 1 process, micro-batch m (the configured one), accumulation G / m |
+| `single` | the reference: 1 process, micro-batch m (the configured one; G with `auto`) |
 | `accum` | 1 process, the same batch in more micro-batches (the largest divisor of G below m) |
 | `auto` | 1 process, `train.micro_batch_size=auto` |
 | `ddpN`, `fsdpN` | N ranks, `dist.strategy=ddp` / `fsdp` (FSDP2) |
@@ -437,9 +437,6 @@ def certify(settings: Settings, user: list[str]) -> int:
     rtol = settings.rtol if settings.rtol is not None else default_rtol
     stamp = datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
     work = Path(settings.dir or f"outputs/certify/{stamp}").resolve()
-    if work.exists() and any(work.iterdir()):
-        raise ConfigError("certify.dir", f"{work} is not empty: name a new directory")
-    work.mkdir(parents=True, exist_ok=True)
     base = merged(
         user,
         [
@@ -453,6 +450,9 @@ def certify(settings: Settings, user: list[str]) -> int:
         ],
     )
     validate(merged(base, plan("single", batch, micro, 1, "").overrides))
+    if work.exists() and any(work.iterdir()):
+        raise ConfigError("certify.dir", f"{work} is not empty: name a new directory")
+    work.mkdir(parents=True, exist_ok=True)
     slots, unit = machine_slots()
     print(
         f"certify: global batch {batch}, {settings.steps} steps per layout, tolerance "
