@@ -5,7 +5,7 @@ PIP_INSTALL = $(PYTHON) -m pip install --quiet --disable-pip-version-check -c co
 .PHONY: setup train test lint bench clean
 
 setup:
-	$(PIP_INSTALL) -e '.[dev,sklearn,hf]'
+	$(PIP_INSTALL) -e '.[dev,sklearn,hf,tensorboard,mlflow]'
 
 train: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PYTHON) -m trainer.train $(ARGS)

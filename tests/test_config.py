@@ -172,10 +172,11 @@ def check_scheduler(cfg: Config) -> None:
 
 def check_logger(cfg: Config) -> None:
     # Validation already ran in to_config; W&B itself is not started here.
-    assert cfg.logger.name in ("wandb", "none")
-    if cfg.logger.name == "wandb":
+    assert set(cfg.logger.names) <= {"wandb", "tensorboard", "mlflow"}, cfg.logger.names
+    if "wandb" in cfg.logger.names:
         assert cfg.logger.project, "logger.project must name a W&B project"
-        assert importlib.util.find_spec("wandb") is not None, "logger=wandb needs wandb installed"
+    for name in cfg.logger.names:
+        assert importlib.util.find_spec(name) is not None, f"logger={name} needs {name} installed"
 
 
 def check_step(cfg: Config) -> None:
@@ -328,7 +329,7 @@ def test_contract_keys_exist_in_default_config() -> None:
 def test_contract_defaults() -> None:
     """Defaults the contract names: W&B logger, accumulate step, ddp, resume=auto."""
     cfg = _compose([])
-    assert cfg.logger.name == "wandb"
+    assert cfg.logger.names == ("wandb",)
     assert cfg.step["_target_"] == "engine.steps.accumulate.AccumulateStep"
     assert cfg.dist.strategy == "ddp"
     assert cfg.dist.backend is None  # chosen by device: nccl with CUDA, gloo otherwise
@@ -357,6 +358,9 @@ CONTRACT_VALUES = [
     "dist.strategy=fsdp",
     "logger=none",
     "logger=wandb",
+    "logger=[wandb,tensorboard,mlflow]",
+    "logger=tensorboard",
+    "logger=mlflow",
     "model=gpt_tiny",
     "step=accumulate",
     "step=sam",

@@ -63,6 +63,12 @@ def check_overrides(args: list[str], config_dir: Path) -> None:
             continue  # a config group choice such as model=gpt_tiny
         if parts[0] == "hydra":
             continue  # Hydra's own settings
+        if parts[:2] == ["logger", "trackers"] and len(parts) > 2 and not arg.startswith("+"):
+            raise ConfigError(
+                key,
+                "trackers are chosen by selecting their configs: logger=[wandb,tensorboard,"
+                "mlflow] (any of them), or logger=none",
+            )
         error = unknown_key(parts)
         if error is not None:
             raise error

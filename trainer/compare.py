@@ -60,18 +60,28 @@ def read_series(run: str | Path) -> dict[str, Series]:
     """Every numeric metric of `run`, by step. A step recorded twice (an old run resumed
     before records were deduplicated) keeps its last value, as the resumed run computed it."""
     file = metrics_file(run)
-    series: dict[str, Series] = {}
+    records = []
     for number, line in enumerate(file.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-            step = int(record["step"])
+            int(record["step"])
         except (ValueError, KeyError, TypeError) as exc:
             raise CompareError(
                 f"{file}, line {number}, is not a cumulus record (a JSON object with a "
                 f"`step`): {exc}; was it written by another program, or cut off?"
             ) from None
+        records.append(record)
+    return series_of(records)
+
+
+def series_of(records: list[dict]) -> dict[str, Series]:
+    """The numeric metrics of `records` (each with a `step`), by step; the last record of a
+    step wins. Strings, lists and flags are not metrics; `null` stays None (non-finite)."""
+    series: dict[str, Series] = {}
+    for record in records:
+        step = int(record["step"])
         for key, value in record.items():
             if key in NOT_METRICS or isinstance(value, bool | str | list | dict):
                 continue

@@ -10,6 +10,7 @@ swap (`model`, `task`, `data`, `optim`, `scheduler`, `step`, `callbacks.*`) are 
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,27 +118,75 @@ class TaskExtras:
 EXTRAS = {"model": ModelExtras, "data": DataExtras, "task": TaskExtras}
 
 
+TRACKERS = ("wandb", "tensorboard", "mlflow")
+# How to install each tracker's package: W&B is a dependency, the others are extras.
+TRACKER_INSTALL = {
+    "wandb": "pip install wandb",
+    "tensorboard": "pip install -e '.[tensorboard]' (the extra `tensorboard`)",
+    "mlflow": "pip install -e '.[mlflow]' (the extra `mlflow`: mlflow-skinny)",
+}
+
+
+@dataclass
+class TensorboardCfg:
+    # Where this run's event files go; null: `tensorboard/` in the run directory.
+    dir: str | None = None
+
+
+@dataclass
+class MlflowCfg:
+    # null: a local store in the run directory (`mlruns/`); or a server (`http://HOST:5000`),
+    # `databricks`, or any URI MLflow accepts.
+    tracking_uri: str | None = None
+    experiment: str = "cumulus"
+    run_name: str | None = None
+    # At the end of the run: its small files (config, metrics.jsonl, report.html, summary) as
+    # the MLflow run's artifacts (never checkpoints).
+    log_artifacts: bool = True
+
+
 @dataclass
 class LoggerCfg:
-    name: str = "wandb"
+    """The trackers beside metrics.jsonl. `logger=[wandb,tensorboard]` merges the selected
+    files of configs/logger/, each adding its name to `trackers` (Hydra merges mappings, so
+    any number compose); the W&B keys stay at the top (`logger.project`, `logger.mode`...)."""
+
+    trackers: dict[str, bool] = field(default_factory=dict)
+    # W&B (logger=wandb).
     project: str = "cumulus"
     entity: str | None = None
     run_name: str | None = None
     tags: list[str] = field(default_factory=list)
     # null: online when credentials exist, offline otherwise. Or online / offline / disabled.
     mode: str | None = None
+    tensorboard: TensorboardCfg = field(default_factory=TensorboardCfg)
+    mlflow: MlflowCfg = field(default_factory=MlflowCfg)
 
     def __post_init__(self) -> None:
+        unknown = [name for name in self.trackers if name not in TRACKERS]
         require(
-            self.name in ("wandb", "none"),
-            "logger.name",
-            f"must be wandb or none, got {self.name!r}",
+            not unknown,
+            "logger",
+            f"unknown tracker {', '.join(map(repr, unknown))}: choose any of "
+            f"{', '.join(TRACKERS)} (`logger=[wandb,tensorboard]`), or `logger=none`",
         )
         require(
             self.mode in (None, "online", "offline", "disabled"),
             "logger.mode",
             f"must be null, online, offline or disabled, got {self.mode!r}",
         )
+        for name in self.names:
+            require(
+                importlib.util.find_spec(name) is not None,
+                "logger",
+                f"logger={name} needs the {name} package, which is not installed: "
+                f"{TRACKER_INSTALL[name]}; or choose another tracker",
+            )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The selected trackers, in the order they were selected."""
+        return tuple(name for name, on in self.trackers.items() if on)
 
 
 @dataclass

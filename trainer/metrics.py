@@ -1,4 +1,4 @@
-"""Turning step results into records: `metrics.jsonl`, the console, and W&B.
+"""Turning step results into records: `metrics.jsonl`, the console, and the trackers.
 
 Step results stay on the device between records; `.item()` happens here, once per record.
 """

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,7 +11,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from trainer.batch_plan import AUTO, BatchPlan
-from trainer.config import Config, TrainCfg
+from trainer.config import Config, LoggerCfg, TrainCfg
 from trainer.metrics import JsonlWriter, Progress, RecordSink, supersede
 from trainer.state import Resumed
 
@@ -73,7 +75,7 @@ def tracker_config(config: dict[str, Any], plan: BatchPlan) -> dict[str, Any]:
 def build_sinks(cfg: Config, config: dict[str, Any], banner: Banner, unit: str) -> list[RecordSink]:
     """Rank 0's outputs, in order: the resolved config, the banner, metrics.jsonl (records of
     steps after the resumed one moved to metrics.superseded.jsonl: one per step), the
-    console, W&B."""
+    console, the trackers `logger=[...]` selects."""
     run_dir, resumed = banner.run_dir, banner.resumed
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(config))
@@ -86,21 +88,96 @@ def build_sinks(cfg: Config, config: dict[str, Any], banner: Banner, unit: str) 
         JsonlWriter(run_dir / "metrics.jsonl"),
         Progress(cfg.train.max_steps, unit=unit),
     ]
-    if cfg.logger.name == "wandb":
-        from trainer.wandb_logger import WandbSink
-
-        # The same W&B run (this run directory's own checkpoint) already has those steps.
-        own = (
-            resumed.path is not None
-            and resumed.path.resolve().parent == (run_dir / "checkpoints").resolve()
-        )
+    tracked = tracker_config(config, banner.plan)
+    # This run directory's own checkpoint: the same tracker run, which already has the moved
+    # steps (W&B would refuse or duplicate them). Another run's checkpoint starts a new one.
+    own = (
+        resumed.path is not None
+        and resumed.path.resolve().parent == (run_dir / "checkpoints").resolve()
+    )
+    for name in cfg.logger.names:
         sinks.append(
-            WandbSink(
-                cfg.logger,
-                run_dir,
-                banner.run_id,
-                tracker_config(config, banner.plan),
-                sent_through=moved if own else None,
+            Guarded(
+                name,
+                lambda name=name: open_tracker(
+                    name, cfg.logger, run_dir, banner.run_id, tracked, moved, own
+                ),
             )
         )
     return sinks
+
+
+def open_tracker(
+    name: str,
+    cfg: LoggerCfg,
+    run_dir: Path,
+    run_id: str,
+    config: dict[str, Any],
+    moved: int | None,
+    own: bool,
+) -> RecordSink:
+    """The tracker `name` (a package imported only here: `--help` stays fast)."""
+    if name == "wandb":
+        from trainer.wandb_logger import WandbSink
+
+        return WandbSink(cfg, run_dir, run_id, config, sent_through=moved if own else None)
+    if name == "tensorboard":
+        from trainer.tensorboard_logger import TensorboardSink
+
+        # The event directory belongs to the run directory: it holds every step that
+        # metrics.jsonl held, whoever's checkpoint this launch resumed.
+        logdir = Path(cfg.tensorboard.dir) if cfg.tensorboard.dir else run_dir / "tensorboard"
+        return TensorboardSink(logdir, sent_through=moved)
+    if name == "mlflow":
+        from trainer.mlflow_logger import MlflowSink
+
+        # Continuing this run's MLflow run (found by run id) skips the moved steps itself.
+        return MlflowSink(cfg.mlflow, run_dir, run_id, config, sent_through=moved if own else None)
+    raise ValueError(f"unknown tracker {name!r}")  # LoggerCfg refused it already
+
+
+class Guarded(RecordSink):
+    """A tracker whose failure costs its own records, never the run: the first error (at
+    start-up or at any record: a full disk, a server gone) is one warning, and the tracker
+    records nothing more in this launch. metrics.jsonl stays the record of every step."""
+
+    def __init__(self, name: str, open_sink: Callable[[], RecordSink]) -> None:
+        self.name = name
+        self.failure: str | None = None
+        self.sink: RecordSink | None = None
+        try:
+            self.sink = open_sink()
+        except Exception as exc:
+            self._fail("start-up", exc)
+
+    def _fail(self, when: str, exc: Exception) -> None:
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        self.failure = f"{when} ({type(exc).__name__}: {first})"
+        self.sink = None  # not closed: closing a broken tracker may fail or wait again
+        print(
+            f"WARNING: logger {self.name} failed at {self.failure}; it records nothing more "
+            "in this launch. Training goes on; metrics.jsonl has every step.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.sink is None:
+            return
+        try:
+            self.sink.write(record)
+        except Exception as exc:
+            self._fail(f"step {record.get('step')}", exc)
+
+    def closing_note(self) -> str | None:
+        if self.failure is not None:
+            return f"  {self.name}: stopped recording at {self.failure}"
+        return self.sink.closing_note() if self.sink is not None else None
+
+    def close(self) -> None:
+        if self.sink is None:
+            return
+        try:
+            self.sink.close()
+        except Exception as exc:
+            self._fail("close", exc)

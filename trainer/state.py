@@ -303,6 +303,7 @@ def resume(
         # Each data-parallel rank its own dropout stream, independent of the initialization
         # stream (ranks that compute the same activations share one: the parallelism says).
         seed_everything(settings.seed + 1 + state.parallel.dropout_stream)
+        # Kept in checkpoints: a resume of this run directory continues the trackers' run.
         progress.run_id = broadcast_object(new_run_id(), info)
         return Resumed(None, 0, progress.run_id, False)
     ckpt = load_state(

@@ -34,6 +34,7 @@ def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> 
 
     from trainer.build import build_run
     from trainer.fit import RunEnded, fit, summary
+    from trainer.report import write_run_report
     from trainer.run_lock import run_dir_lock
 
     started = time.perf_counter()
@@ -53,11 +54,17 @@ def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> 
             raise
         finally:
             torch.autograd.set_detect_anomaly(False)  # process-wide; don't leak into later runs
+            closing = None
+            if info.is_main:
+                if outcome is not None:
+                    closing = summary(run, outcome, time.perf_counter() - started)
+                # Before the trackers close: MLflow uploads both as artifacts.
+                write_run_report(run_dir, closing)
             for sink in run.sinks:
                 sink.close()
             run.stop.close()
-            if outcome is not None and info.is_main:
-                print(summary(run, outcome, time.perf_counter() - started), flush=True)
+            if closing is not None:
+                print(closing, flush=True)
 
 
 @hydra.main(config_path="../configs", config_name="train", version_base=None)

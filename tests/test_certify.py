@@ -1,0 +1,137 @@
+"""`python -m trainer.certify` on a user's own project (docs/your-model.md's tagger, from its
+own package and config folder): the layouts it can host train as the one-process reference
+(exit 0, its table), a layout the model cannot take is skipped with the trainer's reason, and
+a task that returns a mean instead of a sum (with `task.check_sum=false`, so the start-up
+check does not stop it first) is caught: exit 1, naming the layout that differs.
+
+The table's figures are checked against `trainer.compare` run here on the same run
+directories, and each layout's own banner says it ran as the layout it names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, env, explain, launch
+from tests.user_project import select, write_project
+from trainer.compare import compare
+
+TIMEOUT = 150.0
+CONFIG = [
+    "data.n_train=64",
+    "train.micro_batch_size=8",
+    "train.grad_accum_steps=2",  # a global batch of 16
+    "certify.steps=4",
+]
+# The docs' task with the classic mistake: a mean over the micro-batch, not a sum.
+BROKEN = """
+import torch.nn.functional as F
+from tagger import IGNORE, TaggingTask
+
+
+class MeanTask(TaggingTask):
+    def loss_sum(self, model, batch):
+        logits = model(batch["features"]).flatten(0, 1)
+        return F.cross_entropy(logits, batch["labels"].flatten(), ignore_index=IGNORE)
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = write_project(tmp_path_factory.mktemp("certify_project"))
+    (root / "broken_tagger.py").write_text(BROKEN)
+    return root
+
+
+def certify(project: Path, work: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "trainer.certify", *select(project), *CONFIG, *extra]
+    return launch([*cmd, f"certify.dir={work}"], TIMEOUT, PYTHONPATH=f"{project}:{REPO}")
+
+
+def row(stdout: str, layout: str) -> str:
+    rows = [line for line in stdout.splitlines() if line.startswith(f"{layout} ")]
+    assert len(rows) == 1, stdout
+    return rows[0]
+
+
+@pytest.mark.multiproc
+def test_user_model_is_certified(project: Path, tmp_path: Path) -> None:
+    """accum and ddp2 agree with the reference; pp2 is skipped (the tagger declares no
+    pipeline stages); exit 0 with the table, certify.json and certify.html written."""
+    work = tmp_path / "work"
+    proc = certify(project, work, "certify.layouts=[accum,ddp2,pp2]")
+    assert proc.returncode == 0, explain(proc)
+    assert "CERTIFIED: 2 layouts train as the reference" in proc.stdout, explain(proc)
+    assert row(proc.stdout, "single").endswith("reference")
+    assert "skipped: the trainer refuses it" in row(proc.stdout, "pp2")
+    assert "pipeline_stage" in row(proc.stdout, "pp2")
+    banners = {
+        "single": "world 1 x micro 8 x accum 2 = global batch 16",
+        "accum": "world 1 x micro 4 x accum 4 = global batch 16",
+        "ddp2": "world 2 x micro 8 x accum 1 = global batch 16",
+    }
+    for layout, banner in banners.items():
+        assert banner in (work / f"{layout}.log").read_text(), layout
+    for layout in ("accum", "ddp2"):
+        line = row(proc.stdout, layout)
+        assert line.endswith("same"), line
+        diffs, _ = compare(work / "single", work / layout, keys=["train/loss", "train/grad_norm"])
+        assert all(d.within and d.steps == 4 for d in diffs)
+        figures = re.findall(r"\d\.\d\de[+-]\d\d", line)
+        by_metric = {d.metric: f"{d.max_abs:.2e}" for d in diffs}
+        assert figures == [by_metric["train/loss"], by_metric["train/grad_norm"]], line
+    report = json.loads((work / "certify.json").read_text())
+    status = {o["name"]: o["status"] for o in report["layouts"]}
+    assert status == {"single": "reference", "accum": "same", "ddp2": "same", "pp2": "skipped"}
+    page = (work / "certify.html").read_text()
+    assert "CERTIFIED: 2 layouts" in page and 'data-run="2"' in page
+    assert not re.search(r"https?:|\b(src|href)\s*=", page)
+
+
+def test_mean_instead_of_sum_is_caught(project: Path, tmp_path: Path) -> None:
+    """The mean task trains differently once the batch is cut into more micro-batches:
+    exit 1, the accum layout named as the one that differs."""
+    proc = certify(
+        project,
+        tmp_path / "work",
+        "task._target_=broken_tagger.MeanTask",
+        "task.check_sum=false",
+        "certify.layouts=[accum]",
+    )
+    assert proc.returncode == 1, explain(proc)
+    assert "DIFFERENT: train/" in row(proc.stdout, "accum"), explain(proc)
+    assert "NOT CERTIFIED: accum differs from the reference" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("arg", "says"),
+    [
+        ("certify.layouts=[accum,warp9]", "certify.layouts"),
+        ("certify.steps=0", "certify.steps"),
+        ("certify.step=3", "certify.step"),
+        ("train.max_steps=abc", "train.max_steps"),
+        ("model=nothing_like_it", "model"),
+    ],
+)
+def test_bad_input_is_one_paragraph(project: Path, tmp_path: Path, arg: str, says: str) -> None:
+    """Refused before any launch: exit 2, one line naming the key, no traceback."""
+    cmd = [sys.executable, "-m", "trainer.certify", *select(project), arg]
+    proc = subprocess.run(
+        [*cmd, f"certify.dir={tmp_path / 'w'}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env(PYTHONPATH=f"{project}{os.pathsep}{REPO}"),
+        cwd=REPO,
+    )
+    assert proc.returncode == 2, explain(proc)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], explain(proc)
+    assert not (tmp_path / "w").exists()
