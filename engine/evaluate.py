@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sized
+from collections.abc import Callable, Iterable, Sized
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ def evaluate(
     precision: Precision,
     dist: DistInfo,
     parallel: Parallelism | None = None,
+    progress: Callable[[int, torch.Tensor], None] | None = None,
 ) -> tuple[dict[str, float], int]:
     """Per-item means over all ranks' `batches` (`loss`, and whatever else the task sums,
     e.g. `accuracy`), and the global item count.
@@ -43,6 +44,8 @@ def evaluate(
     every rank runs as many forwards as the rank with the most batches (`batches` must have
     a length); the extra ones reuse a batch and are not counted. The model (and whatever the
     parallelism runs it with: pipeline stages) is in eval mode within, restored after.
+    `progress(batches, items)` is told after each batch (`items`: a device tensor, read only
+    by whoever prints it).
     """
     if parallel is None:  # read off the model's wrapper
         parallel = parallelism_of(model, dist)
@@ -55,11 +58,15 @@ def evaluate(
             raise ValueError(f"rank {dist.rank} has no validation batch to keep FSDP in step")
     sums: dict[str, torch.Tensor] = {}
     count = torch.zeros((), dtype=torch.float64, device=dist.device)
+    seen = 0
     with parallel.eval_mode(model), torch.inference_mode(), precision.autocast():
         for batch, batch_sums in parallel.eval_sums(model, task, batches, task_sums, n_forwards):
             for name, value in batch_sums.items():
                 sums[name] = sums.get(name, 0) + value.double()
             count += item_count(task, batch).double()
+            seen += 1
+            if progress is not None:
+                progress(seen, count)
     if not parallel.reports:  # another rank of its tensor-parallel group reports
         sums, count = {n: torch.zeros_like(v) for n, v in sums.items()}, torch.zeros_like(count)
     names = sorted(sums)

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.conftest import TINY, one_thread, read_metrics, train_in_process, train_records
+import pytest
+
+from tests.conftest import (
+    TINY,
+    explain,
+    one_thread,
+    read_metrics,
+    run_cli,
+    train_in_process,
+    train_records,
+)
 from tests.wandb_reader import run_id
 
 # TINY with the default logger (W&B: offline by itself without credentials).
@@ -58,3 +68,36 @@ def test_finished_run_rerun_writes_no_second_record(tmp_path: Path) -> None:
     assert after == before
     val_steps = [r["step"] for r in after if "val/loss" in r]
     assert val_steps == [2, 4]
+
+
+def test_a_run_and_an_evaluation_never_sit_in_silence(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run says when its first step is done (when records are sparser), that the final
+    evaluation and sample are running, and where its data came from; a second run on the
+    same JSONL corpus says its token cache was reused. `trainer.evaluate` over a whole
+    split prints progress lines (batches, items/s, ETA) on stderr, its JSON last on stdout."""
+    import json
+    import sysconfig
+
+    docs = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": p.read_text()}) + "\n" for p in docs))
+    args = [*TINY, "data=hf", f"data.path={corpus}", "train.max_steps=4", "train.log_every=2"]
+    args += ["eval.every_steps=4", "eval.max_batches=2", "checkpoint.every_steps=4"]
+    with one_thread():
+        train_in_process(args, tmp_path / "first")
+        first = capsys.readouterr().out
+        train_in_process(args, tmp_path / "second")
+        second = capsys.readouterr().out
+    assert "step 1 done in" in first and "the first record comes at step 2" in first
+    assert "final evaluation at step 4: 2 validation batches and a text sample" in first
+    assert "  data " in first and "tokenized into" in first and "reused" not in first
+    assert "token cache reused" in second
+    proc = run_cli(
+        [f"checkpoint={tmp_path / 'first'}", "eval.max_batches=20"], module="trainer.evaluate"
+    )
+    assert proc.returncode == 0, explain(proc)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("evaluating")]
+    assert len(lines) >= 2 and "items (" in lines[-1] and "ETA" in lines[-1], proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["step"] == 4

@@ -201,6 +201,7 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
         stop=StopRequest(info),
         step_window=measured(auto_window or plain_step_window, cfg, run_dir),
         decode=parts.data.decode,
+        data_description=parts.data.description or str(cfg.data.get("_target_")),
     )
 
 

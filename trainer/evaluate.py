@@ -14,6 +14,7 @@ the user restates and those under `trust=[PKG,...]` are built.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ from trainer.data.batches import build_val_batches
 from trainer.errors import UserError
 from trainer.fit import val_metrics
 from trainer.identity import register_resolvers
+from trainer.metrics import EvalProgress
 from trainer.state import RunState, load_state
 from trainer.trust import check_saved, check_targets, parse_trust
 
@@ -196,11 +198,13 @@ def evaluate_checkpoint(
     val = build_val_batches(parts.data, parts.data_extras, cfg.eval, cfg.seed, info, parts.parallel)
     precision = Precision(cfg.train.precision, info.device.type)
     model = unwrap(parts.wrapped)
-    if averaged is None:
-        means, count = evaluate(model, parts.task, val, precision, info, parts.parallel)
-    else:
-        with averaged.weights_swapped(model):
-            means, count = evaluate(model, parts.task, val, precision, info, parts.parallel)
+    progress = None
+    if info.is_main:  # on stderr: stdout's last line is the metrics' JSON
+        progress = EvalProgress(len(val), f"evaluating {path.name}", marks=True, stream=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        if averaged is not None:
+            stack.enter_context(averaged.weights_swapped(model))
+        means, count = evaluate(model, parts.task, val, precision, info, parts.parallel, progress)
     return {"step": ckpt.step, **val_metrics(means, count, parts.task)}
 
 

@@ -24,7 +24,7 @@ from trainer.contract import annotate_step
 from trainer.data.checks import next_window
 from trainer.data.loader import EvalBatches, TrainBatches
 from trainer.errors import UserError
-from trainer.metrics import RecordSink, TrainMeter, peak_memory_mb
+from trainer.metrics import EvalProgress, RecordSink, TrainMeter, peak_memory_mb
 from trainer.optim import horizon_dependent
 from trainer.preemption import StopRequest
 from trainer.state import Resumed, RunState, TrainingProgress
@@ -114,6 +114,7 @@ class Run:
     step_window: StepWindow = plain_step_window
     # Token ids -> text, for the samples written at each evaluation (None: no samples).
     decode: Callable[[list[int]], str] | None = None
+    data_description: str = ""  # where the data came from (a reused token cache, say)
     latest: dict[str, Any] = field(default_factory=dict)  # the last train and val loss
     last_saved_step: int = field(init=False)
 
@@ -176,6 +177,13 @@ def fit(run: Run) -> str:
         else:
             # A finished run rerun has its last evaluation already: one record per step.
             if eval_cfg.every_steps and not (run.step == first_step and run.resumed.evaluated):
+                if run.dist.is_main:
+                    sample = " and a text sample" if run.settings.eval.sample_tokens else ""
+                    print(
+                        f"final evaluation at step {run.step}: {len(run.val_batches)} "
+                        f"validation batches{sample}",
+                        flush=True,
+                    )
                 evaluate(run)
             if ckpt.every_steps:
                 save(run, final=True)
@@ -220,6 +228,13 @@ def report_first_step(run: Run, started: float) -> None:
         print(
             f"torch.compile: first step took {time.perf_counter() - started:.1f} s "
             "(compilation included)",
+            flush=True,
+        )
+    every = run.settings.train.log_every
+    if run.dist.is_main and every > 1 and run.step < run.settings.train.max_steps:
+        print(
+            f"step {run.step} done in {time.perf_counter() - started:.1f} s (start-up "
+            f"included); the first record comes at step {min(every, run.settings.train.max_steps)}",
             flush=True,
         )
     missing = missing_gradients(run.ctx.model)
@@ -278,6 +293,7 @@ def summary(run: Run, outcome: str, seconds: float) -> str:
         + (f" | {losses}" if losses else ""),
         f"  run dir {run.run_dir}",
         f"  newest checkpoint {newest if newest is not None else '(none)'}",
+        f"  data {run.data_description}",
     ]
     lines += run.ctx.callbacks.summaries(run.batches.plan.global_batch)
     lines += [note for sink in run.sinks if (note := sink.closing_note())]
@@ -287,8 +303,10 @@ def summary(run: Run, outcome: str, seconds: float) -> str:
 def evaluate(run: Run) -> dict[str, Any]:
     """Validation metrics over the fixed validation set; consumes no training RNG or data."""
     model, ctx = unwrap(run.ctx.model), run.ctx
+    label = f"evaluating step {run.step}"
+    progress = EvalProgress(len(run.val_batches), label) if run.dist.is_main else None
     means, count = evaluate_model(
-        model, ctx.task, run.val_batches, ctx.precision, run.dist, ctx.parallel
+        model, ctx.task, run.val_batches, ctx.precision, run.dist, ctx.parallel, progress
     )
     if not math.isfinite(means.get("loss", math.nan)):
         print(

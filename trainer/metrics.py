@@ -142,6 +142,40 @@ class Progress(RecordSink):
         self.stream.flush()
 
 
+class EvalProgress:
+    """Lines while an evaluation runs (rank 0): batches done, items/s, ETA. Every `every_s`
+    seconds, and with `marks` at each tenth of the batches too (a whole split evaluated by
+    `trainer.evaluate`): never minutes of silence, never a line per batch."""
+
+    def __init__(
+        self,
+        total: int,
+        label: str,
+        every_s: float = 10.0,
+        marks: bool = False,
+        stream: TextIO = sys.stdout,
+    ) -> None:
+        self.total, self.label, self.every_s, self.marks = total, label, every_s, marks
+        self.stream = stream
+        self.start = self.last = time.perf_counter()
+        self.mark = 0
+
+    def __call__(self, batches: int, items: torch.Tensor) -> None:
+        now = time.perf_counter()
+        mark = 10 * batches // max(self.total, 1)
+        if not (self.marks and mark > self.mark) and now - self.last < self.every_s:
+            return
+        self.mark, self.last = mark, now
+        n, elapsed = int(items.item()), max(now - self.start, 1e-9)
+        eta = elapsed / batches * (self.total - batches)
+        print(
+            f"{self.label}: batch {batches}/{self.total} | {n:,} items ({n / elapsed:,.0f}/s) | "
+            f"ETA {_duration(eta)}",
+            file=self.stream,
+            flush=True,
+        )
+
+
 def _fmt(v: Any) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 

@@ -135,5 +135,7 @@ def hf_data(
         vocab_size=max(vocab, biggest),
         seq_len=block_size,
         decode=decode,
-        description=f"{n_train} train / {n_val} val documents from {source}",
+        description=f"{n_train} train / {n_val} val documents from {source} ("
+        + ("token cache reused: " if all(s.reused for s in stores) else "tokenized into ")
+        + f"{stores[0].root})",
     )

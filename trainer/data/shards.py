@@ -570,6 +570,7 @@ class TokenStore:
 
     def __init__(self, root: Path, index: dict[str, Any]) -> None:
         self.root = root
+        self.reused = False  # found already tokenized (a cache hit), not built by this run
         self.dtype = np.dtype(index["dtype"])
         self.vocab_size = int(index["vocab_size"])
         self.max_id = int(index["max_id"])
@@ -673,6 +674,7 @@ def open_shards(
     out = shard_dir(source, file, cache_dir)
     store = _try_load(out, key)  # cached start: no lock, no read of the corpus
     if store is not None:
+        store.reused = True
         return store
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
