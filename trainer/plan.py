@@ -94,18 +94,35 @@ class CommCounter(TorchDispatchMode):
     """Bytes each collective moves, by collective and by the mesh dimension of its group
     ("other group": the default group, or one no mesh names)."""
 
-    def __init__(self, meshes: list[Any]) -> None:
+    def __init__(self, meshes: list[Any], names: dict[str, str | None]) -> None:
         super().__init__()
         self.meshes = meshes
         self.bytes: dict[str, int] = {}
+        # Shared by the roles of one plan: torch caches sub-meshes across the fake worlds,
+        # so a later role's tensors may name a group an earlier role resolved.
+        self._names = names
+        self._spans: dict[tuple[int, ...], str] = {}
+        self._known_meshes = 0
 
-    def _dims(self) -> dict[str, str]:
-        names: dict[str, str] = {}
-        for mesh in self.meshes:
-            for dim in mesh.mesh_dim_names or ():
-                with contextlib.suppress(Exception):
-                    names.setdefault(mesh.get_group(dim).group_name, dim)
-        return names
+    def _dim_of(self, name: str) -> str | None:
+        """The mesh dimension whose ranks a group (by name) spans; meshes built so far are
+        looked at again when more were built (DTensor and FSDP2 build sub-meshes)."""
+        if self._known_meshes != len(self.meshes):
+            for mesh in self.meshes[self._known_meshes :]:
+                for dim in mesh.mesh_dim_names or ():
+                    with contextlib.suppress(Exception):
+                        ranks = tuple(dist.get_process_group_ranks(mesh.get_group(dim)))
+                        self._spans.setdefault(ranks, dim)
+            self._known_meshes = len(self.meshes)
+        if name not in self._names:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            try:
+                ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
+            except (KeyError, RuntimeError, ValueError):
+                return None
+            self._names[name] = self._spans.get(ranks)
+        return self._names[name]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -116,12 +133,12 @@ class CommCounter(TorchDispatchMode):
         if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
             tensors = [a for a in _flat(args) if isinstance(a, torch.Tensor)]
             size = max((t.numel() * t.element_size() for t in tensors), default=0)
-            known = self._dims()
             # funcol's group is a name among its string arguments (beside a reduce op's);
             # c10d's the ProcessGroup itself, boxed (a ScriptObject).
             names = [a for a in _flat(args) if isinstance(a, str)]
             names += [n for n in map(_group_name, _flat(args)) if n]
-            dim = next((known[n] for n in names if n in known), "other group")
+            dims = [d for d in map(self._dim_of, names) if d]
+            dim = dims[0] if dims else "other group"
             key = f"{func.__name__.split('.')[0].strip('_')}/{dim}"
             self.bytes[key] = self.bytes.get(key, 0) + size
         return func(*args, **kwargs)
@@ -186,7 +203,11 @@ def _map(x: Any, fn: Any) -> Any:
 
 
 def simulate_rank(
-    cfg: Config, dims: ParallelDims, rank: int, book: dict[Any, Any]
+    cfg: Config,
+    dims: ParallelDims,
+    rank: int,
+    book: dict[Any, Any],
+    groups: dict[str, str | None] | None = None,
 ) -> tuple[MemoryReport, dict[str, int], Assembly, BatchPlan]:
     """Rank `rank` of the simulated world: the real run built on fake tensors, two steps."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -203,7 +224,7 @@ def simulate_rank(
             step_fn = build_step(cfg.step)
             check_layout(parts.parallel, run_shape(cfg, step_fn, ctx, plan))
             ctx.callbacks.setup(ctx)
-            peaks, counter = StepPeaks(), CommCounter(meshes)
+            peaks, counter = StepPeaks(), CommCounter(meshes, {} if groups is None else groups)
             for _ in range(STEPS):
                 with peaks.step(parts.wrapped, ctx.optimizer), counter:
                     step_fn(ctx, window)
@@ -341,11 +362,12 @@ def plan_run(cfg: Config) -> Plan:
     gpu_memory = pc.memory_bytes or gpu.memory_bytes
     capacity = gpu_memory * (1 - pc.headroom)
     book: dict[Any, Any] = {}  # what pipeline stages sent, for the next stage's rank
+    groups: dict[str, str | None] = {}  # process-group names -> mesh dimensions
     planned: list[RolePlan] = []
     comm_total: dict[str, int] = {}
     parts = plan = None
     for ranks in roles(dims):
-        memory, comm, parts, plan = simulate_rank(cfg, dims, ranks[0], book)
+        memory, comm, parts, plan = simulate_rank(cfg, dims, ranks[0], book, groups)
         role = RolePlan(ranks, memory, comm, memory.peak_bytes <= capacity)
         role.micro_auto = auto_micro(memory, plan, capacity)
         planned.append(role)
