@@ -101,3 +101,18 @@ def test_a_run_and_an_evaluation_never_sit_in_silence(
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("evaluating")]
     assert len(lines) >= 2 and "items (" in lines[-1] and "ETA" in lines[-1], proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["step"] == 4
+
+
+def test_optimizer_without_state_resumes_exactly(tmp_path: Path) -> None:
+    """SGD without momentum keeps no tensor per parameter: a run stopped at step 2 resumes
+    and equals the uninterrupted run bit for bit (torch's full-state loader needed a tensor
+    to learn the device from, and raised)."""
+    args = [*TINY, "optim=sgd", "optim.momentum=0", "checkpoint.every_steps=2"]
+    args += ["scheduler=constant", "train.max_steps=4"]
+    with one_thread():
+        want = train_records(train_in_process(args, tmp_path / "reference"))
+        train_in_process([*args, "train.max_steps=2"], tmp_path / "run")
+        got = train_records(train_in_process(args, tmp_path / "run"))
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for g, w in zip(got, want, strict=True):
+        assert (g["train/loss"], g["train/grad_norm"]) == (w["train/loss"], w["train/grad_norm"])

@@ -346,8 +346,7 @@ def test_unreachable_target_and_both_settings_are_one_line() -> None:
     )
 
 
-# Momentum: resuming an optimizer without per-parameter state (SGD, momentum 0) fails in
-# torch's set_state_dict ("Expected device to be set"), a separate issue.
+# With momentum: the extension resumes an optimizer with per-parameter state.
 TARGET = ["train.micro_batch_size=8", "train.grad_accum_steps=4", "optim.momentum=0.5"]
 TARGET.append("step.noise_multiplier=null")
 

@@ -102,12 +102,20 @@ def load_model_optimizer_state(
     optimizer_state: dict[str, Any],
 ) -> None:
     """Load full state from `model_optimizer_state` into a (possibly sharded) model."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=model_state,
-        optim_state_dict=optimizer_state,
-        options=StateDictOptions(full_state_dict=True),
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
     )
+
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=full)
+    # An optimizer whose state holds no tensor to lay out (SGD without momentum: its
+    # buffers are None) loads as it is: torch's full-state path needs one to learn the device.
+    holds_tensors = any(
+        isinstance(v, torch.Tensor) and v.dim() > 0
+        for state in optimizer_state.get("state", {}).values()
+        for v in state.values()
+    )
+    options = full if holds_tensors else StateDictOptions(full_state_dict=False)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
