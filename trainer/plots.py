@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Runs are told apart by colour (colour-blind-safe palette, Okabe-Ito), metrics by dash.
@@ -152,27 +153,7 @@ def svg(chart: Chart) -> str:
         )
         out.append(_text(LEFT + pw - 4, y - 4, chart.hline[1], "end"))
     for ln in lines:
-        color, dash = COLORS[ln.run % len(COLORS)], DASHES[ln.dash % len(DASHES)]
-        commands, singles, pen = [], [], "M"
-        for i, (step, value) in enumerate(ln.points):
-            if value is None:
-                pen = "M"
-                continue
-            commands.append(f"{pen}{px(step):.1f} {py(value):.1f}")
-            after = ln.points[i + 1][1] if i + 1 < len(ln.points) else None
-            if pen == "M" and after is None:
-                singles.append((px(step), py(value)))  # a lone point draws no line: a dot
-            pen = "L"
-        attrs = f'data-run="{ln.run}" data-metric="{html.escape(ln.metric)}"'
-        dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        out.append(
-            f'<path class="series" {attrs} stroke="{color}"{dash_attr} d="{" ".join(commands)}">'
-            f"<title>{html.escape(ln.metric)}</title></path>"
-        )
-        out += [
-            f'<circle class="dot" cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>'
-            for x, y in singles
-        ]
+        out += _series(ln, px, py)
     for run, step, what in chart.marks:
         x = px(step)
         color = COLORS[run % len(COLORS)]
@@ -184,3 +165,29 @@ def svg(chart: Chart) -> str:
         )
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _series(ln: Line, px: Callable[[float], float], py: Callable[[float], float]) -> list[str]:
+    """One line of a chart as a `<path>` (gaps where values are missing), and a dot for each
+    point that stands alone."""
+    color, dash = COLORS[ln.run % len(COLORS)], DASHES[ln.dash % len(DASHES)]
+    commands, singles, pen = [], [], "M"
+    for i, (step, value) in enumerate(ln.points):
+        if value is None:
+            pen = "M"
+            continue
+        commands.append(f"{pen}{px(step):.1f} {py(value):.1f}")
+        after = ln.points[i + 1][1] if i + 1 < len(ln.points) else None
+        if pen == "M" and after is None:
+            singles.append((px(step), py(value)))  # a lone point draws no line: a dot
+        pen = "L"
+    attrs = f'data-run="{ln.run}" data-metric="{html.escape(ln.metric)}"'
+    dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
+    return [
+        f'<path class="series" {attrs} stroke="{color}"{dash_attr} d="{" ".join(commands)}">'
+        f"<title>{html.escape(ln.metric)}</title></path>",
+        *(
+            f'<circle class="dot" cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>'
+            for x, y in singles
+        ),
+    ]
