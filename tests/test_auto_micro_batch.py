@@ -18,16 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import (
-    TINY,
-    explain,
-    launch_all,
-    read_metrics,
-    run_cli,
-    torchrun_cmd,
-    train_in_process,
-    train_records,
-)
+from tests.conftest import TINY, read_metrics, train_in_process, train_records
+from tests.ranks import explain, launch_all, run_cli, torchrun_cmd
 from trainer import metrics  # noqa: F401  (imported before capsys: Progress binds sys.stdout)
 from trainer.errors import UserError
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import explain, run_cli
+from tests.ranks import explain, run_cli
 from trainer.models.gpt import GPT
 
 TRACEBACK = "Traceback (most recent call last)"

@@ -1,4 +1,4 @@
-"""Checkpoints and resume through the real entry points (`python -m trainer.train`, torchrun).
+"""Checkpoints and resume through the entry points (`python -m trainer.train`, torchrun).
 
 A crash is a SIGKILL at a chosen optimizer step (`tests.ckpt_support.KillOnce`); the rerun is
 the same command. Every trajectory is compared with an independent reference: an
@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,9 @@ import pytest
 import torch
 
 from engine.checkpoint import CheckpointError, list_checkpoints, verify
-from tests.ckpt_support import kill_tree
-from tests.conftest import REPO, env, explain, launch, read_metrics, torchrun_cmd, train_records
+from tests import ranks
+from tests.conftest import REPO, read_metrics, train_records
+from tests.ranks import explain, launch, torchrun_cmd
 
 BASE = ["model=gpt_tiny", "logger=none", "train.log_every=1"]
 # Dropout, variable-length samples, accumulation: a resume must restore the RNG streams, the
@@ -211,7 +211,8 @@ def test_torchrun_restart_after_rank_death_resumes_exactly(
 ) -> None:
     """torchrun --max-restarts=1 brings a job back after one rank is SIGKILLed: the restarted
     workers resume from the last checkpoint and continue the 2-rank trajectory exactly, from
-    one gathered file or from the shards each rank wrote."""
+    one gathered file or from the shards each rank wrote. Real torchrun: its restart of the
+    workers (new pids, restart count, the shared agent store) is what is tested."""
     run_dir, marker = tmp_path / "run", tmp_path / "killed"
     args = [*DDP, f"checkpoint.format={fmt}", f"hydra.run.dir={run_dir}"]
     args += kill_at(7, marker, rank=1)
@@ -334,25 +335,20 @@ def test_sigterm_saves_the_current_step_and_exits_zero(refs: References, tmp_pat
     run_dir = tmp_path / "run"
     args = [*NOISY, "eval.every_steps=0", "checkpoint.every_steps=100000"]
     args.append(f"hydra.run.dir={run_dir}")
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        cmd = trainer([*args, "train.max_steps=100000"])
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO, env=env())
-        try:
-            deadline = time.monotonic() + SINGLE_TIMEOUT
-            while complete_train_lines(run_dir / "metrics.jsonl") < 3:
-                assert proc.poll() is None, "the run ended before it was signalled"
-                assert time.monotonic() < deadline, "no 3 records in time"
-                time.sleep(0.02)
-            proc.send_signal(signal.SIGTERM)
-            rc = proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                kill_tree(proc.pid)
-                proc.wait()
-        err.seek(0)
-        stderr = err.read()
-        out.seek(0)
-        stdout = out.read()
+    run = ranks.start(trainer([*args, "train.max_steps=100000"]), SINGLE_TIMEOUT)
+    ended = False
+    try:
+        deadline = time.monotonic() + SINGLE_TIMEOUT
+        while complete_train_lines(run_dir / "metrics.jsonl") < 3:
+            assert run.poll() is None, "the run ended before it was signalled"
+            assert time.monotonic() < deadline, "no 3 records in time"
+            time.sleep(0.02)
+        run.send_signal(signal.SIGTERM)
+        ended = run.ended_by(time.monotonic() + 60)
+    finally:
+        proc = run.collect()  # killed (its whole tree) if still running
+    assert ended, f"still running 60 s after SIGTERM\n{explain(proc)}"
+    rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     assert rc == 0, stderr[-4000:]
     assert "stop requested" in stderr, stderr[-4000:]
     last = train_records(read_metrics(run_dir))[-1]["step"]
@@ -476,7 +472,7 @@ def test_checkpoint_modules_import_one_way() -> None:
         " if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    proc = launch([sys.executable, "-c", code], SINGLE_TIMEOUT)  # a fresh interpreter
     assert proc.returncode == 0, proc.stderr
     for module in ("checkpoint_manifest", "checkpoint_writer"):
         source = (REPO / "engine" / f"{module}.py").read_text()

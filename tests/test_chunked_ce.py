@@ -21,14 +21,12 @@ from engine.numerics.chunked_ce import ChunkedCrossEntropy, OutputHead, chunked_
 from engine.tasks import CausalLMTask
 from tests.conftest import (
     compose_config,
-    explain,
-    launch_all,
     read_metrics,
     stdlib_text,
-    torchrun_cmd,
     train_in_process,
     train_records,
 )
+from tests.ranks import explain, launch_all, torchrun_cmd
 from trainer.build import build_task
 from trainer.cli import to_config
 from trainer.models.gpt import GPT, FakeQuantLinear

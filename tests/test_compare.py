@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import explain, launch_all, run_cli
+from tests.ranks import explain, launch_all, run_cli
 from tests.test_user_model import trainer
 from tests.user_project import write_project
 

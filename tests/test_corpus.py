@@ -17,16 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import (
-    REPO,
-    TINY,
-    env,
-    explain,
-    launch,
-    run_cli,
-    train_in_process,
-    train_records,
-)
+from tests.conftest import REPO, TINY, train_in_process, train_records
+from tests.ranks import env, explain, launch, run_cli
 
 tokenizers = pytest.importorskip("tokenizers")
 datasets = pytest.importorskip("datasets")

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import explain, launch_all, read_metrics, torchrun_cmd, train_records
+from tests.conftest import read_metrics, train_records
+from tests.ranks import explain, launch_all, torchrun_cmd
 
 TIMEOUT = 240.0
 ARGS = ["experiment=digits", "logger=none", "train.log_every=1"]

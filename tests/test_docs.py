@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, env, explain, launch_all, read_metrics, train_records
+from tests.conftest import REPO, TINY, read_metrics, train_records
+from tests.ranks import env, explain, launch_all
 from tests.user_project import commands, write_project
 
 DOC = REPO / "docs" / "extending.md"

@@ -27,8 +27,9 @@ from engine.step import StepContext
 from engine.steps.dp_sgd import DPSGDStep
 from engine.steps.privacy import RDPAccountant
 from engine.tasks import ClassificationTask
-from tests.conftest import explain, read_metrics, run_cli, run_torchrun, train_in_process
+from tests.conftest import read_metrics, train_in_process
 from tests.dp_support import blobs, mlp64
+from tests.ranks import explain, run_cli, run_torchrun
 from trainer.data.loader import GlobalBatchSampler, StepMicroBatches
 
 EXACT = 1e-10

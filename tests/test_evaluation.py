@@ -26,14 +26,12 @@ from engine.numerics.precision import Precision
 from tests.conftest import (
     CONFIG_DIR,
     TINY,
-    explain,
-    launch_all,
     one_thread,
     read_metrics,
-    torchrun_cmd,
     train_in_process,
     train_records,
 )
+from tests.ranks import explain, launch_all, torchrun_cmd
 from trainer.data.text import TextCfg, load_splits
 from trainer.models.gpt import GPT, GPTConfig
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, TINY, env, explain, launch, launch_all, read_metrics, torchrun_cmd
+from tests.conftest import REPO, TINY, read_metrics
+from tests.ranks import env, explain, launch, launch_all, torchrun_cmd
 from trainer import run_lock
 from trainer.run_lock import LOCK_NAME, STALE_AFTER_S, RunDirInUse, RunLock
 

@@ -20,15 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import (
-    REPO,
-    env,
-    explain,
-    launch,
-    launch_all,
-    read_metrics,
-    torchrun_cmd,
-)
+from tests.conftest import REPO, read_metrics
+from tests.ranks import env, explain, launch, launch_all, torchrun_cmd
 from tests.user_project import select, write_project
 
 TIMEOUT = 120.0

@@ -16,17 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import (
-    explain,
-    launch,
-    launch_all,
-    read_metrics,
-    run_cli,
-    stdlib_text,
-    torchrun_cmd,
-    train_in_process,
-    train_records,
-)
+from tests.conftest import read_metrics, stdlib_text, train_in_process, train_records
+from tests.ranks import explain, launch, launch_all, run_cli, torchrun_cmd
 
 transformers = pytest.importorskip("transformers")
 

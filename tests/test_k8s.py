@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO, explain, launch_all, read_metrics, stdlib_text, train_records
+from tests.conftest import REPO, read_metrics, stdlib_text, train_records
+from tests.ranks import explain, launch_all
 
 K8S = REPO / "docker" / "k8s"
 README = (REPO / "README.md").read_text()

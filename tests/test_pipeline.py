@@ -25,15 +25,9 @@ import torch
 
 from engine.parallel.pipeline import NotSplittable, stage_ranges
 from engine.parallel.pipeline.schedule import SCHEDULES, Action, actions, simulate
-from tests.conftest import (
-    explain,
-    launch,
-    launch_all,
-    read_metrics,
-    torchrun_cmd,
-    train_records,
-)
+from tests.conftest import read_metrics, train_records
 from tests.pipeline_support import OverflowGPT
+from tests.ranks import explain, launch, launch_all, torchrun_cmd
 from tests.test_checkpoint import kill_at, resumed_steps
 from trainer.cli import EXIT_USER_ERROR
 

@@ -45,16 +45,13 @@ from tests.conftest import (
     CONFIG_DIR,
     REPO,
     TINY,
-    env,
-    explain,
     read_metrics,
-    run_cli,
     stdlib_text,
-    torchrun_cmd,
     train_in_process,
     train_records,
 )
 from tests.precision_support import poison_next_backward, run_concurrently
+from tests.ranks import env, explain, run_cli, torchrun_cmd
 from trainer.fit import TrainingDiverged
 from trainer.models.gpt import GPT
 from trainer.optim import build_optimizer

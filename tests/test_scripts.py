@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, env, explain, read_metrics, train_records
+from tests.conftest import REPO, TINY, read_metrics, train_records
+from tests.ranks import env, explain
 
 SCRIPTS = sorted(
     [

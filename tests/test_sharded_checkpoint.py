@@ -39,8 +39,9 @@ from engine.checkpoint.sharded import (
     save_shards,
     sharded_model_optimizer_state,
 )
-from tests.conftest import CONFIG_DIR, TINY, explain, launch, read_metrics, torchrun_cmd
+from tests.conftest import CONFIG_DIR, TINY, read_metrics
 from tests.old_dcp_layout import old_state
+from tests.ranks import explain, launch, torchrun_cmd
 from trainer.models.gpt import GPT
 from trainer.optim import param_groups
 

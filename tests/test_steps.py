@@ -34,14 +34,12 @@ from engine.steps.sam import SAMStep
 from tests.conftest import (
     TINY,
     compose_config,
-    explain,
     read_metrics,
-    run_cli,
-    run_torchrun,
     stdlib_text,
     train_in_process,
     train_records,
 )
+from tests.ranks import explain, run_cli, run_torchrun
 from tests.steps_support import CountingStep
 from trainer.build import build_model
 from trainer.cli import to_config

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import explain, launch_all, read_metrics, train_records
+from tests.conftest import read_metrics, train_records
+from tests.ranks import explain, launch_all
 from tests.test_pipeline import (
     EXIT_USER_ERROR,
     TRAIN_KEYS,

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from engine.tasks import TaskOutputError, TokenClassificationTask
-from tests.conftest import explain, launch, read_metrics
+from tests.conftest import read_metrics
+from tests.ranks import explain, launch
 from tests.test_user_model import EXACT, ONE, STEPS, final_weights, reference, trainer, user_module
 from tests.user_project import write_project
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, explain, launch, launch_all, train_in_process, train_records
+from tests.conftest import TINY, train_in_process, train_records
+from tests.ranks import explain, launch, launch_all
 
 tokenizers = pytest.importorskip("tokenizers")
 datasets = pytest.importorskip("datasets")

@@ -20,16 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import (
-    REPO,
-    TINY,
-    explain,
-    launch,
-    launch_all,
-    read_metrics,
-    stdlib_text,
-    train_records,
-)
+from tests.conftest import REPO, TINY, read_metrics, stdlib_text, train_records
+from tests.ranks import explain, launch, launch_all
 
 STEPS = 4
 # A package outside cumulus. Importing any part of it leaves IMPORTED behind; each function

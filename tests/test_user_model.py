@@ -23,16 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed import DistInfo
-from tests.conftest import (
-    REPO,
-    compose_config,
-    explain,
-    launch,
-    launch_all,
-    read_metrics,
-    torchrun_cmd,
-    train_records,
-)
+from tests.conftest import REPO, compose_config, read_metrics, train_records
+from tests.ranks import explain, launch, launch_all, torchrun_cmd
 from tests.user_project import select, write_project
 from trainer.build import parallelize, split_extras
 from trainer.cli import to_config

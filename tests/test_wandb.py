@@ -17,16 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import (
-    REPO,
-    TINY,
-    env,
-    explain,
-    one_thread,
-    read_metrics,
-    train_in_process,
-    train_records,
-)
+from tests.conftest import REPO, TINY, one_thread, read_metrics, train_in_process, train_records
+from tests.ranks import env, explain
 from tests.wandb_reader import history, run_id
 
 # TINY without its `logger=none`: these runs use the default logger (wandb).
