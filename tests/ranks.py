@@ -235,12 +235,14 @@ def start(
     *,
     cwd: Path | None = None,
     real: bool = False,
+    environ: Mapping[str, str] | None = None,
     **env_extra: str,
 ) -> Started:
     """Start `cmd` (warm when it can be, see the module docstring); output goes to files, so
-    no pipe can fill up and block it."""
+    no pipe can fill up and block it. The environment is `env(**env_extra)`, or `environ`
+    whole (to leave variables out)."""
     cmd = [str(c) for c in cmd]
-    environ = env(**env_extra)
+    environ = dict(environ) if environ is not None else env(**env_extra)
     workdir = Path(cwd or REPO)
     plan = None if real or _startup_env_changed(environ) else warm_plan(cmd)
     handle = Started(cmd, timeout)
@@ -262,13 +264,14 @@ def launch(
     *,
     cwd: Path | None = None,
     real: bool = False,
+    environ: Mapping[str, str] | None = None,
     **env_extra: str,
 ) -> subprocess.CompletedProcess:
     """Run `cmd` from the repo root (or `cwd`); past `timeout` kill its tree and fail.
     `tmp` becomes TMPDIR (where a real torchrun leaves its `torchelastic_*` directories)."""
     if tmp is not None:
         env_extra = {"TMPDIR": str(tmp), **env_extra}
-    return start(cmd, timeout, cwd=cwd, real=real, **env_extra).wait()
+    return start(cmd, timeout, cwd=cwd, real=real, environ=environ, **env_extra).wait()
 
 
 def launch_all(
@@ -296,10 +299,11 @@ def run_cli(
     module: str = "trainer.train",
     timeout: float = 120,
     cwd: Path | None = None,
+    environ: Mapping[str, str] | None = None,
     **env_extra: str,
 ) -> subprocess.CompletedProcess:
     """`python -m <module> args` as a user would type it."""
-    return launch(python_cmd(module, *args), timeout, cwd=cwd, **env_extra)
+    return launch(python_cmd(module, *args), timeout, cwd=cwd, environ=environ, **env_extra)
 
 
 def run_torchrun(

@@ -3,10 +3,10 @@
 The schedules and the split are data, so they are checked directly (every rank's list
 together covers each forward and backward exactly once and runs without deadlock in
 `simulate`; the balanced split is checked against brute force). Everything else goes through
-the real command (`python -m trainer.train`, torchrun with gloo on CPU) and is compared with
-an independent reference: the same configuration on one process without a pipeline, which
-never touches engine/parallel/pipeline/. Runs that several tests read are launched once per module,
-all at once (`launch_all`): most of a launch is imports, which overlap well on 2 cores.
+the command (`python -m trainer.train`, torchrun with gloo on CPU; warm ranks, tests/ranks.py)
+and is compared with an independent reference: the same configuration on one process without
+a pipeline, which never touches engine/parallel/pipeline/. Runs that several tests read are
+launched once per module, all at once (`launch_all`).
 """
 
 from __future__ import annotations
