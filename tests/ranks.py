@@ -171,6 +171,14 @@ class Started:
         assert self.proc is not None
         return self.proc.poll()
 
+    def pids(self) -> list[int]:
+        """The pids of the processes running the module: a warm job's ranks, or the command's
+        own pid (a real torchrun's agent, not its workers)."""
+        if self.job is not None:
+            return self.job.rank_pids()
+        assert self.proc is not None
+        return [self.proc.pid]
+
     def send_signal(self, sig: int) -> None:
         """To the process, or to every rank of a warm job (as torchrun forwards a signal)."""
         if self.job is not None:
@@ -366,6 +374,7 @@ class _Job:
         self.folder = folder
         self.ranks = ranks
         self.leader: int | None = None
+        self.ranks_started: list[int] = []
         self.done: dict[str, Any] | None = None
         self._buf = b""
 
@@ -386,6 +395,7 @@ class _Job:
                 msg = json.loads(line)
                 if "leader" in msg:
                     self.leader = msg["leader"]
+                    self.ranks_started = msg["ranks"]
                 if "returncode" in msg:
                     self.done = msg
             if left <= 0:
@@ -401,21 +411,36 @@ class _Job:
             self._pump(min(1.0, deadline - time.monotonic()))
         return self.done is not None
 
+    def rank_pids(self) -> list[int]:
+        """The ranks' pids, in rank order (waits up to a minute for the leader to fork them)."""
+        end = time.monotonic() + 60
+        while self.leader is None and self.done is None and time.monotonic() < end:
+            self._pump(min(1.0, end - time.monotonic()))
+        return list(self.ranks_started)
+
     def send_signal(self, sig: int) -> None:
         with contextlib.suppress(OSError):
             self.sock.sendall(json.dumps({"signal": int(sig)}).encode() + b"\n")
 
     def kill(self) -> None:
-        """SIGKILL the job's process group and every descendant of its leader."""
+        """SIGKILL the job's processes (the ranks and all below them) and let the leader reap
+        them and report, so no killed pid lingers as a zombie (a run-directory lock would
+        still see it alive); if the leader itself does not answer, its whole group too."""
         self._pump(0.0)
-        if self.leader is not None and self.done is None:
-            tree = descendants(self.leader)
+        if self.leader is None or self.done is not None:
+            self.done = self.done or {"returncode": -signal.SIGKILL, "killed": True}
+            return
+        for p in descendants(self.leader)[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        self.wait(time.monotonic() + 10)
+        if self.done is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.leader, signal.SIGKILL)
-            for p in tree:
+            for p in descendants(self.leader):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGKILL)
-        self.done = self.done or {"returncode": -signal.SIGKILL, "killed": True}
+            self.done = {"returncode": -signal.SIGKILL, "killed": True}
 
     def collect(self) -> tuple[int, str, str]:
         """(returncode, stdout, stderr): the ranks' outputs in rank order, the leader's report
@@ -542,6 +567,7 @@ def _serve(sock_path: str) -> _Rank:
     listener.listen(64)
     listener.settimeout(1.0)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # leaders are reaped by the kernel
+    _become_subreaper()
     parent = os.getppid()
     print("ready", flush=True)
     while True:
@@ -569,6 +595,17 @@ def _serve(sock_path: str) -> _Rank:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             return _lead(request, conn)
         conn.close()
+
+
+def _become_subreaper() -> None:
+    """Orphans of a job (the ranks of a leader killed on a timeout, their data workers) are
+    re-parented to the zygote, which reaps them (SIGCHLD ignored), instead of to PID 1: in
+    containers PID 1 may never reap them, and a zombie's pid looks alive (to a run lock)."""
+    import ctypes
+
+    pr_set_child_subreaper = 36
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
 
 
 def _lead(request: dict[str, Any], conn: socket.socket) -> _Rank:
@@ -629,7 +666,8 @@ def _lead(request: dict[str, Any], conn: socket.socket) -> _Rank:
                 wait_for_workers=False,
                 master_listen_fd=store_sock.fileno(),
             )
-        conn.sendall(json.dumps({"leader": os.getpid(), "ranks": sorted(pids)}).encode() + b"\n")
+        started = {"leader": os.getpid(), "ranks": sorted(pids, key=pids.__getitem__)}
+        conn.sendall(json.dumps(started).encode() + b"\n")
         code = _watch(pids, conn, torchrun, request)
         del store
         conn.sendall(json.dumps({"returncode": code}).encode() + b"\n")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
-import subprocess
 import sys
 import sysconfig
 import time
@@ -17,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import ranks
 from tests.conftest import REPO, TINY, train_in_process, train_records
-from tests.ranks import env, explain, launch, run_cli
+from tests.ranks import explain, launch, run_cli, torchrun_cmd
 
 tokenizers = pytest.importorskip("tokenizers")
 datasets = pytest.importorskip("datasets")
@@ -152,14 +151,15 @@ def test_killed_tokenization_resumes_from_its_committed_shards(
     recs = records(40)
     path = write_jsonl(tmp_path / "k" / "docs.jsonl", recs)
     script = build_script(path, tokenizer, SMALL_CHUNKS, 0.3, workers=1)
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env(), cwd=REPO)
+    build = ranks.start([sys.executable, "-c", script], 120)  # a fresh interpreter
     cache = path.parent / ".cumulus-cache"
     deadline = time.monotonic() + 60
-    while len(list(cache.glob("*/chunk-*.docs"))) < 3 and time.monotonic() < deadline:
-        assert proc.poll() is None, "the build ended before it was killed"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    try:
+        while len(list(cache.glob("*/chunk-*.docs"))) < 3 and time.monotonic() < deadline:
+            assert build.poll() is None, "the build ended before it was killed"
+            time.sleep(0.05)
+    finally:
+        build.collect()  # SIGKILL
     committed = {p: p.stat().st_ino for p in cache.glob("*/chunk-*")}
     assert len(committed) >= 6 and not list(cache.glob("*/index.json")), "killed mid-way"
     store = open_shards(Source("jsonl", (path,)), tokenizer, workers=2, quiet=True)
@@ -209,9 +209,7 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
         recs = [{"text": text[i : i + 4000]} for i in range(0, len(text), 4000)] * (4 * n)
         path = write_jsonl(tmp_path / f"x{n}" / "docs.jsonl", recs)
         script = build_script(path, None, 1 << 20, 0.0, workers=1)
-        out = subprocess.run(
-            [sys.executable, "-c", script], env=env(), cwd=REPO, capture_output=True, text=True
-        )
+        out = launch([sys.executable, "-c", script], 120)  # a fresh process: its own peak RSS
         assert out.returncode == 0, out.stderr
         kb, n_tokens = map(int, out.stdout.split()[1:])
         assert n_tokens == path.stat().st_size - 0 or n_tokens > 0
@@ -226,14 +224,13 @@ def test_two_ranks_tokenize_once_and_resume_exactly(tokenizer: Path, tmp_path: P
         *TINY, "data=hf", f"data.path={path}", f"data.tokenizer={tokenizer}",
         f"model.vocab_size={VOCAB}", "data.block_size=64", "train.micro_batch_size=4",
     ]  # fmt: skip
-    cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "trainer.train"]
     run_dir = tmp_path / "two"
-    proc = subprocess.run(
-        [*cmd, *common, "train.max_steps=4", "checkpoint.every_steps=2",
-         f"hydra.run.dir={run_dir}"],
-        env=env(), cwd=REPO, capture_output=True, text=True, timeout=180,
+    proc = launch(
+        [*torchrun_cmd(2), "-m", "trainer.train", *common, "train.max_steps=4",
+         "checkpoint.every_steps=2", f"hydra.run.dir={run_dir}"],
+        180,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     logs = list((path.parent / ".cumulus-cache").glob("*/builds.log"))
     assert len(logs) == 1 and len(logs[0].read_text().splitlines()) == 1, "tokenized once"
     full = [r["train/loss"] for r in train_records(_metrics(run_dir))]

@@ -10,8 +10,6 @@ Every command is the real trainer, launched as the user would.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, read_metrics
-from tests.ranks import env, explain, launch, launch_all, torchrun_cmd
+from tests import ranks
+from tests.conftest import read_metrics
+from tests.ranks import explain, launch, launch_all, torchrun_cmd
 from tests.user_project import select, write_project
 
 TIMEOUT = 120.0
@@ -116,8 +115,7 @@ def command(project: Path, run_dir: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Each mistake launched once (four at a time: import-bound), the correct task as the
-    control."""
+    """Each mistake launched once (four at a time), the correct task as the control."""
     root = tmp_path_factory.mktemp("runs")
     cases = {
         "sum": [],
@@ -333,20 +331,16 @@ def test_resume_after_kill_leaves_one_record_per_step(project: Path, tmp_path: P
     cmd = command(
         project, run_dir, "train.max_steps=24", "checkpoint.every_steps=5", "data.n_train=256"
     )
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env(PYTHONPATH=str(project)), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    run = ranks.start(cmd, TIMEOUT, PYTHONPATH=str(project))
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + TIMEOUT
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
+        while time.monotonic() < deadline and run.poll() is None:
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 7:
                 break
             time.sleep(0.02)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        run.collect()  # SIGKILLs its whole tree
     before = read_metrics(run_dir)
     assert before, "the run wrote no record before it was killed"
     ckpts = sorted(run_dir.glob("checkpoints/step_*"))
