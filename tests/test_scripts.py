@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, TINY, read_metrics, train_records
-from tests.ranks import env, explain
+from tests.ranks import explain, launch
 
 SCRIPTS = sorted(
     [
@@ -27,22 +27,11 @@ def test_script_parses(script: Path) -> None:
 
 
 def test_launch_sh_single_process(tmp_path: Path) -> None:
-    """`scripts/launch.sh` with overrides trains (one process on a CPU-only machine)."""
+    """`scripts/launch.sh` with overrides trains (one process on a CPU-only machine). The real
+    command: the script is what is tested."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            "bash",
-            str(REPO / "scripts" / "launch.sh"),
-            *TINY,
-            "train.max_steps=2",
-            f"hydra.run.dir={run_dir}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env(),
-        cwd=tmp_path,
-    )
+    script = ["bash", str(REPO / "scripts" / "launch.sh"), *TINY, "train.max_steps=2"]
+    proc = launch([*script, f"hydra.run.dir={run_dir}"], 120, cwd=tmp_path, real=True)
     assert proc.returncode == 0, explain(proc)
     assert [r["step"] for r in train_records(read_metrics(run_dir))] == [1, 2]
 
