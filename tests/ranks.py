@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import os
 import select
@@ -562,6 +563,11 @@ def _serve(sock_path: str) -> _Rank:
         with contextlib.suppress(AttributeError):
             delattr(sys.modules[package], name)
 
+    # What was imported stays until exit in a fresh process too: out of the collector's
+    # sight, a child's collections and its exit do not touch (and copy) the zygote's pages
+    # (a `python -m trainer.compare` took 1.5 s to exit without this, 0.3 s with it).
+    gc.collect()
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock_path)
     listener.listen(64)
