@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +109,35 @@ def warm_launcher() -> Iterator[None]:
     """The warm launcher's zygote (started by the first launch) ends with the session."""
     yield
     ranks.shutdown()
+
+
+_RUNNING: list[pytest.Item] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _RUNNING.append(item)
+    try:
+        return (yield)
+    finally:
+        _RUNNING.pop()
+
+
+def _check_launch(cmd: Sequence[str], several_ranks: bool) -> None:
+    """Every launch comes from a test marked for it (also when a fixture it uses launches):
+    `launches` for one process, `multiproc` for several ranks. The fast tier deselects both,
+    so a missing mark would slip slow work into it; this makes it an error instead."""
+    if not _RUNNING:
+        return
+    item = _RUNNING[-1]
+    marks = {m.name for m in item.iter_markers()}
+    need = "multiproc" if several_ranks else "launches"
+    if need not in marks and "multiproc" not in marks:
+        pytest.fail(
+            f"{item.nodeid} (or a fixture it uses) launches {' '.join(cmd[:8])} ... but is not "
+            f"marked `{need}`: add @pytest.mark.{need} (see docs/testing.md)",
+            pytrace=False,
+        )
+
+
+ranks.launch_guard = _check_launch

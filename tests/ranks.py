@@ -48,7 +48,7 @@ import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,8 +57,10 @@ REPO = Path(__file__).resolve().parent.parent
 # torchrun's agent waits this long for the other workers after one failed before SIGKILL
 # (its default is 30 s; workers here need ~1 s to leave a collective).
 STOP_GRACE_S = 5.0
-# Environment read while Python or torch start: a launch that changes one runs cold.
-_STARTUP_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "LD_", "MALLOC", "GOMP_", "TORCH_LOGS")
+# Environment read while Python or torch start (torch reads many TORCH* settings when its
+# modules are imported: TORCHINDUCTOR_COMPILE_THREADS, TORCH_LOGS...): a launch that changes
+# one runs cold.
+_STARTUP_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "LD_", "MALLOC", "GOMP_", "TORCH")
 _STARTUP_ENV_OK = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE"}
 # Launcher flags the warm path reproduces; any other runs the real torchrun.
 _WARM_FLAGS = ("--standalone",)
@@ -68,6 +70,12 @@ _ENTRY_POINTS = ("trainer.train", "trainer.evaluate")
 # And what torch itself imports lazily in every run: torch.optim's first optimizer imports
 # torch._dynamo (~1 s). Nothing that the trainer imports lazily (that is the product's choice).
 _TORCH_LAZY = ("torch._dynamo",)
+
+
+# Called before every launch with (command, launches several ranks?); conftest sets it to
+# fail a test whose markers do not say that it launches (`launches`, `multiproc`), so that
+# `make test-fast` (`-m "not launches and not multiproc ..."`) really launches nothing.
+launch_guard: Callable[[Sequence[str], bool], None] | None = None
 
 
 # =========================================================================== commands
@@ -134,6 +142,14 @@ def warm_plan(cmd: Sequence[str]) -> WarmPlan | None:
     if cmd[1].endswith(".py") and not cmd[1].startswith("-"):
         return WarmPlan(tuple(cmd[2:]), script=cmd[1])
     return None
+
+
+def _starts_ranks(cmd: Sequence[str]) -> bool:
+    """Whether `cmd` is a torchrun launch (or a script that runs one)."""
+    plan = warm_plan(cmd)
+    if plan is not None:
+        return plan.torchrun
+    return any("torch.distributed.run" in c or "torchrun" in c for c in cmd)
 
 
 def _startup_env_changed(environ: Mapping[str, str]) -> bool:
@@ -253,6 +269,8 @@ def start(
     cmd = [str(c) for c in cmd]
     environ = dict(environ) if environ is not None else env(**env_extra)
     workdir = Path(cwd or REPO)
+    if launch_guard is not None:
+        launch_guard(cmd, _starts_ranks(cmd))
     plan = None if real or _startup_env_changed(environ) else warm_plan(cmd)
     handle = Started(cmd, timeout)
     if plan is not None:

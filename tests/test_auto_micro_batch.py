@@ -205,6 +205,7 @@ def test_refused_with_one_paragraph(tmp_path: Path, extra: list[str], message: s
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.launches
 def test_cli_exit_2_on_bad_value(tmp_path: Path) -> None:
     proc = run_cli([*TINY, "train.micro_batch_size=big", f"hydra.run.dir={tmp_path}"])
     assert proc.returncode == 2, explain(proc)

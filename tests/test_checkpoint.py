@@ -160,6 +160,7 @@ def refs(tmp_path_factory: pytest.TempPathFactory) -> References:
 # --------------------------------------------------------------------------- 1. kill -9
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     ("async_save", "eval_every", "fmt"),
     [(False, 0, "full"), (True, 5, "full"), (True, 5, "sharded")],
@@ -231,6 +232,7 @@ def test_torchrun_restart_after_rank_death_resumes_exactly(
 # --------------------------------------------------------------------------- 3. truncated
 
 
+@pytest.mark.launches
 def test_truncated_newest_checkpoint_is_skipped(refs: References, tmp_path: Path) -> None:
     """A checkpoint damaged after its commit (disk full, bad copy) is skipped with a warning;
     the resume falls back to the previous one and still reproduces the reference."""
@@ -301,6 +303,7 @@ def _plant(ckpt: Path, name: str, marker: Path, zip_format: bool) -> Path:
     return path
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     ("resume", "name", "zip_format"),
     [("path", "state.pt", True), ("path", "rank_00000.pt", False), ("auto", "state.pt", False)],
@@ -329,6 +332,7 @@ def test_malicious_pickle_is_refused_and_never_executed(
 # --------------------------------------------------------------------------- 5. SIGTERM
 
 
+@pytest.mark.launches
 def test_sigterm_saves_the_current_step_and_exits_zero(refs: References, tmp_path: Path) -> None:
     """Schedulers send SIGTERM before a kill: the run checkpoints the step it is at and exits
     cleanly, and the rerun resumes from exactly that step on the reference trajectory."""
@@ -371,6 +375,7 @@ def test_sigterm_saves_the_current_step_and_exits_zero(refs: References, tmp_pat
 # --------------------------------------------------------------------------- 6. atomicity
 
 
+@pytest.mark.launches
 def test_keep_last_tmp_leftovers_and_manifest(tmp_path: Path) -> None:
     """Only committed checkpoints exist: `keep_last` prunes old ones, no temporary directory
     survives a run, a crashed save's leftover is removed at startup and never resumed from,
@@ -419,6 +424,7 @@ def test_keep_last_tmp_leftovers_and_manifest(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- 7. extend
 
 
+@pytest.mark.launches
 def test_rerun_with_more_steps_extends_a_finished_run(refs: References, tmp_path: Path) -> None:
     """A finished run rerun with a larger train.max_steps continues from its final checkpoint
     and appends the new steps, on the trajectory of a run that was that long from the start."""
@@ -463,6 +469,7 @@ def test_resume_on_another_world_size(tmp_path: Path) -> None:
         assert math.isclose(r["train/loss"], w, rel_tol=0, abs_tol=1e-4), (r["step"], w)
 
 
+@pytest.mark.launches
 def test_checkpoint_modules_import_one_way() -> None:
     """manifest <- writer <- DCP layout: the manifest and the writer import no layout, and
     nothing of DCP is imported until a sharded checkpoint is written or read."""

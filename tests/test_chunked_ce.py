@@ -281,6 +281,7 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "procs": procs, "runs": runs}
 
 
+@pytest.mark.multiproc
 def test_trainer_chunked_run_equals_the_plain_run(trainer_runs: dict[str, Any]) -> None:
     # Premise: the config's task takes the chunked path for this model, the plain one not.
     cfg, _ = to_config(compose_config([*SEED_ARGS, *CHUNKED]))

@@ -67,6 +67,7 @@ def documents(store: shards.TokenStore) -> list[list[int]]:
     return [store.read(int(a), int(b)).tolist() for a, b in itertools.pairwise(o)]
 
 
+@pytest.mark.launches
 def test_formats_give_the_reference_tokens_and_an_edit_retokenizes(
     tokenizer: Path, tmp_path: Path, small_chunks: None
 ) -> None:
@@ -97,6 +98,7 @@ def test_formats_give_the_reference_tokens_and_an_edit_retokenizes(
     assert len(list((jsonl.parent / ".cumulus-cache").glob("*/index.json"))) == 2
 
 
+@pytest.mark.launches
 def test_views_select_documents_like_a_list(tokenizer: Path, tmp_path: Path) -> None:
     recs = records(12)
     store = open_shards(
@@ -111,6 +113,7 @@ def test_views_select_documents_like_a_list(tokenizer: Path, tmp_path: Path) -> 
     assert np.diff(view.offsets()).tolist() == [len(d) for i, d in enumerate(want) if keep[i]]
 
 
+@pytest.mark.launches
 def test_a_text_file_read_in_pieces_gives_the_whole_files_tokens(
     tokenizer: Path, tmp_path: Path, small_chunks: None
 ) -> None:
@@ -145,6 +148,7 @@ def build_script(path: Path, tok: Path | None, chunk: int, sleep: float, workers
     )
 
 
+@pytest.mark.launches
 def test_killed_tokenization_resumes_from_its_committed_shards(
     tokenizer: Path, tmp_path: Path, small_chunks: None
 ) -> None:
@@ -170,6 +174,7 @@ def test_killed_tokenization_resumes_from_its_committed_shards(
     assert len(log) == 2, "one build, resumed once"
 
 
+@pytest.mark.launches
 def test_damaged_shards_are_redone_and_a_crafted_index_is_refused(
     tokenizer: Path, tmp_path: Path
 ) -> None:
@@ -201,6 +206,7 @@ def test_damaged_shards_are_redone_and_a_crafted_index_is_refused(
     assert "not a shard index cumulus wrote" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.launches
 def test_peak_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
     """Peak RSS while tokenizing (bytes, in one process) grows < 20% when the corpus grows 4x."""
     text = "".join(r["text"] for r in records(60))

@@ -22,6 +22,7 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
 
 
+@pytest.mark.launches
 def test_documented_python_runs(tmp_path: Path) -> None:
     """All Python blocks, in order, as one script: the plain-Python driver asserts it learns."""
     script = tmp_path / "doc_example.py"
@@ -31,6 +32,7 @@ def test_documented_python_runs(tmp_path: Path) -> None:
     assert "final loss" in proc.stdout
 
 
+@pytest.mark.launches
 def test_documented_cli_runs(tmp_path: Path) -> None:
     """The step and callback blocks as a user module, selected on the command line; with a
     sharded checkpoint at step 2, a resumed run repeats steps 3-4 exactly, callback included
@@ -67,6 +69,7 @@ def test_documented_cli_runs(tmp_path: Path) -> None:
         assert [r[key] for r in resumed] == [r[key] for r in records[2:]], key
 
 
+@pytest.mark.launches
 def test_your_model_doc_runs(tmp_path: Path) -> None:
     """docs/your-model.md: its package and config folder, written out, train from the
     command line and from Python as documented; both learn the tagging rule,

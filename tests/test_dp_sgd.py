@@ -277,6 +277,7 @@ def test_poisson_batches_are_a_pure_function_of_seed_and_step(
         assert max(abs(u - v) for u, v in zip(x, y)) <= EXACT
 
 
+@pytest.mark.launches
 def test_batch_norm_is_refused_with_one_paragraph(dp_args: list[str], tmp_path: Path) -> None:
     proc = run_cli([*dp_args, "+model.batch_norm=true", f"hydra.run.dir={tmp_path}"])
     assert proc.returncode == 2, explain(proc)

@@ -173,6 +173,7 @@ def test_with_warn_training_goes_on_and_retries_every_checkpoint(
 # --------------------------------------------------------------------------- run-dir lock
 
 
+@pytest.mark.multiproc
 def test_second_launch_on_a_live_run_directory_is_refused(tmp_path: Path) -> None:
     """A live 1-process run holds the directory: a 2-rank launch on it exits 2 within seconds
     naming the holder, and writes nothing. After the holder is killed with -9, a rerun takes

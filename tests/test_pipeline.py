@@ -699,6 +699,7 @@ def error_lines(proc: subprocess.CompletedProcess) -> str:
     return "\n".join(line for line in proc.stderr.splitlines() if line.startswith("error:"))
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(
     ("name", "key", "hints"),
     [

@@ -424,6 +424,7 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(text_file: Path, tmp_path:
 # --------------------------------------------------------------------------- 5-6. divergence
 
 
+@pytest.mark.launches
 def test_consecutive_nonfinite_steps_stop_with_clear_message(
     base: list[str], tmp_path: Path
 ) -> None:

@@ -26,6 +26,7 @@ def test_script_parses(script: Path) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.launches
 def test_launch_sh_single_process(tmp_path: Path) -> None:
     """`scripts/launch.sh` with overrides trains (one process on a CPU-only machine). The real
     command: the script is what is tested."""

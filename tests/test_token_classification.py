@@ -74,6 +74,7 @@ def test_one_label_per_sample_points_to_classification() -> None:
         TokenClassificationTask().count_items((torch.zeros(2, 3), torch.tensor([0, 1])))
 
 
+@pytest.mark.launches
 def test_trainer_with_the_task_is_full_batch_gradient_descent(tmp_path: Path) -> None:
     """The tagger of docs/your-model.md with `task=token_classification` instead of its own
     task, in float64 (sequences of 0 to 6 positions, padded): every step's train/loss and the

@@ -33,6 +33,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / "tokenizer.json"
 
 
+@pytest.mark.launches
 def test_trained_tokenizer_round_trips_the_stdlib_sources(tokenizer: Path) -> None:
     tok = tokenizers.Tokenizer.from_file(str(tokenizer))
     assert tok.get_vocab_size() == VOCAB
@@ -47,6 +48,7 @@ def test_trained_tokenizer_round_trips_the_stdlib_sources(tokenizer: Path) -> No
     assert total_bytes / total_tokens > 2.0, "BPE should compress source code over bytes"
 
 
+@pytest.mark.launches
 def test_bpe_bin_files_train_the_gpt2_small_preset(tokenizer: Path, tmp_path: Path) -> None:
     data = tmp_path / "bin"
     prep = launch(
@@ -89,6 +91,7 @@ def corpus(n: int = 40) -> list[dict[str, str]]:
     ]
 
 
+@pytest.mark.launches
 def test_jsonl_parquet_and_save_to_disk_give_the_same_training(
     tokenizer: Path, tmp_path: Path
 ) -> None:
@@ -130,6 +133,7 @@ def test_jsonl_parquet_and_save_to_disk_give_the_same_training(
     assert len(list((files["jsonl"].parent / ".cumulus-cache").glob("*/index.json"))) == 2
 
 
+@pytest.mark.launches
 def test_bad_tokenizer_and_missing_field_are_one_paragraph(tmp_path: Path) -> None:
     garbage = tmp_path / "tokenizer.json"
     garbage.write_text('{"this is": "not a tokenizer"}')
@@ -155,6 +159,7 @@ def test_bad_tokenizer_and_missing_field_are_one_paragraph(tmp_path: Path) -> No
             assert part in error, (name, error)
 
 
+@pytest.mark.launches
 def test_export_carries_the_tokenizer(tokenizer: Path, tmp_path: Path) -> None:
     """A transformers model trained on BPE tokens exports as a directory that
     AutoTokenizer and AutoModelForCausalLM both load."""

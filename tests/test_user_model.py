@@ -183,6 +183,7 @@ def kill_at(step: int, marker: Path) -> list[str]:
     ]
 
 
+@pytest.mark.launches
 def test_sigkill_resume_is_bitwise_with_loader_workers(project: Path, tmp_path: Path) -> None:
     """Dropout plus a random augmentation, 2 loader workers: a run killed with SIGKILL after
     step 5 and rerun with the same command repeats steps 5-8 bit for bit. The same run
@@ -301,6 +302,7 @@ BAD = {
 }
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("case", BAD.values(), ids=BAD.keys())
 def test_bad_components_are_one_paragraph(
     case: tuple[list[str], str, str], project: Path, tmp_path: Path

@@ -107,6 +107,7 @@ def assert_same_values(records: list[dict[str, Any]], rows: dict[int, dict[str, 
             assert row[key] == value, (record["step"], key, row[key], value)
 
 
+@pytest.mark.launches
 def test_offline_without_credentials(first: WandbRun) -> None:
     """No key, no netrc, no network: exit 0 within the timeout (no waiting on a network that is
     not there), say so once on stderr, and write the offline files."""
@@ -127,6 +128,7 @@ def test_offline_without_credentials(first: WandbRun) -> None:
     assert f"wandb sync {first.offline_dirs[0]}" in first.proc.stdout, explain(first.proc)
 
 
+@pytest.mark.launches
 def test_history_equals_metrics_jsonl(first: WandbRun) -> None:
     """W&B holds exactly the values of metrics.jsonl (full precision), keyed by step."""
     assert first.proc.returncode == 0, explain(first.proc)
@@ -147,6 +149,7 @@ def test_history_equals_metrics_jsonl(first: WandbRun) -> None:
         assert html.escape(record["val/sample"]) in media.read_text(encoding="utf-8")
 
 
+@pytest.mark.launches
 def test_resume_continues_the_same_run(first: WandbRun, resumed: WandbRun) -> None:
     """Offline resume makes a new directory, but with the same id, and steps 7..9 follow."""
     assert resumed.proc.returncode == 0, explain(resumed.proc)
