@@ -5,8 +5,9 @@ command line a user would type: `[python, -m, trainer.train, ...]` or
 `[python, -m, torch.distributed.run, --standalone, --nproc_per_node=N, -m, module, ...]`
 (`torchrun_cmd`). Such a command runs *warm*: its ranks are forked from a zygote, a process
 that has already imported torch, Hydra and the trainer (`trainer.train` and `trainer.evaluate`
-and what they import, nothing more), so a launch pays no imports (~3-6 s per rank on a loaded
-2-core machine, plus ~1.5 s for torchrun's agent). Each rank gets the environment torchrun
+and what they import, and `torch._dynamo`, which torch's optimizers import in every run), so
+a launch pays no imports (~3-6 s per rank on a loaded 2-core machine, plus ~1.5 s for
+torchrun's agent). Each rank gets the environment torchrun
 gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, the agent's TCP store on MASTER_PORT with
 TORCHELASTIC_USE_AGENT_STORE, one TORCHELASTIC_RUN_ID...), its own stdout/stderr, and runs
 the module with `runpy` as `python -m` would; Python's normal exit (atexit, thread joins)
@@ -17,9 +18,10 @@ once one fails, exits 1 and prints torchrun's failure report (`failed (exitcode:
 `real=True`, or a launcher flag the warm path does not emulate (`--max-restarts`, `--nnodes`,
 `--no-python`...), runs the real process instead: keep that for tests of the launch itself
 (torchrun restarts, rendezvous, the launcher's own behaviour) and a few end-to-end smoke
-tests, and say why in the test's docstring. So does any other command (scripts run with
-`-c`, `bash`, ...) and an environment that Python or torch read at start-up (PYTHONHASHSEED,
-OMP_*, ...): those cannot be changed after the zygote's imports.
+tests, and say why in the test's docstring. So does any other command (`python -c`, `bash`,
+a console script) and an environment that Python or torch read at start-up (PYTHONHASHSEED,
+OMP_*, TORCH*...): those cannot be changed after the zygote's imports. Tests of start-up
+time or of what gets imported need a fresh interpreter: `real=True`.
 
 Every launch has a deadline: past it, the job's whole process tree is killed and the test
 fails, so a hang fails instead of stalling CI. The zygote starts on first use and is stopped
@@ -311,6 +313,9 @@ def launch_all(
 ) -> dict[str, subprocess.CompletedProcess]:
     """Run independent commands at once; past `timeout` kill each unfinished one (its whole
     tree) and fail, naming every late one."""
+    if launch_guard is not None:  # all checked before any starts: none is left running
+        for cmd in cmds.values():
+            launch_guard([str(c) for c in cmd], _starts_ranks([str(c) for c in cmd]))
     started = {n: start(c, timeout, cwd=cwd, real=real, **env_extra) for n, c in cmds.items()}
     deadline = time.monotonic() + timeout
     ended = {name: handle.ended_by(deadline) for name, handle in started.items()}
@@ -638,7 +643,10 @@ def _lead(request: dict[str, Any], conn: socket.socket) -> _Rank:
     try:
         os.setpgid(0, 0)  # the job is one process group: a timeout kills it whole
         folder = Path(request["folder"])
+        # The leader's own words (its report) go to launcher.err; not to the zygote's stdout,
+        # a pipe the test session no longer reads.
         log = os.open(folder / "launcher.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
         ranks, torchrun = int(request["ranks"]), bool(request["torchrun"])
@@ -662,6 +670,7 @@ def _lead(request: dict[str, Any], conn: socket.socket) -> _Rank:
                 "TORCHELASTIC_RESTART_COUNT": "0",
                 "TORCHELASTIC_MAX_RESTARTS": "0",
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
             }
         pids: dict[int, int] = {}
