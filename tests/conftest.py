@@ -141,3 +141,22 @@ def _check_launch(cmd: Sequence[str], several_ranks: bool) -> None:
 
 
 ranks.launch_guard = _check_launch
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--check-marks",
+        action="store_true",
+        help="check every launch against the test's markers, in suite order, without "
+        "launching anything (the launching tests are skipped): about a minute",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--check-marks"):
+        ranks.launch_guard = _check_then_skip
+
+
+def _check_then_skip(cmd: Sequence[str], several_ranks: bool) -> None:
+    _check_launch(cmd, several_ranks)
+    pytest.skip("--check-marks: launches are checked, not run")
