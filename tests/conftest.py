@@ -1,16 +1,13 @@
-"""Shared helpers: compose the real config, run the real trainer (in-process or as a command)."""
+"""Shared helpers: compose the real config, run the real trainer in-process, read its records.
+
+Launching the trainer in other processes (one or several ranks) is `tests/ranks.py`'s job."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
-import sys
 import sysconfig
-import tempfile
-import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from engine.distributed import DistInfo
-from tests.ckpt_support import kill_tree
+from tests import ranks
 from trainer.cli import to_config
 from trainer.config import register_configs
 from trainer.identity import register_resolvers
@@ -102,137 +99,64 @@ def train_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if "train/loss" in r]
 
 
-def env(**extra: str) -> dict[str, str]:
-    e = dict(os.environ)
-    e.update(OMP_NUM_THREADS="1", WANDB_SILENT="true", PYTHONUNBUFFERED="1")
-    e.pop("WANDB_API_KEY", None)
-    e.update(extra)
-    return e
-
-
-def run_cli(
-    args: list[str],
-    *,
-    module: str = "trainer.train",
-    timeout: float = 120,
-    cwd: Path | None = None,
-    **env_extra: str,
-) -> subprocess.CompletedProcess:
-    """`python -m <module> args` as a user would type it."""
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env(**env_extra),
-        cwd=cwd or REPO,
-    )
-
-
-def torchrun_cmd(nproc: int, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        *extra,
-    ]
-
-
-def run_torchrun(
-    nproc: int,
-    args: list[str],
-    *,
-    module: str = "trainer.train",
-    timeout: float = 180,
-    launcher_args: tuple[str, ...] = (),
-    cwd: Path | None = None,
-    **env_extra: str,
-) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=N -m <module> args` (gloo on CPU)."""
-    return subprocess.run(
-        [*torchrun_cmd(nproc, *launcher_args), "-m", module, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env(**env_extra),
-        cwd=cwd or REPO,
-    )
-
-
-def explain(proc: subprocess.CompletedProcess) -> str:
-    out, err = proc.stdout[-4000:], proc.stderr[-6000:]
-    return f"exit {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
-
-
 @pytest.fixture
 def tiny() -> list[str]:
     return list(TINY)
 
 
-def launch(
-    cmd: list[str], timeout: float = 120.0, tmp: Path | None = None, **env_extra: str
-) -> subprocess.CompletedProcess:
-    """Run `cmd` from the repo root with output in files (no pipe can fill up and block it).
-
-    On timeout the whole process tree is killed (torchrun's workers too) and the test fails.
-    `tmp` becomes TMPDIR, where torchrun leaves its `torchelastic_*` directories.
-    """
-    extra = {"TMPDIR": str(tmp)} if tmp is not None else {}
-    extra.update(env_extra)
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=REPO, env=env(**extra))
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            kill_tree(proc.pid)
-            proc.wait()
-        out.seek(0)
-        err.seek(0)
-        result = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
-    if timed_out:
-        pytest.fail(f"killed after {timeout:.0f} s (hang?): {' '.join(cmd)}\n{explain(result)}")
-    return result
+@pytest.fixture(scope="session", autouse=True)
+def warm_launcher() -> Iterator[None]:
+    """The warm launcher's zygote (started by the first launch) ends with the session."""
+    yield
+    ranks.shutdown()
 
 
-def launch_all(
-    cmds: dict[str, list[str]], timeout: float, cwd: Path | None = None, **env_extra: str
-) -> dict[str, subprocess.CompletedProcess]:
-    """Run independent commands at once (mostly import-bound: this saves wall time on 2 cores),
-    output in files. Past `timeout` kill each unfinished one *and* its workers, and fail.
+_RUNNING: list[pytest.Item] = []
 
-    torchrun's workers live in their own sessions, so killing the launcher alone would leave
-    them running: the whole process tree is killed by pid.
-    """
-    deadline = time.monotonic() + timeout
-    results, late = {}, []
-    with contextlib.ExitStack() as stack:
-        started = {}
-        for name, cmd in cmds.items():
-            out = stack.enter_context(tempfile.TemporaryFile("w+"))
-            err = stack.enter_context(tempfile.TemporaryFile("w+"))
-            proc = subprocess.Popen(
-                cmd, stdout=out, stderr=err, text=True, cwd=cwd or REPO, env=env(**env_extra)
-            )
-            started[name] = (proc, out, err)
-        for name, (proc, out, err) in started.items():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                kill_tree(proc.pid)
-                proc.wait()
-                late.append(name)
-            out.seek(0)
-            err.seek(0)
-            results[name] = subprocess.CompletedProcess(
-                cmds[name], proc.returncode, out.read(), err.read()
-            )
-    if late:
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _RUNNING.append(item)
+    try:
+        return (yield)
+    finally:
+        _RUNNING.pop()
+
+
+def _check_launch(cmd: Sequence[str], several_ranks: bool) -> None:
+    """Every launch comes from a test marked for it (also when a fixture it uses launches):
+    `launches` for one process, `multiproc` for several ranks. The fast tier deselects both,
+    so a missing mark would slip slow work into it; this makes it an error instead."""
+    if not _RUNNING:
+        return
+    item = _RUNNING[-1]
+    marks = {m.name for m in item.iter_markers()}
+    need = "multiproc" if several_ranks else "launches"
+    if need not in marks and "multiproc" not in marks:
         pytest.fail(
-            f"timed out after {timeout:.0f} s: "
-            + "\n".join(f"{' '.join(cmds[n])}\n{explain(results[n])}" for n in late)
+            f"{item.nodeid} (or a fixture it uses) launches {' '.join(cmd[:8])} ... but is not "
+            f"marked `{need}`: add @pytest.mark.{need} (see docs/testing.md)",
+            pytrace=False,
         )
-    return results
+
+
+ranks.launch_guard = _check_launch
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--check-marks",
+        action="store_true",
+        help="check every launch against the test's markers, in suite order, without "
+        "launching anything (the launching tests are skipped): about a minute",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--check-marks"):
+        ranks.launch_guard = _check_then_skip
+
+
+def _check_then_skip(cmd: Sequence[str], several_ranks: bool) -> None:
+    _check_launch(cmd, several_ranks)
+    pytest.skip("--check-marks: launches are checked, not run")

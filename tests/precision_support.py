@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -127,59 +126,3 @@ class DetachEmbeddingStep:
             return self.inner(ctx, window)
         finally:
             handle.remove()
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and all its descendants (found via /proc, collected before killing)."""
-    import contextlib
-    import signal
-
-    tree, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        tree.append(parent)
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == parent:
-                todo.append(int(stat.parent.name))
-    for p in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
-
-
-def run_concurrently(
-    cmds: list[list[str]], *, timeout: float, env: dict[str, str], cwd: Path
-) -> list[subprocess.CompletedProcess]:
-    """Run `cmds` side by side (launch overhead overlaps); past `timeout` seconds, kill every
-    process tree still alive (torchrun's workers included) and raise TimeoutError."""
-    import tempfile
-    import time
-
-    deadline = time.monotonic() + timeout
-    started = []
-    for cmd in cmds:
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, cwd=cwd)
-        started.append((cmd, proc, out, err))
-    hung = []
-    for cmd, proc, _, _ in started:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            hung.append(" ".join(cmd))
-            _kill_tree(proc.pid)
-            proc.wait()
-    results = []
-    for cmd, proc, out, err in started:
-        out.seek(0)
-        err.seek(0)
-        results.append(subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read()))
-        out.close()
-        err.close()
-    if hung:
-        details = "\n".join(f"exit {r.returncode}: {r.stderr[-3000:]}" for r in results)
-        raise TimeoutError(f"timed out after {timeout:.0f} s (hang?): {hung}\n{details}")
-    return results

@@ -18,16 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import (
-    TINY,
-    explain,
-    launch_all,
-    read_metrics,
-    run_cli,
-    torchrun_cmd,
-    train_in_process,
-    train_records,
-)
+from tests.conftest import TINY, read_metrics, train_in_process, train_records
+from tests.ranks import explain, launch_all, run_cli, torchrun_cmd
 from trainer import metrics  # noqa: F401  (imported before capsys: Progress binds sys.stdout)
 from trainer.errors import UserError
 
@@ -213,6 +205,7 @@ def test_refused_with_one_paragraph(tmp_path: Path, extra: list[str], message: s
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.launches
 def test_cli_exit_2_on_bad_value(tmp_path: Path) -> None:
     proc = run_cli([*TINY, "train.micro_batch_size=big", f"hydra.run.dir={tmp_path}"])
     assert proc.returncode == 2, explain(proc)

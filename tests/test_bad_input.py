@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import explain, run_cli
+from tests.ranks import explain, run_cli
 from trainer.models.gpt import GPT
 
 TRACEBACK = "Traceback (most recent call last)"
@@ -92,6 +92,7 @@ CASES = {
 }
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_bad_input_is_one_clear_error(case: Case, tmp_path: Path) -> None:
     """The error names the key and what is valid; exit non-zero; no traceback."""
@@ -131,6 +132,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.mark.launches
 def test_bad_rerun_leaves_saved_run_byte_identical(tmp_path: Path) -> None:
     """Train, then rerun the same run dir with a bad precision: every byte stays as it was."""
     run_dir = tmp_path / "run"
@@ -153,6 +155,7 @@ RERUN_BAD = {
 }
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("bad", RERUN_BAD.values(), ids=RERUN_BAD.keys())
 def test_bad_rerun_harms_nothing(bad: list[str], trained_run: Path, tmp_path: Path) -> None:
     """Errors raised at every stage (compose, validate, build, resume) leave the run alone."""
@@ -258,6 +261,7 @@ CORRUPT: dict[str, Callable[[Path, Path], Path]] = {
 }
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("make", CORRUPT.values(), ids=CORRUPT.keys())
 def test_corrupt_or_foreign_checkpoint(
     make: Callable[[Path, Path], Path], trained_run: Path, tmp_path: Path
@@ -277,6 +281,7 @@ def test_corrupt_or_foreign_checkpoint(
     assert_nothing_saved(run_dir)
 
 
+@pytest.mark.launches
 def test_payload_would_execute(trained_run: Path, tmp_path: Path) -> None:
     """The unsafe-pickle case is real: an unrestricted load does run the payload."""
     path = _unsafe_pickle(tmp_path, trained_run)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, env, explain, launch
+from tests.conftest import REPO
+from tests.ranks import env, explain, launch
 from tests.user_project import select, write_project
 from trainer.compare import compare
 
@@ -95,6 +96,7 @@ def test_user_model_is_certified(project: Path, tmp_path: Path) -> None:
     assert not re.search(r"https?:|\b(src|href)\s*=", page)
 
 
+@pytest.mark.launches
 def test_mean_instead_of_sum_is_caught(project: Path, tmp_path: Path) -> None:
     """The mean task trains differently once the batch is cut into more micro-batches:
     exit 1, the accum layout named as the one that differs."""

@@ -21,14 +21,12 @@ from engine.numerics.chunked_ce import ChunkedCrossEntropy, OutputHead, chunked_
 from engine.tasks import CausalLMTask
 from tests.conftest import (
     compose_config,
-    explain,
-    launch_all,
     read_metrics,
     stdlib_text,
-    torchrun_cmd,
     train_in_process,
     train_records,
 )
+from tests.ranks import explain, launch_all, torchrun_cmd
 from trainer.assemble import build_task
 from trainer.cli import to_config
 from trainer.models.gpt import GPT, FakeQuantLinear
@@ -283,6 +281,7 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "procs": procs, "runs": runs}
 
 
+@pytest.mark.multiproc
 def test_trainer_chunked_run_equals_the_plain_run(trainer_runs: dict[str, Any]) -> None:
     # Premise: the config's task takes the chunked path for this model, the plain one not.
     cfg, _ = to_config(compose_config([*SEED_ARGS, *CHUNKED]))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import explain, launch_all, run_cli
+from tests.ranks import explain, launch_all, run_cli
 from tests.test_user_model import trainer
 from tests.user_project import write_project
 
@@ -58,6 +58,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: root / name for name in splits}
 
 
+@pytest.mark.launches
 def test_two_splits_of_one_global_batch_agree(runs: dict[str, Path]) -> None:
     """Exit 0, every trajectory metric compared over all 8 steps (2 evaluations), throughput
     and timing left out; a run directory or its metrics.jsonl both work."""
@@ -72,6 +73,7 @@ def test_two_splits_of_one_global_batch_agree(runs: dict[str, Path]) -> None:
     assert out.splitlines()[-1].startswith("SAME")
 
 
+@pytest.mark.launches
 def test_another_learning_rate_differs(runs: dict[str, Path]) -> None:
     """Exit 1, naming the metrics outside tolerance; step 1's loss (before any update) is
     the same in both, so the largest loss difference is at a later step."""
@@ -96,6 +98,7 @@ def write(path: Path, records: list[dict]) -> Path:
     return path
 
 
+@pytest.mark.launches
 def test_nulls_duplicates_and_one_sided_metrics(tmp_path: Path) -> None:
     """A null matches only a null; a step recorded twice keeps its last record; a metric in
     one run only is listed, not compared."""
@@ -148,6 +151,7 @@ def pipeline_record(step: int, loss: float, seed: int) -> dict:
     }
 
 
+@pytest.mark.launches
 def test_machine_metrics_are_left_out_by_their_names(tmp_path: Path) -> None:
     """Two pipeline runs on one trajectory compare equal although every timing, throughput
     and memory metric differs (the pipeline's bubble and per-stage memory included), and
@@ -166,6 +170,7 @@ def test_machine_metrics_are_left_out_by_their_names(tmp_path: Path) -> None:
     assert last.startswith("DIFFERENT: 1 of 5 metrics") and last.endswith("train/loss (step 3)")
 
 
+@pytest.mark.launches
 def test_refusals_are_one_paragraph(tmp_path: Path) -> None:
     """No metrics.jsonl, no common step, a line that is not a record: exit 2 and one
     paragraph saying what to give."""

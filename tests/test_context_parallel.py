@@ -11,13 +11,13 @@ to one process, and a kill -9 under `cp` reruns bit for bit.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import explain, launch_all, read_metrics, torchrun_cmd
+from tests.conftest import read_metrics
+from tests.ranks import explain, launch, launch_all, torchrun_cmd
 from tests.test_checkpoint import assert_same, kill_at, killed
 
 TOL = 1e-5
@@ -117,12 +117,7 @@ def test_checkpoint_of_cp2_continues_on_one_process(runs: dict[str, Path], tmp_p
     split."""
     ckpt = runs["cp2_packed"] / "checkpoints" / "step_00000010"
     run_dir = tmp_path / "resumed"
-    proc = subprocess.run(
-        [*python(GPT), f"checkpoint.resume={ckpt}", f"hydra.run.dir={run_dir}"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    proc = launch([*python(GPT), f"checkpoint.resume={ckpt}", f"hydra.run.dir={run_dir}"], TIMEOUT)
     assert proc.returncode == 0, explain(proc)
     got = {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
     want = {r["step"]: r for r in read_metrics(runs["ref_packed"]) if "train/loss" in r}

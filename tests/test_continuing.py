@@ -11,15 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    TINY,
-    explain,
-    one_thread,
-    read_metrics,
-    run_cli,
-    train_in_process,
-    train_records,
-)
+from tests.conftest import TINY, one_thread, read_metrics, train_in_process, train_records
+from tests.ranks import explain, run_cli
 from tests.wandb_reader import run_id
 
 # TINY with the default logger (W&B: offline by itself without credentials).
@@ -70,6 +63,7 @@ def test_finished_run_rerun_writes_no_second_record(tmp_path: Path) -> None:
     assert val_steps == [2, 4]
 
 
+@pytest.mark.launches
 def test_a_run_and_an_evaluation_never_sit_in_silence(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
-import subprocess
 import sys
 import sysconfig
 import time
@@ -17,16 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import (
-    REPO,
-    TINY,
-    env,
-    explain,
-    launch,
-    run_cli,
-    train_in_process,
-    train_records,
-)
+from tests import ranks
+from tests.conftest import REPO, TINY, train_in_process, train_records
+from tests.ranks import explain, launch, run_cli, torchrun_cmd
 
 tokenizers = pytest.importorskip("tokenizers")
 datasets = pytest.importorskip("datasets")
@@ -76,6 +67,7 @@ def documents(store: shards.TokenStore) -> list[list[int]]:
     return [store.read(int(a), int(b)).tolist() for a, b in itertools.pairwise(o)]
 
 
+@pytest.mark.launches
 def test_formats_give_the_reference_tokens_and_an_edit_retokenizes(
     tokenizer: Path, tmp_path: Path, small_chunks: None
 ) -> None:
@@ -106,6 +98,7 @@ def test_formats_give_the_reference_tokens_and_an_edit_retokenizes(
     assert len(list((jsonl.parent / ".cumulus-cache").glob("*/index.json"))) == 2
 
 
+@pytest.mark.launches
 def test_views_select_documents_like_a_list(tokenizer: Path, tmp_path: Path) -> None:
     recs = records(12)
     store = open_shards(
@@ -120,6 +113,7 @@ def test_views_select_documents_like_a_list(tokenizer: Path, tmp_path: Path) -> 
     assert np.diff(view.offsets()).tolist() == [len(d) for i, d in enumerate(want) if keep[i]]
 
 
+@pytest.mark.launches
 def test_a_text_file_read_in_pieces_gives_the_whole_files_tokens(
     tokenizer: Path, tmp_path: Path, small_chunks: None
 ) -> None:
@@ -154,20 +148,22 @@ def build_script(path: Path, tok: Path | None, chunk: int, sleep: float, workers
     )
 
 
+@pytest.mark.launches
 def test_killed_tokenization_resumes_from_its_committed_shards(
     tokenizer: Path, tmp_path: Path, small_chunks: None
 ) -> None:
     recs = records(40)
     path = write_jsonl(tmp_path / "k" / "docs.jsonl", recs)
     script = build_script(path, tokenizer, SMALL_CHUNKS, 0.3, workers=1)
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env(), cwd=REPO)
+    build = ranks.start([sys.executable, "-c", script], 120)  # a fresh interpreter
     cache = path.parent / ".cumulus-cache"
     deadline = time.monotonic() + 60
-    while len(list(cache.glob("*/chunk-*.docs"))) < 3 and time.monotonic() < deadline:
-        assert proc.poll() is None, "the build ended before it was killed"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    try:
+        while len(list(cache.glob("*/chunk-*.docs"))) < 3 and time.monotonic() < deadline:
+            assert build.poll() is None, "the build ended before it was killed"
+            time.sleep(0.05)
+    finally:
+        build.collect()  # SIGKILL
     committed = {p: p.stat().st_ino for p in cache.glob("*/chunk-*")}
     assert len(committed) >= 6 and not list(cache.glob("*/index.json")), "killed mid-way"
     store = open_shards(Source("jsonl", (path,)), tokenizer, workers=2, quiet=True)
@@ -178,6 +174,7 @@ def test_killed_tokenization_resumes_from_its_committed_shards(
     assert len(log) == 2, "one build, resumed once"
 
 
+@pytest.mark.launches
 def test_damaged_shards_are_redone_and_a_crafted_index_is_refused(
     tokenizer: Path, tmp_path: Path
 ) -> None:
@@ -209,6 +206,7 @@ def test_damaged_shards_are_redone_and_a_crafted_index_is_refused(
     assert "not a shard index cumulus wrote" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.launches
 def test_peak_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
     """Peak RSS while tokenizing (bytes, in one process) grows < 20% when the corpus grows 4x."""
     text = "".join(r["text"] for r in records(60))
@@ -217,9 +215,7 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
         recs = [{"text": text[i : i + 4000]} for i in range(0, len(text), 4000)] * (4 * n)
         path = write_jsonl(tmp_path / f"x{n}" / "docs.jsonl", recs)
         script = build_script(path, None, 1 << 20, 0.0, workers=1)
-        out = subprocess.run(
-            [sys.executable, "-c", script], env=env(), cwd=REPO, capture_output=True, text=True
-        )
+        out = launch([sys.executable, "-c", script], 120)  # a fresh process: its own peak RSS
         assert out.returncode == 0, out.stderr
         kb, n_tokens = map(int, out.stdout.split()[1:])
         assert n_tokens == path.stat().st_size - 0 or n_tokens > 0
@@ -234,14 +230,13 @@ def test_two_ranks_tokenize_once_and_resume_exactly(tokenizer: Path, tmp_path: P
         *TINY, "data=hf", f"data.path={path}", f"data.tokenizer={tokenizer}",
         f"model.vocab_size={VOCAB}", "data.block_size=64", "train.micro_batch_size=4",
     ]  # fmt: skip
-    cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "trainer.train"]
     run_dir = tmp_path / "two"
-    proc = subprocess.run(
-        [*cmd, *common, "train.max_steps=4", "checkpoint.every_steps=2",
-         f"hydra.run.dir={run_dir}"],
-        env=env(), cwd=REPO, capture_output=True, text=True, timeout=180,
+    proc = launch(
+        [*torchrun_cmd(2), "-m", "trainer.train", *common, "train.max_steps=4",
+         "checkpoint.every_steps=2", f"hydra.run.dir={run_dir}"],
+        180,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, explain(proc)
     logs = list((path.parent / ".cumulus-cache").glob("*/builds.log"))
     assert len(logs) == 1 and len(logs[0].read_text().splitlines()) == 1, "tokenized once"
     full = [r["train/loss"] for r in train_records(_metrics(run_dir))]

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import explain, launch_all, read_metrics, torchrun_cmd, train_records
+from tests.conftest import read_metrics, train_records
+from tests.ranks import explain, launch_all, torchrun_cmd
 
 TIMEOUT = 240.0
 ARGS = ["experiment=digits", "logger=none", "train.log_every=1"]
@@ -58,6 +59,7 @@ def test_digits_reaches_95_percent_and_ranks_agree(runs: dict[str, Path]) -> Non
     assert a[-1]["train/loss"] < 0.3 * a[0]["train/loss"]
 
 
+@pytest.mark.multiproc
 def test_evaluate_reports_the_logged_accuracy(runs: dict[str, Path], tmp_path: Path) -> None:
     """`trainer.evaluate` on the final checkpoint prints the accuracy the run logged."""
     ckpt = runs["one"] / "checkpoints" / "step_00000300"

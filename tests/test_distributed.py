@@ -1,22 +1,19 @@
-"""Multi-process behaviour through the real entry points (`torchrun -m trainer.train`, gloo).
+"""Multi-process behaviour through the entry points (`torchrun -m trainer.train`, gloo).
 
-Each launch costs seconds, so runs that several tests read are made once per module
-(`Runs`). Every subprocess has a deadline: on expiry the launcher *and its workers* (torchrun
-starts them in their own sessions) are killed by pid and the test fails instead of hanging CI.
+Launches go through `tests/ranks.py` (warm ranks with torchrun's environment; the real
+torchrun where the launch itself is under test). Runs that several tests read are made once
+per module (`Runs`). Every launch has a deadline: on expiry its whole process tree is killed
+and the test fails instead of hanging CI.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -26,8 +23,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, env, explain, read_metrics, torchrun_cmd, train_records
+from tests import ranks
+from tests.conftest import REPO, read_metrics, train_records
 from tests.dist_support import MARKER
+from tests.ranks import explain, torchrun_cmd
 
 pytestmark = pytest.mark.multiproc
 
@@ -48,73 +47,10 @@ TRAIN_ARGS = [*BASE, f"train.max_steps={STEPS}"]
 # --------------------------------------------------------------------------- launching
 
 
-def _children(pid: int) -> list[int]:
-    """Direct children of `pid` (Linux /proc), so a timed-out torchrun's workers can be killed."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and its descendants, collected first (orphans lose their parent link)."""
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(_children(p))
-    for p in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
-
-
-class Launch:
-    """A started command whose output goes to files (no pipe can fill and block it)."""
-
-    def __init__(self, cmd: list[str], cwd: Path = REPO, **env_extra: str) -> None:
-        self.cmd = cmd
-        # Closed in `_result`; a `with` block cannot span the launch and the wait.
-        self.out = tempfile.TemporaryFile("w+")  # noqa: SIM115
-        self.err = tempfile.TemporaryFile("w+")  # noqa: SIM115
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.out, stderr=self.err, text=True, cwd=cwd, env=env(**env_extra)
-        )
-
-    def finish(self, deadline: float) -> subprocess.CompletedProcess:
-        """Wait until monotonic time `deadline`; past it, kill the tree and fail the test."""
-        try:
-            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _kill_tree(self.proc.pid)
-            self.proc.wait()
-            result = self._result()
-            pytest.fail(
-                f"timed out after {time.monotonic() - self.started:.0f} s (hang?): "
-                f"{' '.join(self.cmd)}\n{explain(result)}"
-            )
-        return self._result()
-
-    def _result(self) -> subprocess.CompletedProcess:
-        self.out.seek(0)
-        self.err.seek(0)
-        result = subprocess.CompletedProcess(
-            self.cmd, self.proc.returncode, self.out.read(), self.err.read()
-        )
-        self.out.close()
-        self.err.close()
-        return result
-
-
 def launch(
     cmd: list[str], timeout: float = LAUNCH_TIMEOUT, cwd: Path = REPO, **env_extra: str
 ) -> subprocess.CompletedProcess:
-    return Launch(cmd, cwd, **env_extra).finish(time.monotonic() + timeout)
+    return ranks.launch(cmd, timeout, cwd=cwd, **env_extra)
 
 
 def trainer_cmd(args: list[str]) -> list[str]:
@@ -279,7 +215,8 @@ def test_one_rank_raising_fails_the_job_fast(tmp_path: Path) -> None:
 
 def test_two_nodes_c10d_rendezvous_match_one_process(runs: Runs, tmp_path: Path) -> None:
     """The multi-node command of the contract, as two single-process nodes on localhost:
-    2 nodes x micro 4 x accum 2 = global batch 16, the same as the 1-process reference."""
+    2 nodes x micro 4 x accum 2 = global batch 16, the same as the 1-process reference.
+    Real torchrun: the c10d rendezvous between two launchers is what is tested."""
     port, rdzv_id = free_port(), f"cumulus-test-{uuid.uuid4().hex[:8]}"
     args = [
         *TRAIN_ARGS,
@@ -288,7 +225,7 @@ def test_two_nodes_c10d_rendezvous_match_one_process(runs: Runs, tmp_path: Path)
         f"hydra.run.dir={tmp_path}",
     ]
     nodes = [
-        Launch(
+        ranks.start(
             [
                 sys.executable,
                 "-m",
@@ -302,18 +239,16 @@ def test_two_nodes_c10d_rendezvous_match_one_process(runs: Runs, tmp_path: Path)
                 "-m",
                 "trainer.train",
                 *args,
-            ]
+            ],
+            LAUNCH_TIMEOUT,
+            real=True,
         )
         for node in (0, 1)
     ]
     deadline = time.monotonic() + LAUNCH_TIMEOUT
-    try:
-        procs = [node.finish(deadline) for node in nodes]
-    finally:
-        for node in nodes:  # the other node, if one failed the test on its deadline
-            if node.proc.poll() is None:
-                _kill_tree(node.proc.pid)
-                node.proc.wait()
+    ended = [node.ended_by(deadline) for node in nodes]
+    procs = [node.collect() for node in nodes]  # kills a late one's tree
+    assert all(ended), [("TIMED OUT\n" if not e else "") + explain(p) for e, p in zip(ended, procs)]
     for proc in procs:
         assert proc.returncode == 0, explain(proc)
     banners = sum("world 2 x micro 4 x accum 2 = global batch 16" in p.stdout for p in procs)
@@ -323,7 +258,9 @@ def test_two_nodes_c10d_rendezvous_match_one_process(runs: Runs, tmp_path: Path)
 
 def test_default_run_dir_is_shared_by_all_ranks(tmp_path: Path) -> None:
     """Without hydra.run.dir, ranks resolving the timestamped default in different seconds
-    must still agree on one directory; separate launches get separate ones."""
+    must still agree on one directory; separate launches get separate ones. The skewed launch
+    is real torchrun (`--no-python` starts rank 1 late, and the stamp is agreed on torchrun's
+    own agent store); the first is warm (the same store protocol, emulated)."""
     outputs = tmp_path / "outputs"
     args = [*BASE, "train.max_steps=2", "train.micro_batch_size=4", "train.grad_accum_steps=1"]
     # The second launch starts rank 1 late enough to resolve the stamp in another second than

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, env, explain, launch_all, read_metrics, train_records
+from tests.conftest import REPO, TINY, read_metrics, train_records
+from tests.ranks import explain, launch, launch_all
 from tests.user_project import commands, write_project
 
 DOC = REPO / "docs" / "extending.md"
@@ -22,22 +22,17 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
 
 
+@pytest.mark.launches
 def test_documented_python_runs(tmp_path: Path) -> None:
     """All Python blocks, in order, as one script: the plain-Python driver asserts it learns."""
     script = tmp_path / "doc_example.py"
     script.write_text("\n".join(python_blocks()))
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env(),
-        cwd=REPO,
-    )
+    proc = launch([sys.executable, str(script)], 120)
     assert proc.returncode == 0, explain(proc)
     assert "final loss" in proc.stdout
 
 
+@pytest.mark.launches
 def test_documented_cli_runs(tmp_path: Path) -> None:
     """The step and callback blocks as a user module, selected on the command line; with a
     sharded checkpoint at step 2, a resumed run repeats steps 3-4 exactly, callback included
@@ -56,14 +51,8 @@ def test_documented_cli_runs(tmp_path: Path) -> None:
     ]
 
     def train(run: Path) -> list[dict]:
-        proc = subprocess.run(
-            [sys.executable, "-m", "trainer.train", *args, f"hydra.run.dir={run}"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env(PYTHONPATH=str(tmp_path)),
-            cwd=REPO,
-        )
+        cmd = [sys.executable, "-m", "trainer.train", *args, f"hydra.run.dir={run}"]
+        proc = launch(cmd, 120, PYTHONPATH=str(tmp_path))
         assert proc.returncode == 0, explain(proc)
         return train_records(read_metrics(run))
 
@@ -80,6 +69,7 @@ def test_documented_cli_runs(tmp_path: Path) -> None:
         assert [r[key] for r in resumed] == [r[key] for r in records[2:]], key
 
 
+@pytest.mark.launches
 def test_your_model_doc_runs(tmp_path: Path) -> None:
     """docs/your-model.md: its package and config folder, written out, train from the
     command line and from Python as documented; both learn the tagging rule,
@@ -103,10 +93,9 @@ def test_your_model_doc_runs(tmp_path: Path) -> None:
     assert [r["step"] for r in evals] == [50, 100, 150]
     assert evals[-1]["val/accuracy"] > 0.8, evals
     assert compare.startswith("python -m trainer.compare "), compare
-    proc = subprocess.run(
-        ["bash", "-c", compare.replace("python -m", f"{sys.executable} -m")],
-        capture_output=True, text=True, timeout=60, env=env(), cwd=project,
-    )  # fmt: skip
+    proc = launch(
+        ["bash", "-c", compare.replace("python -m", f"{sys.executable} -m")], 60, cwd=project
+    )
     assert proc.returncode == 0, explain(proc)
     loss = [line.split() for line in proc.stdout.splitlines() if line.startswith("train/loss ")]
     assert loss and loss[0][1] == "15", proc.stdout  # every record (train.log_every=10)

@@ -27,8 +27,9 @@ from engine.step import StepContext
 from engine.steps.dp_sgd import DPSGDStep, PrivacySpent
 from engine.steps.privacy import RDPAccountant, noise_for_epsilon
 from engine.tasks import ClassificationTask
-from tests.conftest import explain, read_metrics, run_cli, run_torchrun, train_in_process
+from tests.conftest import read_metrics, train_in_process
 from tests.dp_support import blobs, mlp64
+from tests.ranks import explain, run_cli, run_torchrun
 from trainer.data.loader import GlobalBatchSampler, StepMicroBatches
 
 EXACT = 1e-10
@@ -276,6 +277,7 @@ def test_poisson_batches_are_a_pure_function_of_seed_and_step(
         assert max(abs(u - v) for u, v in zip(x, y)) <= EXACT
 
 
+@pytest.mark.launches
 def test_batch_norm_is_refused_with_one_paragraph(dp_args: list[str], tmp_path: Path) -> None:
     proc = run_cli([*dp_args, "+model.batch_norm=true", f"hydra.run.dir={tmp_path}"])
     assert proc.returncode == 2, explain(proc)
@@ -351,6 +353,7 @@ TARGET = ["train.micro_batch_size=8", "train.grad_accum_steps=4", "optim.momentu
 TARGET.append("step.noise_multiplier=null")
 
 
+@pytest.mark.launches
 def test_target_epsilon_run_uses_opacus_noise_and_shows_epsilon(
     dp_args: list[str], tmp_path: Path
 ) -> None:
@@ -380,6 +383,7 @@ def test_target_epsilon_run_uses_opacus_noise_and_shows_epsilon(
     assert longer[-1][2] > 2.0
 
 
+@pytest.mark.launches
 def test_target_epsilon_refusals_through_the_trainer(dp_args: list[str], tmp_path: Path) -> None:
     """Both settings: exit 2, one paragraph naming step.noise_multiplier, no traceback."""
     proc = run_cli([*dp_args, "step.target_epsilon=2", f"hydra.run.dir={tmp_path / 'both'}"])
@@ -389,6 +393,7 @@ def test_target_epsilon_refusals_through_the_trainer(dp_args: list[str], tmp_pat
     assert "invalid config `step.noise_multiplier`" in line and "both set" in line, line
 
 
+@pytest.mark.launches
 def test_unreachable_target_through_the_trainer(dp_args: list[str], tmp_path: Path) -> None:
     """An unreachable target: exit 2, one paragraph naming step.target_epsilon."""
     args = [*dp_args, *TARGET, "step.target_epsilon=0.05", f"hydra.run.dir={tmp_path}"]

@@ -26,14 +26,12 @@ from engine.numerics.precision import Precision
 from tests.conftest import (
     CONFIG_DIR,
     TINY,
-    explain,
-    launch_all,
     one_thread,
     read_metrics,
-    torchrun_cmd,
     train_in_process,
     train_records,
 )
+from tests.ranks import explain, launch_all, torchrun_cmd
 from trainer.data.text import TextCfg, load_splits
 from trainer.models.gpt import GPT, GPTConfig
 
@@ -239,6 +237,7 @@ def test_two_ranks_give_the_same_val_loss(eval_run: Path, multi: dict[str, Any])
         ), (step, ddp[step], single[step])
 
 
+@pytest.mark.launches
 def test_evaluate_cli_matches_training(eval_run: Path, cli: dict[str, Any]) -> None:
     """The CLI rebuilds model and data from the checkpoint and gets the run's val/loss."""
     trained = eval_records(read_metrics(eval_run))
@@ -255,6 +254,7 @@ def test_evaluate_cli_matches_training(eval_run: Path, cli: dict[str, Any]) -> N
     assert math.isclose(fewer["val/loss"], want, rel_tol=0, abs_tol=1e-6), (fewer, want)
 
 
+@pytest.mark.launches
 def test_evaluate_cli_takes_group_selections(eval_run: Path, cli: dict[str, Any]) -> None:
     """`model=...`, `data=...`, `logger=...` select groups as in training (they used to fail
     with Hydra's raw merge error); re-selecting the run's own choices changes nothing."""
@@ -279,6 +279,7 @@ def test_evaluate_cli_under_torchrun(eval_run: Path, multi: dict[str, Any]) -> N
     assert math.isclose(got["val/loss"], trained[6]["val/loss"], rel_tol=0, abs_tol=1e-6)
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     ("case", "expect"),
     [("no_checkpoint", "usage"), ("nonexistent", "does_not_exist"), ("bogus_key", "bogus")],

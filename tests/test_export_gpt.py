@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import TINY, explain, launch, run_cli, stdlib_text, train_in_process
+from tests.conftest import TINY, stdlib_text, train_in_process
+from tests.ranks import explain, launch, run_cli
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -21,6 +22,7 @@ pytest.importorskip("tokenizers")
 BLOCK = 64  # gpt_tiny's block_size
 
 
+@pytest.mark.launches
 def test_default_gpt_exports_with_cumulus_validation_loss(tmp_path: Path) -> None:
     """A gpt_tiny checkpoint (byte-level text, 4 steps) exports; `from_pretrained` loads a
     GPT2LMHeadModel with tied embeddings and a tokenizer whose ids are the UTF-8 bytes; its
@@ -90,6 +92,7 @@ def test_gpt_variants_give_gpt2s_logits(shape: dict) -> None:
     assert (want - got).abs().max().item() <= 1e-5
 
 
+@pytest.mark.launches
 def test_a_model_with_no_mapping_is_refused(tmp_path: Path) -> None:
     """experiment=digits (a CNN): one paragraph naming what exports, exit 2, nothing written."""
     run = tmp_path / "run"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +22,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, TINY, env, explain, launch, launch_all, read_metrics, torchrun_cmd
+from tests import ranks
+from tests.conftest import TINY, read_metrics
+from tests.ranks import explain, launch, launch_all, torchrun_cmd
 from trainer import run_lock
 from trainer.run_lock import LOCK_NAME, STALE_AFTER_S, RunDirInUse, RunLock
 
@@ -172,6 +173,7 @@ def test_with_warn_training_goes_on_and_retries_every_checkpoint(
 # --------------------------------------------------------------------------- run-dir lock
 
 
+@pytest.mark.multiproc
 def test_second_launch_on_a_live_run_directory_is_refused(tmp_path: Path) -> None:
     """A live 1-process run holds the directory: a 2-rank launch on it exits 2 within seconds
     naming the holder, and writes nothing. After the holder is killed with -9, a rerun takes
@@ -184,22 +186,15 @@ def test_second_launch_on_a_live_run_directory_is_refused(tmp_path: Path) -> Non
         "checkpoint.every_steps=5",
         f"hydra.run.dir={run_dir}",
     ]
-    out = (tmp_path / "live.out").open("w")
-    live = subprocess.Popen(
-        [sys.executable, "-m", "trainer.train", *args],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-        env=env(),
-        start_new_session=True,
-    )
+    live = ranks.start([sys.executable, "-m", "trainer.train", *args], 240)
     try:
         deadline = time.monotonic() + 120
         while not list((run_dir / "checkpoints").glob("step_*")):
             assert live.poll() is None and time.monotonic() < deadline, "the live run did not start"
             time.sleep(0.2)
+        (live_pid,) = live.pids()
         holder = json.loads((run_dir / LOCK_NAME).read_text())
-        assert holder["pid"] == live.pid and holder["host"] == socket.gethostname()
+        assert holder["pid"] == live_pid and holder["host"] == socket.gethostname()
 
         started = time.monotonic()
         second = launch([*torchrun_cmd(2), "-m", "trainer.train", *args], 120, tmp_path)
@@ -207,20 +202,18 @@ def test_second_launch_on_a_live_run_directory_is_refused(tmp_path: Path) -> Non
         assert time.monotonic() - started < 60
         (error,) = [ln for ln in second.stderr.splitlines() if ln.startswith("error")]
         assert f"run directory {run_dir} is in use by another launch" in error, error
-        assert f"pid {live.pid}" in error and socket.gethostname() in error, error
+        assert f"pid {live_pid}" in error and socket.gethostname() in error, error
         assert holder["started"] in error, error
         records = read_metrics(run_dir)
         steps = [r["step"] for r in records]
         assert steps == sorted(set(steps)), "a second writer interleaved records"
     finally:
-        os.killpg(live.pid, signal.SIGKILL)
-        live.wait()
-        out.close()
+        live.collect()  # SIGKILLs its whole tree: a crash, not a stop
     last = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
     resume = [*args, f"train.max_steps={last + 2}"]
     rerun = launch([sys.executable, "-m", "trainer.train", *resume], 120)
     assert rerun.returncode == 0, explain(rerun)
-    assert "took over the lock" in rerun.stderr and f"pid {live.pid}" in rerun.stderr
+    assert "took over the lock" in rerun.stderr and f"pid {live_pid}" in rerun.stderr
     assert f"resumed from {run_dir / 'checkpoints'}" in rerun.stdout, explain(rerun)
     assert not (run_dir / LOCK_NAME).exists(), "the lock outlived its run"
 

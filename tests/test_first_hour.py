@@ -10,8 +10,6 @@ Every command is the real trainer, launched as the user would.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,15 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import (
-    REPO,
-    env,
-    explain,
-    launch,
-    launch_all,
-    read_metrics,
-    torchrun_cmd,
-)
+from tests import ranks
+from tests.conftest import read_metrics
+from tests.ranks import explain, launch, launch_all, torchrun_cmd
 from tests.user_project import select, write_project
 
 TIMEOUT = 120.0
@@ -123,8 +115,7 @@ def command(project: Path, run_dir: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Each mistake launched once (four at a time: import-bound), the correct task as the
-    control."""
+    """Each mistake launched once (four at a time), the correct task as the control."""
     root = tmp_path_factory.mktemp("runs")
     cases = {
         "sum": [],
@@ -159,17 +150,20 @@ def paragraph(proc: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
+@pytest.mark.multiproc
 def test_sum_task_trains(runs: dict[str, Any]) -> None:
     proc = runs["results"]["sum"]
     assert proc.returncode == 0, explain(proc)
     assert [r["step"] for r in read_metrics(runs["root"] / "sum")] == [1, 2, 3]
 
 
+@pytest.mark.multiproc
 def test_progress_line_in_the_tasks_unit(runs: dict[str, Any]) -> None:
     out = runs["results"]["sum"].stdout
     assert " tags/s | " in out and "tok/s" not in out, out  # TaggingTask.unit = "tags"
 
 
+@pytest.mark.multiproc
 def test_default_accumulation_stands_out(runs: dict[str, Any], tmp_path: Path) -> None:
     note = "NOTE: accumulation is the default train.grad_accum_steps=2"
     assert note in runs["results"]["sum"].stdout
@@ -187,6 +181,7 @@ def test_default_accumulation_stands_out(runs: dict[str, Any], tmp_path: Path) -
     assert "world 1 x micro 8 x accum 2" in out.getvalue() and "NOTE" not in out.getvalue()
 
 
+@pytest.mark.multiproc
 def test_mean_loss_is_refused_with_what_to_return(runs: dict[str, Any]) -> None:
     text = paragraph(runs["results"]["mean"])
     assert "task `mistakes.MeanTask`" in text
@@ -194,6 +189,7 @@ def test_mean_loss_is_refused_with_what_to_return(runs: dict[str, Any]) -> None:
     assert not (runs["root"] / "mean").exists()  # refused before its first step: no run dir
 
 
+@pytest.mark.multiproc
 def test_forgotten_searchpath(runs: dict[str, Any]) -> None:
     text = paragraph(runs["results"]["no_searchpath"])
     assert "invalid config `model`: no config named 'tagger'" in text
@@ -240,6 +236,7 @@ def test_hydra_mistakes_name_the_fix(overrides: list[str], key: str, fix: str) -
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.multiproc
 def test_mean_loss_on_two_ranks_stops_every_rank(runs: dict[str, Any]) -> None:
     proc = runs["results"]["mean_ddp"]
     assert proc.returncode != 0, explain(proc)
@@ -266,11 +263,13 @@ def test_api_train_returns_one_record_per_step(tmp_path: Path) -> None:
     assert [json.loads(line)["step"] for line in moved] == [3]
 
 
+@pytest.mark.multiproc
 def test_check_sum_false_skips_the_check(runs: dict[str, Any]) -> None:
     proc = runs["results"]["mean_unchecked"]
     assert proc.returncode == 0, explain(proc)
 
 
+@pytest.mark.multiproc
 def test_count_items_may_return_an_int(runs: dict[str, Any]) -> None:
     proc = runs["results"]["int_count"]
     assert proc.returncode == 0, explain(proc)
@@ -278,18 +277,21 @@ def test_count_items_may_return_an_int(runs: dict[str, Any]) -> None:
     assert same == [r["train/loss"] for r in read_metrics(runs["root"] / "sum")]
 
 
+@pytest.mark.multiproc
 def test_variable_length_without_collate_fn(runs: dict[str, Any]) -> None:
     text = paragraph(runs["results"]["no_collate"])
     assert "invalid config `data`" in text and "mistakes.no_collate" in text
     assert "different shapes" in text and "pad_collate" in text
 
 
+@pytest.mark.multiproc
 def test_dataset_of_python_lists(runs: dict[str, Any]) -> None:
     text = paragraph(runs["results"]["lists"])
     assert "mistakes.lists" in text and "field `features` is a Python list" in text
     assert "torch.tensor" in text and "pad_collate" in text
 
 
+@pytest.mark.multiproc
 def test_failing_collate_keeps_its_traceback_under_one_line(runs: dict[str, Any]) -> None:
     proc = runs["results"]["failing_collate"]
     assert proc.returncode == 1, explain(proc)
@@ -300,6 +302,7 @@ def test_failing_collate_keeps_its_traceback_under_one_line(runs: dict[str, Any]
     assert "KeyError: 'my_field'" in lines[-3:]
 
 
+@pytest.mark.multiproc
 def test_failing_model_names_the_component_and_step(runs: dict[str, Any]) -> None:
     proc = runs["results"]["broken_model"]
     assert proc.returncode == 1, explain(proc)
@@ -333,6 +336,7 @@ def test_halves_of_common_batches() -> None:
     assert halves((x, y[:3])) is None  # no common batch dimension
 
 
+@pytest.mark.launches
 def test_resume_after_kill_leaves_one_record_per_step(project: Path, tmp_path: Path) -> None:
     """kill -9 mid-run, rerun the same command: metrics.jsonl holds each step once, the
     records written after the resumed checkpoint are in metrics.superseded.jsonl."""
@@ -340,20 +344,16 @@ def test_resume_after_kill_leaves_one_record_per_step(project: Path, tmp_path: P
     cmd = command(
         project, run_dir, "train.max_steps=24", "checkpoint.every_steps=5", "data.n_train=256"
     )
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env(PYTHONPATH=str(project)), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    run = ranks.start(cmd, TIMEOUT, PYTHONPATH=str(project))
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + TIMEOUT
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
+        while time.monotonic() < deadline and run.poll() is None:
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 7:
                 break
             time.sleep(0.02)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        run.collect()  # SIGKILLs its whole tree
     before = read_metrics(run_dir)
     assert before, "the run wrote no record before it was killed"
     ckpts = sorted(run_dir.glob("checkpoints/step_*"))

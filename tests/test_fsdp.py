@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, explain, read_metrics, run_cli, run_torchrun
+from tests.conftest import TINY, read_metrics
+from tests.ranks import explain, run_cli, run_torchrun
 
 pytestmark = pytest.mark.multiproc
 

@@ -16,17 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import (
-    explain,
-    launch,
-    launch_all,
-    read_metrics,
-    run_cli,
-    stdlib_text,
-    torchrun_cmd,
-    train_in_process,
-    train_records,
-)
+from tests.conftest import read_metrics, stdlib_text, train_in_process, train_records
+from tests.ranks import explain, launch, launch_all, run_cli, torchrun_cmd
 
 transformers = pytest.importorskip("transformers")
 
@@ -209,6 +200,7 @@ def test_export_reloads_in_transformers_with_the_same_validation_loss(
     assert abs(total / count - want["val/loss"]) <= 1e-5, (total / count, want["val/loss"])
 
 
+@pytest.mark.launches
 def test_hf_llama_learns_and_resumes_bitwise_after_kill(tmp_path: Path) -> None:
     text = stdlib_text(tmp_path / "text.py", 300_000)
     args = [
@@ -242,6 +234,7 @@ def test_hf_llama_learns_and_resumes_bitwise_after_kill(tmp_path: Path) -> None:
     assert ref[12] < ref[1] - 1.0, ref  # from ~ln(256) = 5.5 down
 
 
+@pytest.mark.launches
 def test_missing_pretrained_directory_is_one_paragraph(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     proc = run_cli(["model=hf_gpt2", f"model.pretrained={missing}", *COMMON])

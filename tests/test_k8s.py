@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO, explain, launch_all, read_metrics, stdlib_text, train_records
+from tests.conftest import REPO, read_metrics, stdlib_text, train_records
+from tests.ranks import explain, launch_all
 
 K8S = REPO / "docker" / "k8s"
 README = (REPO / "README.md").read_text()
@@ -175,7 +176,9 @@ def free_port() -> int:
 def test_manifest_scripts_train_on_one_node(tmp_path: Path) -> None:
     """Each script, as the pod runs it (`bash -c SCRIPT NAME ARGS...`), with its runtime's
     variables for one node of one process and the volume's mount path pointing here: torchrun
-    rendezvouses over c10d and the run writes its records into the run dir on the volume."""
+    rendezvouses over c10d and the run writes its records into the run dir on the volume.
+    The real commands (bash, real torchrun): the scripts and their launcher are what is
+    tested."""
     text = stdlib_text(tmp_path / "text.py", 60_000)
     args = [
         "model=gpt_tiny",
@@ -226,7 +229,7 @@ def test_manifest_scripts_train_on_one_node(tmp_path: Path) -> None:
         # Each in its own environment: a shell prefix, as the pod's env would set them.
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in variables.items())
         cmds[name] = ["bash", "-c", f"export {prefix}\n{script}", command[3], *args]
-    results = launch_all(cmds, 150, TMPDIR=str(tmp_path))
+    results = launch_all(cmds, 150, real=True, TMPDIR=str(tmp_path))
     for name, proc in results.items():
         assert proc.returncode == 0, f"{name}\n{explain(proc)}"
         records = train_records(read_metrics(run_dirs[name]))

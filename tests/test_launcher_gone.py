@@ -20,15 +20,8 @@ import pytest
 
 from engine.checkpoint import list_checkpoints, verify
 from tests.ckpt_support import _children, kill_tree
-from tests.conftest import (
-    REPO,
-    env,
-    explain,
-    launch_all,
-    read_metrics,
-    torchrun_cmd,
-    train_records,
-)
+from tests.conftest import REPO, read_metrics, train_records
+from tests.ranks import env, explain, launch_all, torchrun_cmd
 
 # Dropout and variable-length samples (the RNG streams and the data position must resume),
 # a constant learning rate (runs of different lengths share one trajectory).

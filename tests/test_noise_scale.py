@@ -24,15 +24,8 @@ from engine.distributed import DistInfo
 from engine.numerics.precision import Precision
 from engine.step import StepContext
 from engine.steps.accumulate import AccumulateStep
-from tests.conftest import (
-    TINY,
-    explain,
-    read_metrics,
-    run_torchrun,
-    stdlib_text,
-    train_in_process,
-    train_records,
-)
+from tests.conftest import TINY, read_metrics, stdlib_text, train_in_process, train_records
+from tests.ranks import explain, run_torchrun
 
 POPULATION = 1000
 WINDOWS = 300

@@ -3,10 +3,10 @@
 The schedules and the split are data, so they are checked directly (every rank's list
 together covers each forward and backward exactly once and runs without deadlock in
 `simulate`; the balanced split is checked against brute force). Everything else goes through
-the real command (`python -m trainer.train`, torchrun with gloo on CPU) and is compared with
-an independent reference: the same configuration on one process without a pipeline, which
-never touches engine/parallel/pipeline/. Runs that several tests read are launched once per module,
-all at once (`launch_all`): most of a launch is imports, which overlap well on 2 cores.
+the command (`python -m trainer.train`, torchrun with gloo on CPU; warm ranks, tests/ranks.py)
+and is compared with an independent reference: the same configuration on one process without
+a pipeline, which never touches engine/parallel/pipeline/. Runs that several tests read are
+launched once per module, all at once (`launch_all`).
 """
 
 from __future__ import annotations
@@ -25,15 +25,9 @@ import torch
 
 from engine.parallel.pipeline import NotSplittable, stage_ranges
 from engine.parallel.pipeline.schedule import SCHEDULES, Action, actions, simulate
-from tests.conftest import (
-    explain,
-    launch,
-    launch_all,
-    read_metrics,
-    torchrun_cmd,
-    train_records,
-)
+from tests.conftest import read_metrics, train_records
 from tests.pipeline_support import OverflowGPT
+from tests.ranks import explain, launch, launch_all, torchrun_cmd
 from tests.test_checkpoint import kill_at, resumed_steps
 from trainer.cli import EXIT_USER_ERROR
 
@@ -705,6 +699,7 @@ def error_lines(proc: subprocess.CompletedProcess) -> str:
     return "\n".join(line for line in proc.stderr.splitlines() if line.startswith("error:"))
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(
     ("name", "key", "hints"),
     [

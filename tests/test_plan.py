@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import compose_config, explain, launch_all, torchrun_cmd
+from tests.conftest import compose_config
+from tests.ranks import explain, launch_all, torchrun_cmd
 from trainer.cli import to_config
 
 STEPS = ["train.max_steps=2", "eval.every_steps=0", "checkpoint.every_steps=0", "logger=none"]
@@ -134,6 +135,7 @@ def test_a_layout_that_does_not_fit_says_so_and_search_finds_ones_that_do(
     assert all(lay["peak_bytes"] <= int(ddp_peak * 0.8) for lay in fitting)
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     ("args", "key"),
     [

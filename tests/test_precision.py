@@ -43,18 +43,14 @@ from engine.steps.accumulate import AccumulateStep
 from engine.tasks import CausalLMTask
 from tests.conftest import (
     CONFIG_DIR,
-    REPO,
     TINY,
-    env,
-    explain,
     read_metrics,
-    run_cli,
     stdlib_text,
-    torchrun_cmd,
     train_in_process,
     train_records,
 )
-from tests.precision_support import poison_next_backward, run_concurrently
+from tests.precision_support import poison_next_backward
+from tests.ranks import explain, launch_all, run_cli, torchrun_cmd
 from trainer.fit import TrainingDiverged
 from trainer.models.gpt import GPT
 from trainer.optim import build_optimizer
@@ -392,16 +388,15 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(text_file: Path, tmp_path:
         f"+callbacks.inj.digest_dir={digests}",
     ]
     trainer = [*torchrun_cmd(2), "-m", "trainer.train", *args]
-    # The clean reference and the injected run side by side: launch overhead overlaps.
-    clean, inj = run_concurrently(
-        [
-            [*trainer, f"hydra.run.dir={tmp_path / 'clean'}"],
-            [*trainer, f"hydra.run.dir={tmp_path / 'inj'}", *injected],
-        ],
-        timeout=TORCHRUN_TIMEOUT,
-        env=env(),
-        cwd=REPO,
+    # The clean reference and the injected run side by side.
+    procs = launch_all(
+        {
+            "clean": [*trainer, f"hydra.run.dir={tmp_path / 'clean'}"],
+            "inj": [*trainer, f"hydra.run.dir={tmp_path / 'inj'}", *injected],
+        },
+        TORCHRUN_TIMEOUT,
     )
+    clean, inj = procs["clean"], procs["inj"]
     assert clean.returncode == 0, explain(clean)
     assert inj.returncode == 0, explain(inj)
     ref, got = by_step(read_metrics(tmp_path / "clean")), by_step(read_metrics(tmp_path / "inj"))
@@ -429,6 +424,7 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(text_file: Path, tmp_path:
 # --------------------------------------------------------------------------- 5-6. divergence
 
 
+@pytest.mark.launches
 def test_consecutive_nonfinite_steps_stop_with_clear_message(
     base: list[str], tmp_path: Path
 ) -> None:

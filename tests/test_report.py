@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, TINY, env, explain, launch_all, read_metrics, train_in_process
+from tests.conftest import REPO, TINY, read_metrics, train_in_process
+from tests.ranks import env, explain, launch_all
 from trainer.plots import MAX_POINTS, reduce
 
 INJECT = "tests.precision_support.InjectNonFinite"
@@ -137,6 +138,7 @@ def check_page(
     return found
 
 
+@pytest.mark.launches
 def test_each_run_writes_its_report(runs: Runs) -> None:
     """The run's own report.html: one series per metric it recorded (constants named in a
     line instead), each with one point per finite record; the skipped step leaves a gap in
@@ -167,6 +169,7 @@ def test_each_run_writes_its_report(runs: Runs) -> None:
             assert 'class="mark"' not in page
 
 
+@pytest.mark.launches
 def test_overlay_of_two_runs(runs: Runs) -> None:
     """`trainer.report A B`: both runs' series in every chart, the config keys on which they
     differ, and trainer.compare's own table of B against A."""
@@ -191,6 +194,7 @@ def test_overlay_of_two_runs(runs: Runs) -> None:
     assert html.escape(table) in page
 
 
+@pytest.mark.launches
 def test_page_is_self_contained(runs: Runs) -> None:
     """Nothing on the page can make a request: no URL, no reference to another file, no
     script, no stylesheet link, no image source, no CSS url()."""
@@ -201,6 +205,7 @@ def test_page_is_self_contained(runs: Runs) -> None:
         assert not re.search(r"<(script|link|img|iframe|object|embed)\b|url\(|@import", text, re.I)
 
 
+@pytest.mark.launches
 def test_report_of_a_run_being_written(runs: Runs, tmp_path: Path) -> None:
     """A metrics.jsonl whose last line is still being written: the page is made from the
     complete lines, and says one line was skipped; no summary yet."""
@@ -269,6 +274,7 @@ def test_long_series_keep_their_extremes() -> None:
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+@pytest.mark.launches
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium)")
 def test_pages_render_in_headless_chromium(runs: Runs, tmp_path: Path) -> None:
     """Headless Chromium, network off: its DOM of each page holds the same series as the

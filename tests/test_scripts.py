@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, env, explain, read_metrics, train_records
+from tests.conftest import REPO, TINY, read_metrics, train_records
+from tests.ranks import explain, launch
 
 SCRIPTS = sorted(
     [
@@ -25,23 +26,13 @@ def test_script_parses(script: Path) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.launches
 def test_launch_sh_single_process(tmp_path: Path) -> None:
-    """`scripts/launch.sh` with overrides trains (one process on a CPU-only machine)."""
+    """`scripts/launch.sh` with overrides trains (one process on a CPU-only machine). The real
+    command: the script is what is tested."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            "bash",
-            str(REPO / "scripts" / "launch.sh"),
-            *TINY,
-            "train.max_steps=2",
-            f"hydra.run.dir={run_dir}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env(),
-        cwd=tmp_path,
-    )
+    script = ["bash", str(REPO / "scripts" / "launch.sh"), *TINY, "train.max_steps=2"]
+    proc = launch([*script, f"hydra.run.dir={run_dir}"], 120, cwd=tmp_path, real=True)
     assert proc.returncode == 0, explain(proc)
     assert [r["step"] for r in train_records(read_metrics(run_dir))] == [1, 2]
 

@@ -39,16 +39,14 @@ from engine.checkpoint.sharded import (
     save_shards,
     sharded_model_optimizer_state,
 )
-from tests.conftest import CONFIG_DIR, TINY, explain, launch, read_metrics, torchrun_cmd
+from tests.conftest import CONFIG_DIR, TINY, read_metrics
 from tests.old_dcp_layout import old_state
+from tests.ranks import explain, launch, torchrun_cmd
 from trainer.models.gpt import GPT
 from trainer.optim import param_groups
 
-pytestmark = [
-    pytest.mark.multiproc,
-    # DCP warns when it runs without a process group: the in-process unit tests mean to.
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
-]
+# DCP warns when it runs without a process group: the in-process unit tests mean to.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 COMMON = [
     *TINY,
@@ -197,6 +195,7 @@ def ddp_sharded(root: Path) -> Path:
 # --------------------------------------------------------------------------- 1. layout
 
 
+@pytest.mark.multiproc
 def test_fsdp_writes_the_sharded_layout_by_default(fsdp_run: Path, ddp_ref: Path) -> None:
     """Every rank's DCP shard plus the metadata are listed with true sizes and checksums;
     state.pt holds the small state only; the shards hold the whole model at full shapes."""
@@ -250,6 +249,7 @@ def test_fsdp_writes_the_sharded_layout_by_default(fsdp_run: Path, ddp_ref: Path
 # --------------------------------------------------------------------------- 2. reshard
 
 
+@pytest.mark.multiproc
 def test_fsdp_sharded_checkpoint_resumes_under_ddp(
     fsdp_run: Path, ddp_ref: Path, tmp_path: Path
 ) -> None:
@@ -264,6 +264,7 @@ def test_fsdp_sharded_checkpoint_resumes_under_ddp(
     assert manifest_of(ckpt(run_dir, 8))["layout"] == "full"
 
 
+@pytest.mark.multiproc
 def test_ddp_sharded_checkpoint_resumes_under_fsdp(
     ddp_sharded: Path, ddp_ref: Path, tmp_path: Path
 ) -> None:
@@ -289,6 +290,7 @@ def test_ddp_sharded_checkpoint_resumes_under_fsdp(
     assert_close_trajectory(by_step(run_dir), ref)
 
 
+@pytest.mark.multiproc
 def test_ddp_sharded_checkpoint_resumes_on_one_process(
     ddp_sharded: Path, ddp_ref: Path, tmp_path: Path
 ) -> None:
@@ -304,6 +306,7 @@ def test_ddp_sharded_checkpoint_resumes_on_one_process(
 # --------------------------------------------------------------------------- 3. 1 -> 2
 
 
+@pytest.mark.multiproc
 def test_one_process_sharded_checkpoint_resumes_under_fsdp(ddp_ref: Path, tmp_path: Path) -> None:
     """A single process writes one shard file; FSDP on 2 ranks resumes it on the trajectory."""
     single = tmp_path / "single"
@@ -329,6 +332,7 @@ def test_one_process_sharded_checkpoint_resumes_under_fsdp(ddp_ref: Path, tmp_pa
 # --------------------------------------------------------------------------- 4. bitwise
 
 
+@pytest.mark.multiproc
 def test_same_world_fsdp_async_resume_is_bitwise(fsdp_run: Path, tmp_path: Path) -> None:
     """FSDP 2 ranks, async sharded saves, dropout: resuming from step 4 on the same ranks and
     strategy reproduces the uninterrupted run exactly (weights, optimizer, RNG per rank)."""
@@ -356,6 +360,7 @@ def test_same_world_fsdp_async_resume_is_bitwise(fsdp_run: Path, tmp_path: Path)
 # --------------------------------------------------------------------------- 5. malicious
 
 
+@pytest.mark.multiproc
 def test_explicit_resume_of_malicious_metadata_is_refused(fsdp_run: Path, tmp_path: Path):
     """`checkpoint.resume=PATH` to a checkpoint whose `.metadata` would run code: one-line
     error, exit 2, nothing executed, nothing trained."""
@@ -377,6 +382,7 @@ def test_explicit_resume_of_malicious_metadata_is_refused(fsdp_run: Path, tmp_pa
     assert bad.is_dir(), "the refused checkpoint was deleted"
 
 
+@pytest.mark.multiproc
 def test_auto_resume_skips_malicious_metadata(
     fsdp_run: Path, ddp_ref: Path, tmp_path: Path
 ) -> None:
@@ -395,6 +401,7 @@ def test_auto_resume_skips_malicious_metadata(
     assert verify(ckpt(run_dir, 8))["step"] == 8  # saved again, over the bad one
 
 
+@pytest.mark.multiproc
 def test_evaluate_refuses_malicious_metadata(fsdp_run: Path, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     bad = copy_ckpt(fsdp_run, 8, tmp_path / "elsewhere")
@@ -599,6 +606,7 @@ def test_stored_value_that_runs_code_is_refused(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- 7. corrupt
 
 
+@pytest.mark.multiproc
 def test_corrupt_shard_is_reported_and_skipped(
     fsdp_run: Path, ddp_ref: Path, tmp_path: Path
 ) -> None:
@@ -625,6 +633,7 @@ def test_corrupt_shard_is_reported_and_skipped(
 # --------------------------------------------------------------------------- 8. evaluate
 
 
+@pytest.mark.multiproc
 def test_evaluate_reads_a_sharded_checkpoint(fsdp_run: Path, tmp_path: Path) -> None:
     """`trainer.evaluate` on a 2-rank FSDP checkpoint, in one process, gets the run's val/loss
     (the checkpoint's own config: the same 15 validation samples)."""

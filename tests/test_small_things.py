@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, explain, run_cli, run_torchrun
+from tests.conftest import REPO
+from tests.ranks import explain, run_cli, run_torchrun
 
 README = (REPO / "README.md").read_text()
 
@@ -60,6 +61,7 @@ def test_torch_floor_is_stated_alike() -> None:
     assert re.findall(r"library itself asks for\s+`torch>=([\d.]+)`", README) == [floor]
 
 
+@pytest.mark.launches
 def test_digits_has_no_note_about_the_default_accumulation(tmp_path: Path) -> None:
     """experiment=digits sets its batch (global 64 = micro 32 x accumulation 2 on one
     process): the NOTE about the default train.grad_accum_steps is not printed."""

@@ -34,14 +34,12 @@ from engine.steps.sam import SAMStep
 from tests.conftest import (
     TINY,
     compose_config,
-    explain,
     read_metrics,
-    run_cli,
-    run_torchrun,
     stdlib_text,
     train_in_process,
     train_records,
 )
+from tests.ranks import explain, run_cli, run_torchrun
 from tests.steps_support import CountingStep
 from trainer.assemble import build_model
 from trainer.cli import to_config
@@ -283,6 +281,7 @@ def test_user_strategy_by_target_is_used_with_its_kwargs(run: Runner, base: list
     ]
 
 
+@pytest.mark.launches
 def test_missing_step_target_is_a_clear_error(text_file: Path, tmp_path: Path) -> None:
     """A `_target_` that does not exist: exit 2 and one paragraph naming `step._target_` and
     the class, no traceback."""
@@ -319,6 +318,7 @@ def by_kind(records: Records) -> tuple[dict[int, dict[str, Any]], dict[int, dict
     return train, val
 
 
+@pytest.mark.launches
 def test_ema_and_grad_stats_resume_exactly_after_a_crash(text_file: Path, tmp_path: Path) -> None:
     """SIGKILL at step 6 (checkpoint at 4), rerun the same command: every train record (with
     the per-layer grad norms) and every validation record (with the EMA's loss) equals the
@@ -451,6 +451,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(
 # --------------------------------------------------------------------------- 6. compile
 
 
+@pytest.mark.launches
 @pytest.mark.slow
 def test_compiled_model_trains_like_eager(base: list[str], run: Runner, tmp_path: Path) -> None:
     """train.compile=true (inductor, cold cache in a temp dir): the same losses as eager to

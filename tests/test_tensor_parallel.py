@@ -1,8 +1,9 @@
 """Tensor parallelism (`dist.tp`): exactness against one process, checkpoints both ways,
 refusals.
 
-Every run goes through the real command (torchrun with gloo on CPU) and is compared with
-the same configuration on one process, which never touches engine/parallel/tensor.py. The
+Every run goes through the command (torchrun with gloo on CPU, warm ranks: tests/ranks.py)
+and is compared with the same configuration on one process, which never touches
+engine/parallel/tensor.py. The
 transformers Llama is split by its config's own `base_model_tp_plan` (attention and MLP); the
 in-tree GPT by its plan (heads through its fused q/k/v projection, split third by third, and
 the MLP; its row-split projections keep a replicated bias: the gradient norm must count it
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import explain, launch_all, read_metrics, train_records
+from tests.conftest import read_metrics, train_records
+from tests.ranks import explain, launch_all
 from tests.test_pipeline import (
     EXIT_USER_ERROR,
     TRAIN_KEYS,
@@ -268,7 +270,8 @@ def test_export_of_a_2d_checkpoint_reloads_in_transformers(runs: Runs, tmp_path:
     import transformers
     from omegaconf import OmegaConf
 
-    from tests.conftest import compose_config, launch, run_cli
+    from tests.conftest import compose_config
+    from tests.ranks import launch, run_cli
     from trainer.assemble import build_data
 
     ckpt = checkpoint(runs.dir("llama_tp2_fsdp2"), 6)
@@ -301,7 +304,7 @@ def test_dropout_sigkill_then_rerun_continues_bit_for_bit(tmp_path: Path) -> Non
     and heads), a tp=2 run SIGKILLed on rank 1 after step 4 (checkpoint at 3) and rerun with
     the same command logs the uninterrupted run's records exactly: every rank's random
     streams come back with the checkpoint."""
-    from tests.conftest import launch
+    from tests.ranks import launch
     from tests.test_checkpoint import kill_at, resumed_steps
 
     args = [*GPT, *ACCUM4, "model.dropout=0.1", "dist.tp=2", "dist.tp_sequence_parallel=true"]

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from engine.tasks import TaskOutputError, TokenClassificationTask
-from tests.conftest import explain, launch, read_metrics
+from tests.conftest import read_metrics
+from tests.ranks import explain, launch
 from tests.test_user_model import EXACT, ONE, STEPS, final_weights, reference, trainer, user_module
 from tests.user_project import write_project
 
@@ -73,6 +74,7 @@ def test_one_label_per_sample_points_to_classification() -> None:
         TokenClassificationTask().count_items((torch.zeros(2, 3), torch.tensor([0, 1])))
 
 
+@pytest.mark.launches
 def test_trainer_with_the_task_is_full_batch_gradient_descent(tmp_path: Path) -> None:
     """The tagger of docs/your-model.md with `task=token_classification` instead of its own
     task, in float64 (sequences of 0 to 6 positions, padded): every step's train/loss and the

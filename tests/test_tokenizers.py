@@ -5,25 +5,15 @@ Parquet and `save_to_disk` directories."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    REPO,
-    TINY,
-    env,
-    explain,
-    launch,
-    launch_all,
-    train_in_process,
-    train_records,
-)
+from tests.conftest import REPO, TINY, train_in_process, train_records
+from tests.ranks import env, explain, launch, launch_all
 
 tokenizers = pytest.importorskip("tokenizers")
 datasets = pytest.importorskip("datasets")
@@ -44,6 +34,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / "tokenizer.json"
 
 
+@pytest.mark.launches
 def test_trained_tokenizer_round_trips_the_stdlib_sources(tokenizer: Path) -> None:
     tok = tokenizers.Tokenizer.from_file(str(tokenizer))
     assert tok.get_vocab_size() == VOCAB
@@ -58,6 +49,7 @@ def test_trained_tokenizer_round_trips_the_stdlib_sources(tokenizer: Path) -> No
     assert total_bytes / total_tokens > 2.0, "BPE should compress source code over bytes"
 
 
+@pytest.mark.launches
 def test_bpe_bin_files_train_the_gpt2_small_preset(tokenizer: Path, tmp_path: Path) -> None:
     data = tmp_path / "bin"
     prep = launch(
@@ -100,6 +92,7 @@ def corpus(n: int = 40) -> list[dict[str, str]]:
     ]
 
 
+@pytest.mark.launches
 def test_jsonl_parquet_and_save_to_disk_give_the_same_training(
     tokenizer: Path, tmp_path: Path
 ) -> None:
@@ -141,6 +134,7 @@ def test_jsonl_parquet_and_save_to_disk_give_the_same_training(
     assert len(list((files["jsonl"].parent / ".cumulus-cache").glob("*/index.json"))) == 2
 
 
+@pytest.mark.launches
 def test_bad_tokenizer_and_missing_field_are_one_paragraph(tmp_path: Path) -> None:
     garbage = tmp_path / "tokenizer.json"
     garbage.write_text('{"this is": "not a tokenizer"}')
@@ -166,6 +160,7 @@ def test_bad_tokenizer_and_missing_field_are_one_paragraph(tmp_path: Path) -> No
             assert part in error, (name, error)
 
 
+@pytest.mark.launches
 def test_export_carries_the_tokenizer(tokenizer: Path, tmp_path: Path) -> None:
     """A transformers model trained on BPE tokens exports as a directory that
     AutoTokenizer and AutoModelForCausalLM both load."""
@@ -208,21 +203,35 @@ def byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(keep, chars)}
 
 
+# Linux starts a new program's peak RSS at the peak of the process it replaced, so a command
+# started straight from pytest (grown to GBs by in-process runs) would report pytest's peak.
+# A small interpreter in between starts `cmd` from its own small address space.
+MEASURE = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+print(usage.ru_maxrss, file=sys.stderr)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def peak_rss_mb(cmd: list[str], timeout: float) -> tuple[int, float]:
     """(exit code, peak RSS in MB) of `cmd`, from the kernel's own count (wait4)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            return proc.returncode, usage.ru_maxrss / 1024
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"{cmd} took over {timeout} s")
-        time.sleep(0.05)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, *cmd],
+        cwd=REPO,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=timeout,
+    )
+    return proc.returncode, int(proc.stderr.strip().splitlines()[-1]) / 1024
 
 
+@pytest.mark.launches
 def test_tokenizer_from_jsonl_reads_the_text_field(tmp_path: Path) -> None:
     """`train_tokenizer.py --source corpus.jsonl` (stdlib sources as {"text", "path"} records,
     ~2 MB) trains on each record's text, as data=hf reads it: every vocabulary entry occurs

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, TINY, env, explain, launch, read_metrics, train_records
+from tests.conftest import REPO, TINY, read_metrics, train_records
+from tests.ranks import env, explain, launch
 from tests.test_checkpoint import kill_at, killed, superseded
 
 pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
@@ -79,6 +80,7 @@ def numeric(record: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
+@pytest.mark.launches
 def test_resumed_run_keeps_one_record_per_step(resumed: Resumed) -> None:
     """The setting the tracker checks rely on: killed after step 8, resumed from step 5,
     steps 6-7 redone (the killed launch's records superseded), one record per step."""
@@ -91,6 +93,7 @@ def test_resumed_run_keeps_one_record_per_step(resumed: Resumed) -> None:
     assert "Traceback" not in resumed.rerun.stderr, explain(resumed.rerun)
 
 
+@pytest.mark.launches
 def test_tensorboard_holds_metrics_jsonl(resumed: Resumed) -> None:
     """EventAccumulator over the run's event directory (two files: two launches) gives, for
     every metric, exactly the steps of the records and their values as float32 (TensorBoard's
@@ -131,6 +134,7 @@ def mlflow_client(run_dir: Path) -> Any:
     return MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
 
 
+@pytest.mark.launches
 def test_mlflow_holds_metrics_jsonl(resumed: Resumed) -> None:
     """One MLflow run, continued by the resume (tagged with the trainer's run id): every
     metric's history is exactly the records' steps and values (float64, bit for bit), the
@@ -186,6 +190,7 @@ def test_mlflow_holds_metrics_jsonl(resumed: Resumed) -> None:
     assert Path(sample).read_text() == want[10]["val/sample"]
 
 
+@pytest.mark.launches
 def test_tracker_failing_mid_run_warns_once(tmp_path: Path) -> None:
     """MLflow's store breaks after step 3: one warning naming it, training goes on to the
     end, TensorBoard and metrics.jsonl keep every step, the summary says where MLflow

@@ -20,16 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import (
-    REPO,
-    TINY,
-    explain,
-    launch,
-    launch_all,
-    read_metrics,
-    stdlib_text,
-    train_records,
-)
+from tests.conftest import REPO, TINY, read_metrics, stdlib_text, train_records
+from tests.ranks import explain, launch, launch_all
 
 STEPS = 4
 # A package outside cumulus. Importing any part of it leaves IMPORTED behind; each function
@@ -142,6 +134,7 @@ PLACES = ["model", "task", "data", "optim", "scheduler", "step", "callbacks", "n
 PAYLOADS = ["write_sentinel", "unpickle", "truncate"]
 
 
+@pytest.mark.launches
 def test_crafted_configs_are_refused_before_import(world: dict[str, Any], tmp_path: Path) -> None:
     """In every component, and nested in an argument, each payload: `trainer.evaluate` and
     `scripts/export_hf.py` exit 2 with one paragraph, the payload does not run, nothing of
@@ -187,6 +180,7 @@ def test_crafted_configs_are_refused_before_import(world: dict[str, Any], tmp_pa
     assert bait.read_text() == "precious"
 
 
+@pytest.mark.launches
 def test_trusted_payload_would_run(world: dict[str, Any], tmp_path: Path) -> None:
     """The control: the same crafted checkpoint with `trust=[evilpkg]` does run the code, so
     the refusals above are the boundary's doing, not a broken payload."""
@@ -205,6 +199,7 @@ def test_trusted_payload_would_run(world: dict[str, Any], tmp_path: Path) -> Non
     assert (evil_dir / "SENTINEL").read_text() == "ran"
 
 
+@pytest.mark.launches
 def test_interpolations_in_a_saved_config_are_refused(
     world: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -224,6 +219,7 @@ def test_interpolations_in_a_saved_config_are_refused(
     assert "interpolation at `model._target_`" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.launches
 def test_users_own_model_needs_trust(world: dict[str, Any]) -> None:
     """A checkpoint of a model from a package outside cumulus: refused without trust, naming
     `trust=[extpkg]`; with it, or with the target restated, evaluated to the metrics the run
@@ -252,6 +248,7 @@ def test_users_own_model_needs_trust(world: dict[str, Any]) -> None:
         assert got["val/loss"] == pytest.approx(logged["val/loss"], rel=1e-12)
 
 
+@pytest.mark.launches
 def test_resume_builds_nothing_from_a_checkpoints_config(
     world: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -291,6 +288,7 @@ def test_resume_builds_nothing_from_a_checkpoints_config(
     assert list(evil_dir.iterdir()) == []
 
 
+@pytest.mark.launches
 def test_pretrained_dir_asking_for_custom_code_is_refused(tmp_path: Path) -> None:
     """`model.pretrained=DIR` never runs code from DIR: a config.json with an `auto_map`
     is refused with one paragraph, and the module it names is never imported."""
@@ -323,6 +321,7 @@ def test_pretrained_dir_asking_for_custom_code_is_refused(tmp_path: Path) -> Non
     assert not (tmp_path / "RAN").exists()
 
 
+@pytest.mark.launches
 def test_run_directory_means_its_newest_valid_checkpoint(
     world: dict[str, Any], tmp_path: Path
 ) -> None:

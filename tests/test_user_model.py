@@ -24,16 +24,8 @@ import torch.nn.functional as F
 
 from engine.distributed import DistInfo
 from engine.parallel.dims import build_parallelism
-from tests.conftest import (
-    REPO,
-    compose_config,
-    explain,
-    launch,
-    launch_all,
-    read_metrics,
-    torchrun_cmd,
-    train_records,
-)
+from tests.conftest import REPO, compose_config, read_metrics, train_records
+from tests.ranks import explain, launch, launch_all, torchrun_cmd
 from tests.user_project import select, write_project
 from trainer.assemble import parallelize, split_extras
 from trainer.cli import to_config
@@ -192,6 +184,7 @@ def kill_at(step: int, marker: Path) -> list[str]:
     ]
 
 
+@pytest.mark.launches
 def test_sigkill_resume_is_bitwise_with_loader_workers(project: Path, tmp_path: Path) -> None:
     """Dropout plus a random augmentation, 2 loader workers: a run killed with SIGKILL after
     step 5 and rerun with the same command repeats steps 5-8 bit for bit. The same run
@@ -310,6 +303,7 @@ BAD = {
 }
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("case", BAD.values(), ids=BAD.keys())
 def test_bad_components_are_one_paragraph(
     case: tuple[list[str], str, str], project: Path, tmp_path: Path

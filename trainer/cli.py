@@ -7,7 +7,9 @@ import dataclasses
 import difflib
 import gc
 import os
+import signal
 import sys
+import time
 import traceback
 import typing
 from collections.abc import Callable
@@ -214,6 +216,20 @@ def exit_with(error: UserError) -> None:
     """Print a user error once (rank 0 under torchrun: every rank sees the same input)."""
     if _rank() == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
+    exit_user_error()
+
+
+# How long a silent rank waits for rank 0 to print the error they share.
+SPEAKER_GRACE_S = 10.0
+
+
+def exit_user_error() -> None:
+    """Exit with the user-error code. A rank that left the printing to rank 0 exits after
+    rank 0 (torchrun then stops it): exiting first, it would have torchrun kill rank 0 before
+    the error reached the screen."""
+    if _rank() != 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends the wait
+        time.sleep(SPEAKER_GRACE_S)
     sys.exit(EXIT_USER_ERROR)
 
 
@@ -234,8 +250,10 @@ def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInf
                 print(f"error: {exc}", file=sys.stderr, flush=True)
         else:
             print(f"error (rank {info.rank}): {exc}", file=sys.stderr, flush=True)
+            leave_process_group(clean=False)
+            sys.exit(EXIT_USER_ERROR)
         leave_process_group(clean=False)
-        sys.exit(EXIT_USER_ERROR)
+        exit_user_error()
     except Exception as exc:
         rank = info.rank if info is not None and info.distributed else None
         if rank is not None and is_peer_failure(exc):

@@ -93,12 +93,12 @@ def supersede(path: Path, step: int) -> int | None:
 class Progress(RecordSink):
     """A live one-line bar on a terminal; plain periodic lines otherwise (logs, CI)."""
 
-    def __init__(self, max_steps: int, stream: TextIO = sys.stdout, unit: str = "tokens") -> None:
+    def __init__(self, max_steps: int, stream: TextIO | None = None, unit: str = "tokens") -> None:
         self.max_steps = max_steps
         # Loss items per second, in the task's own unit (`unit = "tokens"` on the task).
         self.rate = "tok/s" if unit == "tokens" else f"{unit}/s"
-        self.stream = stream
-        self.live = stream.isatty()
+        self.stream = stream or sys.stdout  # the stdout of now, not of when this was imported
+        self.live = self.stream.isatty()
         self.start = time.perf_counter()
         self.start_step: int | None = None
 
@@ -153,10 +153,10 @@ class EvalProgress:
         label: str,
         every_s: float = 10.0,
         marks: bool = False,
-        stream: TextIO = sys.stdout,
+        stream: TextIO | None = None,
     ) -> None:
         self.total, self.label, self.every_s, self.marks = total, label, every_s, marks
-        self.stream = stream
+        self.stream = stream or sys.stdout
         self.start = self.last = time.perf_counter()
         self.mark = 0
 

@@ -22,8 +22,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch loads with the run, not before the config is checked
     from engine.distributed import DistInfo
 
-# The process's parent when this module was imported, at start-up: under torchrun, the agent.
+# The process's parent when it started: under torchrun, the agent. Read at import (the agent
+# may be gone before the watch starts), and again in a child this process forks (its parent
+# is this process, not ours).
 _PARENT = os.getppid()
+
+
+def _forked() -> None:
+    global _PARENT
+    _PARENT = os.getppid()
+
+
+os.register_at_fork(after_in_child=_forked)
 POLL_S = 0.2  # how often the parent is looked at
 GRACE_S = 5.0  # from noticing to exiting, at the latest
 EXIT_ORPHANED = 3

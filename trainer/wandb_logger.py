@@ -96,4 +96,18 @@ class WandbSink(RecordSink):
         return f"  W&B logged offline; upload with: {sync}" if sync else None
 
     def close(self) -> None:
+        """Finish the run and return once W&B has written all of it to the run directory.
+
+        `Run.finish()` alone does not wait for that (wandb 0.31): it tells the wandb-core
+        service that the run is over without waiting for the service to write the rest of the
+        run's `.wandb` file, so right after it the file may hold only its header. A command's
+        exit waits for the service (wandb's own atexit teardown); `trainer.api.train` returns
+        to its caller, who may `wandb sync` or read the file at once. So the service is torn
+        down here (it restarts on the next `wandb.init`), unless another W&B run of this
+        process is still active: that one's end (or the process's) waits for it instead.
+        """
+        import wandb
+
         self.run.finish()
+        if wandb.run is None:
+            wandb.teardown()
