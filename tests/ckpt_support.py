@@ -7,7 +7,6 @@ import this module to build the callback, and that must stay cheap and side-effe
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -57,33 +56,3 @@ class KillOnce(Callback):
                 time.sleep(0.01)
         self.marker.touch()
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of `pid`, read from /proc (Linux)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-def descendants(pid: int) -> list[int]:
-    """`pid` and everything below it, collected before any is killed (orphans get reparented)."""
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(_children(p))
-    return tree
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and its descendants: a timed-out torchrun must not leave workers behind."""
-    for p in descendants(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)

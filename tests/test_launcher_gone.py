@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 
 from engine.checkpoint import list_checkpoints, verify
-from tests.ckpt_support import _children, kill_tree
 from tests.conftest import REPO, read_metrics, train_records
-from tests.ranks import env, explain, launch_all, torchrun_cmd
+from tests.ranks import _children, env, explain, kill_tree, launch_all, torchrun_cmd
 
 # Dropout and variable-length samples (the RNG streams and the data position must resume),
 # a constant learning rate (runs of different lengths share one trajectory).
