@@ -216,18 +216,18 @@ def exit_with(error: UserError) -> None:
     """Print a user error once (rank 0 under torchrun: every rank sees the same input)."""
     if _rank() == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
-    exit_user_error()
+    exit_user_error(printed=_rank() == 0)
 
 
 # How long a silent rank waits for rank 0 to print the error they share.
 SPEAKER_GRACE_S = 10.0
 
 
-def exit_user_error() -> None:
+def exit_user_error(printed: bool) -> None:
     """Exit with the user-error code. A rank that left the printing to rank 0 exits after
     rank 0 (torchrun then stops it): exiting first, it would have torchrun kill rank 0 before
     the error reached the screen."""
-    if _rank() != 0:
+    if not printed:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends the wait
         time.sleep(SPEAKER_GRACE_S)
     sys.exit(EXIT_USER_ERROR)
@@ -245,15 +245,13 @@ def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInf
     except UserError as exc:
         # Config, batch arithmetic and divergence errors hit every rank alike: rank 0 speaks.
         # Others (a data file missing on one node) name their rank.
-        if info is None or not info.distributed or getattr(exc, "all_ranks", False):
-            if _rank() == 0:
-                print(f"error: {exc}", file=sys.stderr, flush=True)
-        else:
+        shared = info is None or not info.distributed or getattr(exc, "all_ranks", False)
+        if not shared:
             print(f"error (rank {info.rank}): {exc}", file=sys.stderr, flush=True)
-            leave_process_group(clean=False)
-            sys.exit(EXIT_USER_ERROR)
+        elif _rank() == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
         leave_process_group(clean=False)
-        exit_user_error()
+        exit_user_error(printed=not shared or _rank() == 0)
     except Exception as exc:
         rank = info.rank if info is not None and info.distributed else None
         if rank is not None and is_peer_failure(exc):

@@ -34,6 +34,7 @@ def _forked() -> None:
 
 
 os.register_at_fork(after_in_child=_forked)
+
 POLL_S = 0.2  # how often the parent is looked at
 GRACE_S = 5.0  # from noticing to exiting, at the latest
 EXIT_ORPHANED = 3
