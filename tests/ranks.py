@@ -5,7 +5,8 @@ command line a user would type: `[python, -m, trainer.train, ...]` or
 `[python, -m, torch.distributed.run, --standalone, --nproc_per_node=N, -m, module, ...]`
 (`torchrun_cmd`). Such a command runs *warm*: its ranks are forked from a zygote, a process
 that has already imported torch, Hydra and the trainer (`trainer.train` and `trainer.evaluate`
-and what they import, and `torch._dynamo`, which torch's optimizers import in every run), so
+and what they import, `torch._dynamo`, which torch's optimizers import in every run, and the
+transformers models the tests build), so
 a launch pays no imports (~3-6 s per rank on a loaded 2-core machine, plus ~1.5 s for
 torchrun's agent). Each rank gets the environment torchrun
 gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, the agent's TCP store on MASTER_PORT with
@@ -70,8 +71,16 @@ _TORCHRUN = ("-m", "torch.distributed.run")
 # What the zygote imports (with everything they import): the commands tests run.
 _ENTRY_POINTS = ("trainer.train", "trainer.evaluate")
 # And what torch itself imports lazily in every run: torch.optim's first optimizer imports
-# torch._dynamo (~1 s). Nothing that the trainer imports lazily (that is the product's choice).
+# torch._dynamo (~1 s).
 _TORCH_LAZY = ("torch._dynamo",)
+# The trainer imports transformers only for a Hugging Face model (a user's run without one
+# never pays it); the suite launches ~40 ranks that build one, ~1.4 s of imports each on a
+# quiet machine. Absent when the `hf` extra is not installed.
+_OPTIONAL = (
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+)
 
 
 # Called before every launch with (command, launches several ranks?); conftest sets it to
@@ -578,6 +587,9 @@ def _serve(sock_path: str) -> _Rank:
 
     for name in (*_ENTRY_POINTS, *_TORCH_LAZY):
         importlib.import_module(name)
+    for name in _OPTIONAL:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     # `python -m trainer.train` runs the module as __main__ only: forget the entry points
     # themselves (keeping all they imported), or runpy would warn and run a second copy.
     for entry in _ENTRY_POINTS:

@@ -21,17 +21,18 @@ from tests.ranks import explain, launch, launch_all, torchrun_cmd
 from tests.test_checkpoint import assert_same, kill_at, killed
 
 TOL = 1e-5
-STEPS = 20
+STEPS = 8
+HALF = STEPS // 2  # validation and a checkpoint here and at the end
 COMMON = [
     "logger=none",
     f"train.max_steps={STEPS}",
     "train.log_every=1",
     "train.micro_batch_size=4",
     "train.global_batch_size=16",
-    "eval.every_steps=10",
+    f"eval.every_steps={HALF}",
     "eval.max_batches=2",
     "eval.sample_tokens=0",
-    "checkpoint.every_steps=10",
+    f"checkpoint.every_steps={HALF}",
     "scheduler.warmup_steps=2",
 ]
 GPT = ["model=gpt_tiny", *COMMON]
@@ -87,7 +88,7 @@ def worst_differences(got: Path, want: Path) -> dict[str, float]:
         for name in worst:
             if name in record:
                 worst[name] = max(worst[name], abs(g[key][name] - record[name]))
-    assert {s for s, kind in w if kind == "val"} == {10, STEPS}
+    assert {s for s, kind in w if kind == "val"} == {HALF, STEPS}
     return worst
 
 
@@ -112,16 +113,16 @@ def test_counting_items_before_the_split_is_caught(runs: dict[str, Path]) -> Non
 
 @pytest.mark.multiproc
 def test_checkpoint_of_cp2_continues_on_one_process(runs: dict[str, Path], tmp_path: Path) -> None:
-    """The step-10 checkpoint of the cp=2 run resumed by one process continues the
-    one-process trajectory (steps 11..20) within 1e-5: the state holds no trace of the
+    """The mid-run (step-4) checkpoint of the cp=2 run resumed by one process continues the
+    one-process trajectory (steps 5..8) within 1e-5: the state holds no trace of the
     split."""
-    ckpt = runs["cp2_packed"] / "checkpoints" / "step_00000010"
+    ckpt = runs["cp2_packed"] / "checkpoints" / f"step_{HALF:08d}"
     run_dir = tmp_path / "resumed"
     proc = launch([*python(GPT), f"checkpoint.resume={ckpt}", f"hydra.run.dir={run_dir}"], TIMEOUT)
     assert proc.returncode == 0, explain(proc)
     got = {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
     want = {r["step"]: r for r in read_metrics(runs["ref_packed"]) if "train/loss" in r}
-    assert sorted(got) == list(range(11, STEPS + 1))
+    assert sorted(got) == list(range(HALF + 1, STEPS + 1))
     for step, record in got.items():
         for key in ("train/loss", "train/grad_norm"):
             assert abs(record[key] - want[step][key]) <= TOL, (step, key)
