@@ -11,7 +11,6 @@ directories, and each layout's own banner says it ran as the layout it names.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.ranks import env, explain, launch
+from tests.ranks import explain, launch, run_cli
 from tests.user_project import select, write_project
 from trainer.compare import compare
 
@@ -112,6 +111,7 @@ def test_mean_instead_of_sum_is_caught(project: Path, tmp_path: Path) -> None:
     assert "NOT CERTIFIED: accum differs from the reference" in proc.stdout
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     ("arg", "says"),
     [
@@ -124,15 +124,8 @@ def test_mean_instead_of_sum_is_caught(project: Path, tmp_path: Path) -> None:
 )
 def test_bad_input_is_one_paragraph(project: Path, tmp_path: Path, arg: str, says: str) -> None:
     """Refused before any launch: exit 2, one line naming the key, no traceback."""
-    cmd = [sys.executable, "-m", "trainer.certify", *select(project), arg]
-    proc = subprocess.run(
-        [*cmd, f"certify.dir={tmp_path / 'w'}"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env(PYTHONPATH=f"{project}{os.pathsep}{REPO}"),
-        cwd=REPO,
-    )
+    args = [*select(project), arg, f"certify.dir={tmp_path / 'w'}"]
+    proc = run_cli(args, module="trainer.certify", timeout=60, PYTHONPATH=f"{project}:{REPO}")
     assert proc.returncode == 2, explain(proc)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], explain(proc)

@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, TINY, read_metrics, train_in_process
-from tests.ranks import env, explain, launch_all
+from tests.conftest import TINY, read_metrics, train_in_process
+from tests.ranks import explain, launch_all, run_cli
 from trainer.plots import MAX_POINTS, reduce
 
 INJECT = "tests.precision_support.InjectNonFinite"
@@ -48,20 +48,10 @@ class Runs:
         }
         self.procs = launch_all(cmds, timeout=180)
         self.both = root / "both.html"
-        self.report = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "trainer.report",
-                *map(str, self.dirs.values()),
-                "-o",
-                str(self.both),
-            ],
-            capture_output=True,
-            text=True,
+        self.report = run_cli(
+            [*map(str, self.dirs.values()), "-o", str(self.both)],
+            module="trainer.report",
             timeout=60,
-            env=env(),
-            cwd=REPO,
         )
 
 
@@ -181,14 +171,7 @@ def test_overlay_of_two_runs(runs: Runs) -> None:
     assert "optim.lr" in rows and "0.001" in rows["optim.lr"]
     assert "callbacks.nan.step" in rows
     assert "train.max_steps" not in rows  # the same in both
-    compared = subprocess.run(
-        [sys.executable, "-m", "trainer.compare", *map(str, runs.dirs.values())],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env(),
-        cwd=REPO,
-    )
+    compared = run_cli([*map(str, runs.dirs.values())], module="trainer.compare", timeout=60)
     assert compared.returncode == 1, explain(compared)  # another learning rate: different
     table = compared.stdout.split("\n", 2)[2].strip()  # after the first:/second: lines
     assert html.escape(table) in page
@@ -215,26 +198,12 @@ def test_report_of_a_run_being_written(runs: Runs, tmp_path: Path) -> None:
     lines = (runs.dirs["a"] / "metrics.jsonl").read_text().splitlines(keepends=True)
     (run_dir / "metrics.jsonl").write_text("".join(lines[:5]) + lines[5][:20])
     out = tmp_path / "live.html"
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer.report", str(run_dir), "-o", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env(),
-        cwd=REPO,
-    )
+    proc = run_cli([str(run_dir), "-o", str(out)], module="trainer.report", timeout=60)
     assert proc.returncode == 0, explain(proc)
     page = out.read_text()
     check_page(page, [run_dir])
     assert "1 unreadable lines skipped" in page and "no summary yet" in page
-    bad = subprocess.run(
-        [sys.executable, "-m", "trainer.report", str(tmp_path / "nothing"), "-o", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env(),
-        cwd=REPO,
-    )
+    bad = run_cli([str(tmp_path / "nothing"), "-o", str(out)], module="trainer.report", timeout=60)
     assert (
         bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
     )
