@@ -72,6 +72,21 @@ def test_digits_has_no_note_about_the_default_accumulation(tmp_path: Path) -> No
     assert "NOTE: accumulation is the default" not in proc.stdout, explain(proc)
 
 
+@pytest.mark.launches
+def test_accumulation_named_on_the_command_line_has_no_note(tmp_path: Path) -> None:
+    """train.grad_accum_steps=2 typed by the user (the default's value): no NOTE that the
+    accumulation is the default; the same run without it prints the NOTE."""
+    args = ["model=gpt_tiny", "logger=none", "train.max_steps=1", "eval.every_steps=0"]
+    args += ["checkpoint.every_steps=0"]
+    chosen = run_cli([*args, "train.grad_accum_steps=2", f"hydra.run.dir={tmp_path / 'a'}"])
+    default = run_cli([*args, f"hydra.run.dir={tmp_path / 'b'}"])
+    for proc in (chosen, default):
+        assert proc.returncode == 0, explain(proc)
+        assert "x accum 2 = global batch" in proc.stdout, explain(proc)
+    assert "NOTE: accumulation is the default" not in chosen.stdout, explain(chosen)
+    assert "NOTE: accumulation is the default" in default.stdout, explain(default)
+
+
 @pytest.mark.multiproc
 def test_a_pipeline_deeper_than_the_model_says_what_fits(tmp_path: Path) -> None:
     """dist.pp=2 on a one-block GPT: one paragraph naming dist.pp, the model's block count

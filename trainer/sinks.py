@@ -54,8 +54,12 @@ class Banner:
 
 
 def default_accumulation_note(train: TrainCfg, plan: BatchPlan) -> str:
-    """A note when the accumulation count is the default ('' otherwise)."""
+    """A note when the accumulation count is the default and nobody chose it ('' when
+    train.global_batch_size decides it, or the command line names train.grad_accum_steps,
+    even with the default's value)."""
     if train.global_batch_size is not None or plan.accum != TrainCfg.grad_accum_steps:
+        return ""
+    if "train.grad_accum_steps" in command_line_keys():
         return ""
     return (
         f"NOTE: accumulation is the default train.grad_accum_steps={plan.accum}: each "
@@ -63,6 +67,16 @@ def default_accumulation_note(train: TrainCfg, plan: BatchPlan) -> str:
         "train.grad_accum_steps, or train.global_batch_size to fix the batch whatever the "
         "world size."
     )
+
+
+def command_line_keys() -> set[str]:
+    """The keys this Hydra run's command-line overrides set (`+key=`, `++key=` included);
+    empty outside a Hydra run (`trainer.api` composes without one)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return set()
+    return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
 
 
 def tracker_config(config: dict[str, Any], plan: BatchPlan) -> dict[str, Any]:
