@@ -1,10 +1,15 @@
 # The README's commands. `make train` and `make test` do all the set-up on a fresh machine.
-PYTHON ?= python3
+# The interpreter: an active venv/conda env's, else the project's .venv where python3 is the
+# system's (PEP 668), else python3 (scripts/python_env.sh). `make PYTHON=...` overrides it.
+ifeq ($(origin PYTHON), undefined)
+PYTHON := $(shell sh scripts/python_env.sh)
+endif
 PIP_INSTALL = $(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints-cpu.txt
 
-.PHONY: setup train test test-fast lint bench clean
+.PHONY: setup train test test-fast test-repeat lint bench clean
 
 setup:
+	@sh scripts/python_env.sh create $(PYTHON)
 	$(PIP_INSTALL) -e '.[dev,sklearn,hf,tensorboard,mlflow]'
 
 train: setup
@@ -21,6 +26,16 @@ test: setup
 test-fast:
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -m "not multiproc and not launches and not slow" \
 		$$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 2") $(PYTEST_ARGS)
+
+# Hunting flakes: the multi-rank tier (or TESTS="tests/test_ranks.py ...") N times in a row,
+# stopping at the first failure. See docs/testing.md.
+N ?= 5
+TESTS ?= -m multiproc
+test-repeat:
+	@for i in $$(seq $(N)); do \
+		echo "== test-repeat: run $$i of $(N)"; \
+		OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -p no:cacheprovider $(TESTS) $(PYTEST_ARGS) || exit 1; \
+	done; echo "== test-repeat: $(N) runs passed"
 
 lint:
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .

@@ -14,9 +14,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.callbacks import Callback
+from engine.checkpoint import CheckpointError, verify
 
 if TYPE_CHECKING:
     from engine.step import StepContext
+
+
+def wait_until_committed(path: Path, timeout_s: float, who: str) -> None:
+    """Block until the checkpoint at `path` is complete (its manifest lists every file, each
+    present at its size), not merely present: another process is writing it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            verify(path, checksums=False)
+            return
+        except CheckpointError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{who}: {path} was not committed in {timeout_s} s") from None
+            time.sleep(0.01)
 
 
 class KillOnce(Callback):
@@ -24,8 +39,8 @@ class KillOnce(Callback):
 
     SIGKILL is a crash no Python code can react to (no `finally`, no flush), which is what a
     resume must survive. The marker file makes the rerun of the same command harmless. With
-    `wait_for`, it first waits until that path exists (a checkpoint committed by the
-    background writer), so the moment of death is deterministic for async saves too.
+    `wait_for`, it first waits until that checkpoint is committed whole by the
+    background writer, so the moment of death is deterministic for async saves too.
     Stateless, so adding it to a run does not change what its checkpoints must hold.
     """
 
@@ -49,10 +64,6 @@ class KillOnce(Callback):
         if self.marker.exists():
             return
         if self.wait_for is not None:
-            deadline = time.monotonic() + self.wait_timeout_s
-            while not self.wait_for.exists():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"KillOnce: {self.wait_for} never appeared")
-                time.sleep(0.01)
+            wait_until_committed(self.wait_for, self.wait_timeout_s, "KillOnce")
         self.marker.touch()
         os.kill(os.getpid(), signal.SIGKILL)

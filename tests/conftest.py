@@ -99,6 +99,16 @@ def train_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if "train/loss" in r]
 
 
+def complete_train_lines(path: Path) -> int:
+    """Training records in a metrics.jsonl that another process is writing: a line without
+    its newline yet is not counted (it may be half-written). Wait on this, not on the file
+    being there."""
+    if not path.exists():
+        return 0
+    lines = path.read_text().split("\n")[:-1]
+    return sum('"train/loss"' in line for line in lines)
+
+
 @pytest.fixture
 def tiny() -> list[str]:
     return list(TINY)

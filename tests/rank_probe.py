@@ -1,7 +1,9 @@
-"""`python -m tests.rank_probe MODE` under a launcher (tests/test_ranks.py): each rank prints
-its launcher environment and what it read from the launcher's TCP store as one JSON line,
-then ends as MODE says: `ok` (exit 0), `exit2` (rank 1 exits 2), `kill9` (rank 1 SIGKILLs
-itself); the other ranks then wait to be stopped by the launcher.
+"""`python -m tests.rank_probe MODE DIR` under a launcher (tests/test_ranks.py): each rank writes
+its launcher environment and what it read from the launcher's TCP store to `DIR/rank<R>.json`
+(its own file, renamed into place whole: ranks sharing torchrun's stdout interleave their
+lines, so stdout is no channel for a test to read several ranks from), then ends as MODE
+says: `ok` (exit 0), `exit2` (rank 1 exits 2), `kill9` (rank 1 SIGKILLs itself); the other
+ranks then wait to be stopped by the launcher.
 
 Standard library and torch.distributed's store only: no process group, nothing to tear down.
 """
@@ -15,13 +17,13 @@ import re
 import signal
 import sys
 import time
+from pathlib import Path
 
-PREFIX = "RANK_PROBE "
 # What a launcher tells its workers: the names torchrun sets, and the trainer reads.
 LAUNCH_ENV = re.compile(r"(.*RANK|.*WORLD_SIZE|MASTER_.*|ROLE_NAME|TORCHELASTIC_.*|TORCH_NCCL_.*)")
 
 
-def main(mode: str) -> None:
+def main(mode: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
@@ -37,7 +39,11 @@ def main(mode: str) -> None:
     while store.add("probe/arrived", 0) < int(os.environ["WORLD_SIZE"]):
         time.sleep(0.01)
     launch_env = {k: v for k, v in os.environ.items() if LAUNCH_ENV.fullmatch(k)}
-    print(PREFIX + json.dumps({"rank": rank, "env": launch_env, "agreed": agreed}), flush=True)
+    probe = json.dumps({"rank": rank, "env": launch_env, "agreed": agreed})
+    path = Path(out_dir) / f"rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(probe)
+    os.replace(tmp, path)  # whole or absent
     if mode == "ok":
         return
     if rank == 1:
@@ -48,4 +54,4 @@ def main(mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

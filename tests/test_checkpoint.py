@@ -27,7 +27,7 @@ import torch
 
 from engine.checkpoint import CheckpointError, list_checkpoints, verify
 from tests import ranks
-from tests.conftest import REPO, read_metrics, train_records
+from tests.conftest import REPO, complete_train_lines, read_metrics, train_records
 from tests.ranks import explain, launch, torchrun_cmd
 
 BASE = ["model=gpt_tiny", "logger=none", "train.log_every=1"]
@@ -82,15 +82,6 @@ def resumed_steps(proc: subprocess.CompletedProcess) -> list[int]:
 
 def steps_of(records: list[dict[str, Any]]) -> list[int]:
     return [r["step"] for r in records]
-
-
-def complete_train_lines(path: Path) -> int:
-    """Training records in a metrics.jsonl being written: a line without its newline yet is
-    not counted (it may be half-written)."""
-    if not path.exists():
-        return 0
-    lines = path.read_text().split("\n")[:-1]
-    return sum('"train/loss"' in line for line in lines)
 
 
 def ckpt_names(run_dir: Path) -> list[str]:

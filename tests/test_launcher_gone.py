@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine.checkpoint import list_checkpoints, verify
-from tests.conftest import REPO, read_metrics, train_records
+from tests.conftest import REPO, complete_train_lines, read_metrics, train_records
 from tests.ranks import _children, env, explain, kill_tree, launch_all, torchrun_cmd
 
 # Dropout and variable-length samples (the RNG streams and the data position must resume),
@@ -65,7 +65,7 @@ def test_workers_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
         workers: list[int] = []
         try:
             deadline = time.monotonic() + TIMEOUT
-            while not metrics.exists() or metrics.read_text().count('"train/loss"') < 6:
+            while complete_train_lines(metrics) < 6:
                 assert agent.poll() is None, "the run ended before its launcher was killed"
                 assert time.monotonic() < deadline, "no 6 records in time"
                 time.sleep(0.05)

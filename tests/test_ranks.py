@@ -9,12 +9,12 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import ranks
-from tests.rank_probe import PREFIX
 from tests.ranks import explain, launch_all, torchrun
 
 # Values that differ from launch to launch, whatever the launcher.
@@ -22,32 +22,42 @@ PER_LAUNCH = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC
 TIMEOUT = 120.0
 
 
-def probes(proc: subprocess.CompletedProcess) -> dict[int, dict[str, Any]]:
-    """Each rank's printed probe, by rank."""
-    found = [json.loads(ln[len(PREFIX) :]) for ln in proc.stdout.splitlines() if PREFIX in ln]
-    return {p["rank"]: p for p in found}
+class Launched:
+    """A finished probe launch: the launcher's result and the folder its ranks wrote to."""
+
+    def __init__(self, proc: subprocess.CompletedProcess, out: Path) -> None:
+        self.proc, self.out = proc, out
+
+    def probes(self) -> dict[int, dict[str, Any]]:
+        """Each rank's probe, by rank: one file per rank, never the shared stdout (real
+        torchrun passes both ranks' stdout through one pipe, where lines interleave)."""
+        found = [json.loads(p.read_text()) for p in sorted(self.out.glob("rank*.json"))]
+        return {p["rank"]: p for p in found}
 
 
 @pytest.fixture(scope="module")
-def both() -> dict[str, subprocess.CompletedProcess]:
+def both(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launched]:
     """Each mode under both launchers, all at once."""
-    cmds = {}
+    cmds, outs = {}, {}
     for mode in ("ok", "exit2", "kill9"):
-        cmd = torchrun(2, [mode], module="tests.rank_probe")
-        cmds[f"warm_{mode}"], cmds[f"real_{mode}"] = cmd, cmd
+        for launcher in ("warm", "real"):
+            name = f"{launcher}_{mode}"
+            outs[name] = tmp_path_factory.mktemp(name)
+            cmds[name] = torchrun(2, [mode, str(outs[name])], module="tests.rank_probe")
     warm = launch_all({k: v for k, v in cmds.items() if k.startswith("warm")}, TIMEOUT)
     real = launch_all({k: v for k, v in cmds.items() if k.startswith("real")}, TIMEOUT, real=True)
-    return {**warm, **real}
+    return {name: Launched(proc, outs[name]) for name, proc in {**warm, **real}.items()}
 
 
 @pytest.mark.multiproc
-def test_warm_ranks_get_torchrun_workers_environment(both: dict) -> None:
+def test_warm_ranks_get_torchrun_workers_environment(both: dict[str, Launched]) -> None:
     """The same variables with the same values (but for per-launch ones: port, run id), and
     the agent store reachable: every rank agrees on the first writer's value."""
     for launcher in ("warm", "real"):
-        proc = both[f"{launcher}_ok"]
-        assert proc.returncode == 0 and sorted(probes(proc)) == [0, 1], explain(proc)
-    warm, real = probes(both["warm_ok"]), probes(both["real_ok"])
+        done = both[f"{launcher}_ok"]
+        assert done.proc.returncode == 0, explain(done.proc)
+        assert sorted(done.probes()) == [0, 1], explain(done.proc)
+    warm, real = both["warm_ok"].probes(), both["real_ok"].probes()
     for rank in (0, 1):
         w, r = warm[rank]["env"], real[rank]["env"]
         assert sorted(w) == sorted(r), (rank, sorted(set(w) ^ set(r)))
@@ -60,13 +70,16 @@ def test_warm_ranks_get_torchrun_workers_environment(both: dict) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(("mode", "code"), [("exit2", 2), ("kill9", -9)])
-def test_a_failing_rank_ends_the_job_as_under_torchrun(both: dict, mode: str, code: int) -> None:
+def test_a_failing_rank_ends_the_job_as_under_torchrun(
+    both: dict[str, Launched], mode: str, code: int
+) -> None:
     """Rank 1 fails (exit 2, or SIGKILL): the other rank is stopped, the launcher exits 1,
     and its report gives rank 1's own exit code, in torchrun's words."""
     for launcher in ("warm", "real"):
-        proc = both[f"{launcher}_{mode}"]
+        done = both[f"{launcher}_{mode}"]
+        proc = done.proc
         assert proc.returncode == 1, f"{launcher}\n{explain(proc)}"
-        assert sorted(probes(proc)) == [0, 1], f"{launcher}\n{explain(proc)}"
+        assert sorted(done.probes()) == [0, 1], f"{launcher}\n{explain(proc)}"
         assert f"failed (exitcode: {code}) local_rank: 1" in proc.stderr, explain(proc)
         assert re.search(rf"exitcode  : {code} \(pid: \d+\)", proc.stderr), explain(proc)
         assert "exitcode  : -15" in proc.stderr, explain(proc)  # rank 0, stopped by SIGTERM

@@ -2,8 +2,8 @@
 or a quota does: `RLIMIT_FSIZE` caps the size of any file the process writes (Python ignores
 SIGXFSZ, so the write fails with EFBIG instead of killing it).
 
-Selected with `+callbacks.limit._target_=write_limit.LimitFileSize` and `tests/` on
-PYTHONPATH. It acts only when the environment variable `CUMULUS_TEST_FSIZE` (bytes) is set,
+Selected with `+callbacks.limit._target_=tests.write_limit.LimitFileSize`. It acts only when
+the environment variable `CUMULUS_TEST_FSIZE` (bytes) is set,
 so a rerun without it uses the same config and resumes the same checkpoints.
 """
 
@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import os
 import resource
-import time
 from pathlib import Path
 
 from engine.callbacks import Callback
 from engine.step import StepContext
+from tests.ckpt_support import wait_until_committed
 
 
 class LimitFileSize(Callback):
     """After optimizer step `after_step`, on rank `rank` (None: every rank), files may not grow
-    beyond `CUMULUS_TEST_FSIZE` bytes. With `wait_for`, first wait until that path exists (an
-    earlier checkpoint committed by the background writer), so the limit never catches it."""
+    beyond `CUMULUS_TEST_FSIZE` bytes. With `wait_for`, first wait until that checkpoint (an
+    earlier one, written by the background writer) is committed whole, so the limit never
+    catches it."""
 
     def __init__(
         self, after_step: int, rank: int | None = None, wait_for: str | None = None
@@ -36,10 +37,7 @@ class LimitFileSize(Callback):
             return
         if self.rank is not None and ctx.dist.rank != self.rank:
             return
-        deadline = time.monotonic() + 60
-        while self.wait_for is not None and not self.wait_for.exists():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"LimitFileSize: {self.wait_for} never appeared")
-            time.sleep(0.01)
+        if self.wait_for is not None:
+            wait_until_committed(self.wait_for, 60.0, "LimitFileSize")
         _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), hard))
