@@ -23,7 +23,8 @@ trap 'rm -rf "$work"' EXIT
 # The user's shell on a fresh VM: the system's directories first, nothing activated.
 clean_env=(env -u VIRTUAL_ENV -u CONDA_PREFIX -u PYTHON -u PYTHONPATH -u PYENV_VERSION
     "PATH=/usr/local/bin:/usr/bin:/bin" "TMPDIR=$work")
-fail() { echo "check_system_python: FAILED: $*" >&2; exit 1; }
+# On failure the clone is kept for a look (its logs, its .venv).
+fail() { trap - EXIT; echo "check_system_python: FAILED: $* (kept: $work)" >&2; exit 1; }
 
 git clone --quiet "$repo" "$work/first"
 cd "$work/first"
@@ -33,7 +34,7 @@ grep -q "externally managed (PEP 668): installing into the project's .venv" "$wo
     fail "make train did not say that it made .venv"
 [ -x .venv/bin/python ] || fail "no .venv/bin/python after make train"
 "${clean_env[@]}" make test-fast >"$work/test-fast.log" 2>&1 ||
-    { tail -40 "$work/test-fast.log"; fail "make test-fast with the system python3"; }
+    { grep -E "^(FAILED|ERROR)|passed|failed" "$work/test-fast.log" | tail -40; fail "make test-fast with the system python3"; }
 echo "check_system_python: make train and make test-fast passed through $work/first/.venv"
 
 # A user who activated a venv keeps it: the second clone's make creates nothing.
