@@ -36,13 +36,13 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from engine.distributed import init_distributed, shutdown_distributed, unwrap  # noqa: E402
 from engine.tasks import IGNORE_INDEX  # noqa: E402
-from trainer.build import build_run  # noqa: E402
-from trainer.cli import to_config  # noqa: E402
-from trainer.config import register_configs  # noqa: E402
-from trainer.fit import Run, fit  # noqa: E402
-from trainer.identity import register_resolvers  # noqa: E402
-from trainer.metrics import device_peak_flops, peak_memory_mb  # noqa: E402
-from trainer.optim import param_groups  # noqa: E402
+from trainer.config.cli import to_config  # noqa: E402
+from trainer.config.schema import register_configs  # noqa: E402
+from trainer.run.build import build_run  # noqa: E402
+from trainer.run.fit import Run, fit  # noqa: E402
+from trainer.run.identity import register_resolvers  # noqa: E402
+from trainer.run.optim import param_groups  # noqa: E402
+from trainer.tracking.records import device_peak_flops, peak_memory_mb  # noqa: E402
 
 
 def peak_memory_reset(device: torch.device) -> None:

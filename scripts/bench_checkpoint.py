@@ -37,9 +37,9 @@ from engine.distributed import (  # noqa: E402
     shutdown_distributed,
 )
 from scripts.bench import make_run, report  # noqa: E402
-from trainer.config import register_configs  # noqa: E402
-from trainer.fit import fit, save  # noqa: E402
-from trainer.identity import register_resolvers  # noqa: E402
+from trainer.config.schema import register_configs  # noqa: E402
+from trainer.run.fit import fit, save  # noqa: E402
+from trainer.run.identity import register_resolvers  # noqa: E402
 
 
 def ms(values: list[float]) -> str:

@@ -42,10 +42,10 @@ def worker(length: int, steps: int) -> None:
     from hydra import compose, initialize_config_dir
 
     from engine.distributed import init_distributed, shutdown_distributed
-    from trainer.build import build_run
-    from trainer.cli import to_config
-    from trainer.config import register_configs
-    from trainer.identity import register_resolvers
+    from trainer.config.cli import to_config
+    from trainer.config.schema import register_configs
+    from trainer.run.build import build_run
+    from trainer.run.identity import register_resolvers
 
     register_configs()
     register_resolvers()

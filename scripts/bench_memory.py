@@ -26,10 +26,10 @@ sys.path.insert(0, str(REPO))
 
 from engine.distributed import init_distributed, shutdown_distributed  # noqa: E402
 from scripts.bench import make_run, peak_memory_reset, report  # noqa: E402
-from trainer.config import register_configs  # noqa: E402
-from trainer.fit import fit  # noqa: E402
-from trainer.identity import register_resolvers  # noqa: E402
-from trainer.metrics import peak_memory_mb  # noqa: E402
+from trainer.config.schema import register_configs  # noqa: E402
+from trainer.run.fit import fit  # noqa: E402
+from trainer.run.identity import register_resolvers  # noqa: E402
+from trainer.tracking.records import peak_memory_mb  # noqa: E402
 
 
 def local_bytes(t: torch.Tensor) -> int:

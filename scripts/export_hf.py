@@ -1,7 +1,7 @@
 """Write a trained checkpoint as a Hugging Face directory that
 `AutoModelForCausalLM.from_pretrained` loads (safetensors + config.json) and `AutoTokenizer`
 beside it: a transformers model (`model=hf_*`) as its own class, the in-tree GPT
-(`model=gpt_small|gpt_tiny`) as `GPT2LMHeadModel` with the same logits (`trainer/export.py`).
+(`model=gpt_small|gpt_tiny`) as `GPT2LMHeadModel` with the same logits (`trainer/models/export.py`).
 The tokenizer is the run's `data.tokenizer`, or for byte-level text one whose ids are the
 UTF-8 bytes. Other models (a CNN, your own) have no mapping and are refused.
 
@@ -27,15 +27,15 @@ from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.distributed import DistInfo  # noqa: E402
 from engine.parallel.dims import build_parallelism  # noqa: E402
 from engine.rng import seed_everything  # noqa: E402
-from trainer.assemble import build_model  # noqa: E402
-from trainer.cli import run_command  # noqa: E402
-from trainer.config import Config, register_configs  # noqa: E402
-from trainer.errors import UserError  # noqa: E402
-from trainer.evaluate import checkpoint_config, resolve_checkpoint  # noqa: E402
-from trainer.export import export_support, run_tokenizer, to_gpt2  # noqa: E402
-from trainer.identity import register_resolvers  # noqa: E402
-from trainer.state import RunState  # noqa: E402
-from trainer.trust import parse_trust  # noqa: E402
+from trainer.config.cli import run_command  # noqa: E402
+from trainer.config.errors import UserError  # noqa: E402
+from trainer.config.schema import Config, register_configs  # noqa: E402
+from trainer.config.trust import parse_trust  # noqa: E402
+from trainer.models.export import export_support, run_tokenizer, to_gpt2  # noqa: E402
+from trainer.run.assemble import build_model  # noqa: E402
+from trainer.run.evaluation import checkpoint_config, resolve_checkpoint  # noqa: E402
+from trainer.run.identity import register_resolvers  # noqa: E402
+from trainer.run.state import RunState  # noqa: E402
 
 USAGE = "usage: python scripts/export_hf.py checkpoint=PATH|RUN_DIR out=DIR [trust=[PKG,...]]"
 

@@ -27,8 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trainer.config.errors import UserError
 from trainer.data.shards import HOME_CACHE, Source, TokenView, open_shards
-from trainer.errors import UserError
 
 BLOCK = 1 << 22  # tokens copied at a time
 

@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from scripts.prepare_bin import files_of  # noqa: E402
+from trainer.config.errors import UserError  # noqa: E402
 from trainer.data.shards import Source, documents  # noqa: E402
-from trainer.errors import UserError  # noqa: E402
 
 EOS = "<|endoftext|>"
 # The trainer's keys in the readers' messages, as this script's options.

@@ -18,9 +18,9 @@ from omegaconf import DictConfig
 
 from engine.distributed import DistInfo
 from tests import ranks
-from trainer.cli import to_config
-from trainer.config import register_configs
-from trainer.identity import register_resolvers
+from trainer.config.cli import to_config
+from trainer.config.schema import register_configs
+from trainer.run.identity import register_resolvers
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "configs"
@@ -73,7 +73,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
 def train_in_process(overrides: list[str], run_dir: Path) -> list[dict[str, Any]]:
     """Run the real trainer in this process (one rank) and return its metrics records."""
-    from trainer.train import train
+    from trainer.run.lifecycle import train
 
     cfg, plain = to_config(compose_config(overrides))
     train(cfg, plain, DistInfo(), run_dir)

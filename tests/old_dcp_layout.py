@@ -25,6 +25,6 @@ def old_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 
 if __name__ == "__main__":
-    # trainer.state imports the function when it saves: patching the module attribute is enough.
+    # trainer.run.state imports the function when it saves: patching the module attribute is enough.
     engine.checkpoint.sharded.sharded_model_optimizer_state = old_state  # type: ignore[assignment]
     runpy.run_module("trainer.train", run_name="__main__", alter_sys=True)

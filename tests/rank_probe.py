@@ -33,7 +33,7 @@ def main(mode: str, out_dir: str) -> None:
         is_master=False,
         timeout=datetime.timedelta(seconds=60),
     )
-    # The first writer wins, every rank reads the same value back (as trainer/identity.py).
+    # The first writer wins, every rank reads the same value back (as trainer/run/identity.py).
     agreed = store.compare_set("probe/first", "", f"rank{rank}").decode()
     store.add("probe/arrived", 1)
     while store.add("probe/arrived", 0) < int(os.environ["WORLD_SIZE"]):

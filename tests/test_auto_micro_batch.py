@@ -20,8 +20,8 @@ import torch
 
 from tests.conftest import TINY, read_metrics, train_in_process, train_records
 from tests.ranks import explain, launch_all, run_cli, torchrun_cmd
-from trainer import metrics  # noqa: F401  (imported before capsys: Progress binds sys.stdout)
-from trainer.errors import UserError
+from trainer.config.errors import UserError
+from trainer.tracking import records  # noqa: F401  (imported before capsys: Progress binds sys.stdout)
 
 MODEL = "model._target_=tests.auto_batch_support.LimitedGPT"
 OOM_STEP = "+callbacks.oom={_target_:tests.auto_batch_support.OomInStep,"

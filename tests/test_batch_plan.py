@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.batch_plan import BatchPlan
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
+from trainer.run.batch_plan import BatchPlan
 
 
 def train(micro: object, accum: int = 2, global_batch: int | None = None) -> SimpleNamespace:

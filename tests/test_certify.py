@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import REPO
 from tests.ranks import explain, launch, run_cli
 from tests.user_project import select, write_project
-from trainer.compare import compare
+from trainer.checks.compare import compare
 
 TIMEOUT = 150.0
 CONFIG = [

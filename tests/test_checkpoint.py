@@ -465,7 +465,7 @@ def test_checkpoint_modules_import_one_way() -> None:
     """manifest <- writer <- DCP layout: the manifest and the writer import no layout, and
     nothing of DCP is imported until a sharded checkpoint is written or read."""
     code = (
-        "import sys, engine.checkpoint, trainer.state, trainer.build\n"
+        "import sys, engine.checkpoint, trainer.run.state, trainer.run.build\n"
         "bad = [m for m in ('engine.checkpoint.sharded', 'torch.distributed.checkpoint')"
         " if m in sys.modules]\n"
         "assert not bad, bad\n"

@@ -27,9 +27,9 @@ from tests.conftest import (
     train_records,
 )
 from tests.ranks import explain, launch_all, torchrun_cmd
-from trainer.assemble import build_task
-from trainer.cli import to_config
+from trainer.config.cli import to_config
 from trainer.models.gpt import GPT, FakeQuantLinear
+from trainer.run.assemble import build_task
 
 N, C, V = 301, 24, 1000  # tokens, width, vocabulary
 

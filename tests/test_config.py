@@ -26,13 +26,13 @@ from engine.distributed import DistInfo
 from engine.numerics.precision import Precision
 from engine.step import StepContext, StepResult, Task
 from tests.conftest import CONFIG_DIR, compose_config
-from trainer.assemble import build_data, build_model, build_task, check_fits
-from trainer.build import build_callbacks, build_step
-from trainer.cli import to_config
-from trainer.config import Config
+from trainer.config.cli import to_config
+from trainer.config.errors import ConfigError, UserError
+from trainer.config.schema import Config
 from trainer.data import DataSplits
-from trainer.errors import ConfigError, UserError
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.run.assemble import build_data, build_model, build_task, check_fits
+from trainer.run.build import build_callbacks, build_step
+from trainer.run.optim import build_optimizer, build_scheduler
 
 CPU = torch.device("cpu")
 SMALL_MODEL = "model=gpt_tiny"

@@ -78,7 +78,7 @@ def test_gpt_variants_give_gpt2s_logits(shape: dict) -> None:
     """Random weights (not the initialization: biases and norms moved off 0 and 1), several
     shapes, `bias=false` and fake-quantized training: transformers' GPT-2 computes the same
     logits as cumulus's GPT to fp32 round-off."""
-    from trainer.export import to_gpt2
+    from trainer.models.export import to_gpt2
     from trainer.models.gpt import GPT
 
     torch.manual_seed(0)

@@ -25,8 +25,8 @@ import pytest
 from tests import ranks
 from tests.conftest import TINY, read_metrics
 from tests.ranks import explain, launch, launch_all, torchrun_cmd
-from trainer import run_lock
-from trainer.run_lock import LOCK_NAME, STALE_AFTER_S, RunDirInUse, RunLock
+from trainer.run import lock as run_lock
+from trainer.run.lock import LOCK_NAME, STALE_AFTER_S, RunDirInUse, RunLock
 
 TIMEOUT = 240.0
 LIMIT = "tests.write_limit.LimitFileSize"

@@ -231,8 +231,8 @@ def test_forgotten_searchpath(runs: dict[str, Any]) -> None:
 def test_hydra_mistakes_name_the_fix(overrides: list[str], key: str, fix: str) -> None:
     """Through trainer.api.compose, as from Python (the command line gives the same)."""
     from trainer.api import compose
-    from trainer.cli import to_config
-    from trainer.errors import ConfigError
+    from trainer.config.cli import to_config
+    from trainer.config.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         to_config(compose(["model=gpt_tiny", *overrides]))
@@ -329,7 +329,7 @@ def test_sum_check_leaves_the_trajectory_alone(tmp_path: Path) -> None:
 def test_halves_of_common_batches() -> None:
     import torch
 
-    from trainer.sum_check import halves
+    from trainer.run.sum_check import halves
 
     x, y = torch.arange(10).view(5, 2), torch.arange(5)
     a, b = halves((x, y))
@@ -374,7 +374,7 @@ def test_resume_after_kill_leaves_one_record_per_step(project: Path, tmp_path: P
 
 
 def test_wandb_is_not_sent_a_step_twice() -> None:
-    from trainer.wandb_logger import WandbSink
+    from trainer.tracking.wandb_logger import WandbSink
 
     sent: list[int] = []
 

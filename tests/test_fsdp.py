@@ -172,10 +172,10 @@ def test_fsdp_needs_a_validation_sample_per_rank(strategy: str) -> None:
     from engine.distributed import DistInfo
     from engine.parallel.dims import build_parallelism
     from tests.conftest import compose_config
-    from trainer.assemble import build_data
-    from trainer.cli import to_config
+    from trainer.config.cli import to_config
+    from trainer.config.errors import ConfigError
     from trainer.data.batches import build_val_batches
-    from trainer.errors import ConfigError
+    from trainer.run.assemble import build_data
 
     evals = ["eval.every_steps=5", "eval.batch_size=1", "eval.max_batches=1"]
     overrides = [*TINY, f"dist.strategy={strategy}", *evals]

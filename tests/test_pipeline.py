@@ -29,7 +29,7 @@ from tests.conftest import read_metrics, train_records
 from tests.pipeline_support import OverflowGPT
 from tests.ranks import explain, launch, launch_all, torchrun_cmd
 from tests.test_checkpoint import kill_at, resumed_steps
-from trainer.cli import EXIT_USER_ERROR
+from trainer.config.cli import EXIT_USER_ERROR
 
 Records = list[dict[str, Any]]
 

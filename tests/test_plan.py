@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import compose_config
 from tests.ranks import explain, launch_all, torchrun_cmd
-from trainer.cli import to_config
+from trainer.config.cli import to_config
 
 STEPS = ["train.max_steps=2", "eval.every_steps=0", "checkpoint.every_steps=0", "logger=none"]
 TINY = ["model=gpt_tiny", "train.micro_batch_size=4", "train.grad_accum_steps=2", *STEPS]

@@ -51,9 +51,9 @@ from tests.conftest import (
 )
 from tests.precision_support import poison_next_backward
 from tests.ranks import explain, launch_all, run_cli, torchrun_cmd
-from trainer.fit import TrainingDiverged
 from trainer.models.gpt import GPT
-from trainer.optim import build_optimizer
+from trainer.run.fit import TrainingDiverged
+from trainer.run.optim import build_optimizer
 
 INJECT = "tests.precision_support.InjectNonFinite"
 CLI_TIMEOUT = 120.0  # one gpt_tiny CLI launch takes ~5-10 s on 2 busy cores

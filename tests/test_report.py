@@ -28,7 +28,7 @@ import pytest
 
 from tests.conftest import TINY, read_metrics, train_in_process
 from tests.ranks import explain, launch_all, run_cli
-from trainer.plots import MAX_POINTS, reduce
+from trainer.tracking.plots import MAX_POINTS, reduce
 
 INJECT = "tests.precision_support.InjectNonFinite"
 COMMON = [*TINY, "train.max_steps=8", "eval.every_steps=4", "eval.max_batches=2"]

@@ -43,7 +43,7 @@ from tests.conftest import CONFIG_DIR, TINY, read_metrics
 from tests.old_dcp_layout import old_state
 from tests.ranks import explain, launch, torchrun_cmd
 from trainer.models.gpt import GPT
-from trainer.optim import param_groups
+from trainer.run.optim import param_groups
 
 # DCP warns when it runs without a process group: the in-process unit tests mean to.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

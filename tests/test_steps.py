@@ -41,10 +41,10 @@ from tests.conftest import (
 )
 from tests.ranks import explain, run_cli, run_torchrun
 from tests.steps_support import CountingStep
-from trainer.assemble import build_model
-from trainer.cli import to_config
-from trainer.errors import ConfigError
+from trainer.config.cli import to_config
+from trainer.config.errors import ConfigError
 from trainer.models.gpt import GPT, FakeQuantLinear, GPTConfig
+from trainer.run.assemble import build_model
 
 Records = list[dict[str, Any]]
 Runner = Callable[[Sequence[str]], Records]

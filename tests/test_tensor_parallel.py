@@ -272,7 +272,7 @@ def test_export_of_a_2d_checkpoint_reloads_in_transformers(runs: Runs, tmp_path:
 
     from tests.conftest import compose_config
     from tests.ranks import launch, run_cli
-    from trainer.assemble import build_data
+    from trainer.run.assemble import build_data
 
     ckpt = checkpoint(runs.dir("llama_tp2_fsdp2"), 6)
     out = tmp_path / "exported"

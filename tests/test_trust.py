@@ -357,8 +357,8 @@ def test_every_shipped_configuration_is_trusted(choice: str) -> None:
     from omegaconf import OmegaConf
 
     from tests.conftest import compose_config
-    from trainer.assemble import CONFIG_DIR
-    from trainer.trust import check_targets, targets
+    from trainer.config.trust import check_targets, targets
+    from trainer.run.assemble import CONFIG_DIR
 
     extra = ["callbacks=[ema,grad_stats]"] if choice.startswith("step=") else []
     saved = OmegaConf.to_container(compose_config([choice, *extra]), resolve=False)
@@ -370,8 +370,8 @@ def test_every_shipped_configuration_is_trusted(choice: str) -> None:
 
 
 def test_trust_prefixes_match_whole_module_names() -> None:
-    from trainer.assemble import CONFIG_DIR
-    from trainer.trust import UntrustedConfigError, check_targets, parse_trust
+    from trainer.config.trust import UntrustedConfigError, check_targets, parse_trust
+    from trainer.run.assemble import CONFIG_DIR
 
     prefixes, rest = parse_trust(["trust=[mypkg, other.sub]", "eval.max_batches=2"])
     assert prefixes == ["mypkg", "other.sub"] and rest == ["eval.max_batches=2"]

@@ -27,9 +27,9 @@ from engine.parallel.dims import build_parallelism
 from tests.conftest import REPO, compose_config, read_metrics, train_records
 from tests.ranks import explain, launch, launch_all, torchrun_cmd
 from tests.user_project import select, write_project
-from trainer.assemble import parallelize, split_extras
-from trainer.cli import to_config
-from trainer.errors import ConfigError
+from trainer.config.cli import to_config
+from trainer.config.errors import ConfigError
+from trainer.run.assemble import parallelize, split_extras
 
 SEED = 1337  # the trainer's default seed
 STEPS = 8

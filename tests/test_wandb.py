@@ -189,8 +189,8 @@ def no_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def sink_run(run_dir: Path, run_id: str, steps: int = 5) -> Path:
     """A `WandbSink` (offline, by itself) logging `steps` records, closed; its `.wandb` file."""
-    from trainer.config import LoggerCfg
-    from trainer.wandb_logger import WandbSink
+    from trainer.config.schema import LoggerCfg
+    from trainer.tracking.wandb_logger import WandbSink
 
     sink = WandbSink(LoggerCfg(), run_dir, run_id, {"micro_batch_size_auto": 8})
     for step in range(1, steps + 1):

@@ -22,10 +22,10 @@ def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None)
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from trainer.assemble import CONFIG_DIR
-    from trainer.cli import check_overrides
-    from trainer.config import register_configs
-    from trainer.identity import register_resolvers
+    from trainer.config.cli import check_overrides
+    from trainer.config.schema import register_configs
+    from trainer.run.assemble import CONFIG_DIR
+    from trainer.run.identity import register_resolvers
 
     register_configs()
     register_resolvers()
@@ -49,8 +49,8 @@ def train(
     import json
 
     from engine.distributed import init_distributed, shutdown_distributed
-    from trainer.cli import to_config
-    from trainer.train import train as train_run
+    from trainer.config.cli import to_config
+    from trainer.run.lifecycle import train as train_run
 
     cfg, plain = to_config(compose(overrides, config_dir))
     info = init_distributed(cfg.dist.backend, cfg.train.device, cfg.dist.timeout_s)
@@ -79,11 +79,11 @@ def evaluate(
     ships must be under a `trust` prefix (`trust=["mypkg"]`) or in `config_dir`.
     """
     from engine.distributed import init_distributed, shutdown_distributed
-    from trainer.assemble import CONFIG_DIR
-    from trainer.cli import check_overrides, to_config
-    from trainer.config import register_configs
-    from trainer.evaluate import checkpoint_config, evaluate_checkpoint, resolve_checkpoint
-    from trainer.identity import register_resolvers
+    from trainer.config.cli import check_overrides, to_config
+    from trainer.config.schema import register_configs
+    from trainer.run.assemble import CONFIG_DIR
+    from trainer.run.evaluation import checkpoint_config, evaluate_checkpoint, resolve_checkpoint
+    from trainer.run.identity import register_resolvers
 
     register_configs()
     register_resolvers()

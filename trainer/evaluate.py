@@ -8,47 +8,26 @@ exactly as training takes them (`eval.max_batches=null` for the whole validation
 metrics as one JSON object on the last line of stdout. Writes nothing.
 `weights=NAME` evaluates the weights an averaging callback (`ema`) kept instead.
 
-The saved config is untrusted input (trainer/trust.py): only targets cumulus ships, targets
+The saved config is untrusted input (trainer/config/trust.py): only targets cumulus ships, targets
 the user restates and those under `trust=[PKG,...]` are built.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from engine.callbacks import AveragedWeights, CallbackList
-from engine.checkpoint import (
-    MANIFEST,
-    SHARED,
-    CheckpointError,
-    latest_valid,
-    safe_load,
-    verify,
-)
-from engine.distributed import DistInfo, unwrap
-from engine.evaluate import evaluate
-from engine.numerics.precision import Precision
-from engine.parallel.dims import ParallelDims
-from trainer.assemble import CONFIG_DIR, assemble
-from trainer.build import instantiate_callback
-from trainer.cli import check_overrides, run_command
-from trainer.components import current_targets
-from trainer.config import Config, register_configs
-from trainer.data.batches import build_val_batches
-from trainer.errors import UserError
-from trainer.fit import val_metrics
-from trainer.identity import register_resolvers
-from trainer.metrics import EvalProgress
-from trainer.state import RunState, load_state
-from trainer.trust import check_saved, check_targets, parse_trust
+from engine.checkpoint import CheckpointError
+from engine.distributed import DistInfo
+from trainer.config.cli import check_overrides, run_command
+from trainer.config.errors import UserError
+from trainer.config.schema import Config, register_configs
+from trainer.config.trust import parse_trust
+from trainer.run.assemble import CONFIG_DIR
+from trainer.run.evaluation import checkpoint_config, evaluate_checkpoint, resolve_checkpoint
+from trainer.run.identity import register_resolvers
 
 USAGE = (
     "usage: python -m trainer.evaluate checkpoint=PATH|RUN_DIR [weights=model|NAME] "
@@ -70,142 +49,6 @@ def parse_args(argv: list[str]) -> tuple[Path, str, list[str], list[str]]:
     if bad:
         raise UserError(f"overrides must look like key=value, got {bad}. {USAGE}")
     return Path(ckpt[0]).expanduser(), (weights or ["model"])[-1], trust, rest
-
-
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def compose_config(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
-    """The checkpoint's config with `overrides` applied as training applies them: the
-    overrides are composed by Hydra (from this repository's configs and any
-    `hydra.searchpath`), then a group selection (`data=NAME`) replaces that whole node of the
-    saved config and a key (`eval.max_batches=...`) that one value."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        fresh = compose("train", overrides=overrides)
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), saved)
-    for override in overrides:
-        key = _key(override)
-        if key.startswith("hydra.") or key == "hydra":
-            continue
-        if override.lstrip("+").startswith("~"):
-            OmegaConf.update(cfg, key, None, force_add=True)  # deleted: back to no value
-            continue
-        OmegaConf.update(cfg, key, OmegaConf.select(fresh, key), merge=False, force_add=True)
-    return cfg
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """`path` itself when it is a checkpoint; for a run directory (or its `checkpoints/`),
-    its newest checkpoint that verifies."""
-    if not path.exists():
-        raise UserError(
-            f"checkpoint: {path} does not exist; expected a checkpoint directory such as "
-            "RUN_DIR/checkpoints/step_NNNNNNNN, or a run directory"
-        )
-    if (path / MANIFEST).exists() or not path.is_dir():
-        return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    newest, skipped = latest_valid(root)
-    if newest is None:
-        why = f" ({'; '.join(skipped)})" if skipped else ""
-        raise UserError(
-            f"checkpoint: {path} is neither a checkpoint nor a run directory with a valid "
-            f"checkpoint under {root}{why}; pass a checkpoint directory "
-            "(RUN_DIR/checkpoints/step_NNNNNNNN) or a run directory that has one"
-        )
-    for warning in skipped:
-        print(f"warning: {warning}", file=sys.stderr)
-    return newest
-
-
-def checkpoint_config(
-    path: Path,
-    overrides: list[str],
-    trust: Sequence[str] = (),
-    command: str = "python -m trainer.evaluate",
-) -> DictConfig:
-    """The config checkpoint `path` was saved with, `overrides` applied. The checkpoint is
-    verified first (UserError / CheckpointError when missing or damaged), and the saved config
-    is untrusted input: a target it names that is neither shipped, restated by the user, nor
-    under a `trust` prefix is refused before anything is imported (trainer/trust.py)."""
-    verify(path)
-    saved = current_targets(safe_load(path / SHARED).get("config"))
-    check_saved(saved, path)
-    try:
-        cfg = compose_config(saved, overrides)
-    except OmegaConfBaseException as exc:
-        if any(_key(o) in str(exc) for o in overrides):
-            raise  # the user's override, reported as one by the caller
-        first = " ".join(str(exc).split("\n")[0].split())
-        raise UserError(
-            f"checkpoint: the config saved in {path} does not fit this version's schema "
-            f"({first}); it was written by another version of cumulus or altered"
-        ) from None
-    composed = OmegaConf.to_container(cfg, resolve=False)
-    check_targets(
-        composed, path, config_dir=CONFIG_DIR, overrides=overrides, trust=trust, command=command
-    )
-    return cfg
-
-
-def averaged_weights(cfg: Config, weights: str) -> AveragedWeights | None:
-    """The callback whose averaged weights `weights=NAME` asks for (None for `model`)."""
-    if weights == "model":
-        return None
-    valid = [
-        name
-        for name, spec in cfg.callbacks.items()
-        if isinstance(instantiate_callback(name, spec), AveragedWeights)
-    ]
-    if weights not in valid:
-        raise UserError(
-            f"weights={weights}: the checkpoint's run has no weight-averaging callback of that "
-            f"name; valid: model{''.join(', ' + n for n in valid)}"
-        )
-    return instantiate_callback(weights, cfg.callbacks[weights])  # type: ignore[return-value]
-
-
-def evaluation_dims(cfg: Config, info: DistInfo) -> ParallelDims:
-    """The layout to evaluate with: the run's own (`dist.*`, with the overrides) when this job
-    has ranks for it; on one process the whole model, whatever the checkpoint's run used."""
-    if not info.distributed:
-        return ParallelDims(strategy=cfg.dist.strategy, world=1)
-    return cfg.dist.dims(info.world_size)
-
-
-def evaluate_checkpoint(
-    path: Path, cfg: Config, info: DistInfo, weights: str = "model"
-) -> dict[str, Any]:
-    """The checkpoint's metrics: the model, task and data built as training builds them
-    (`trainer.assemble`), its state loaded through the layout's state I/O."""
-    parts = assemble(cfg, info, evaluation_dims(cfg, info))
-    averaged = averaged_weights(cfg, weights)
-    state = RunState(parts.model, None, parts.parallel)
-    if averaged is not None:
-        averaged.attach(parts.model)
-        state.add("callbacks", CallbackList({weights: averaged}))
-    ckpt = load_state(  # collective under torchrun for a sharded checkpoint
-        state,
-        path,
-        info,
-        "checkpoint",
-        "checkpoint: {path} does not fit the model its config builds with these overrides: "
-        "{error}. Drop the model.* overrides.",
-    )
-    val = build_val_batches(parts.data, parts.data_extras, cfg.eval, cfg.seed, info, parts.parallel)
-    precision = Precision(cfg.train.precision, info.device.type)
-    model = unwrap(parts.wrapped)
-    progress = None
-    if info.is_main:  # on stderr: stdout's last line is the metrics' JSON
-        progress = EvalProgress(len(val), f"evaluating {path.name}", marks=True, stream=sys.stderr)
-    with contextlib.ExitStack() as stack:
-        if averaged is not None:
-            stack.enter_context(averaged.weights_swapped(model))
-        means, count = evaluate(model, parts.task, val, precision, info, parts.parallel, progress)
-    return {"step": ckpt.step, **val_metrics(means, count, parts.task)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -50,6 +50,9 @@ class RunShape:
     compile: bool = False
     per_layer_norms: bool = False
     step: Any = None  # the step strategy object
+    # The step is step=accumulate's window as it is (no extra passes, nothing per sample):
+    # what parallelisms that split the model or the sequence over ranks run.
+    plain_accumulation: bool = True
     callbacks: Any = None  # the run's CallbackList
     accum: int = 1  # micro-batches per optimizer step and rank
     checkpoint_format: str = "full"  # `full` or `sharded`, resolved
@@ -538,8 +541,6 @@ class MeshSplit(ParallelBase):
         return self.mesh.get_group("dp")
 
     def check(self, shape: RunShape) -> None:
-        from engine.steps.accumulate import AccumulateStep
-
         super().check(shape)
         refused = {
             "train.micro_batch_size": (
@@ -555,7 +556,7 @@ class MeshSplit(ParallelBase):
         for k, (bad, why) in refused.items():
             if bad:
                 raise LayoutError(k, f"not available with {self.key}: {why}")
-        if shape.step is not None and type(shape.step) is not AccumulateStep:
+        if not shape.plain_accumulation:
             raise LayoutError(
                 "step",
                 f"with {self.key} the window runs as step=accumulate's; "

@@ -191,9 +191,7 @@ class ContextParallel:
         return f"context parallel {self.cp} ({self.impl})" + (f" | {inner}" if inner else "")
 
     def check(self, shape: RunShape) -> None:
-        from engine.steps.accumulate import AccumulateStep
-
-        if shape.step is not None and type(shape.step) is not AccumulateStep:
+        if not shape.plain_accumulation:
             raise LayoutError(
                 "step",
                 f"with dist.cp the window's sequences are split over ranks as step=accumulate "

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.config.errors import ConfigError
 from trainer.data.collate import PadCollate, pad_collate
-from trainer.errors import ConfigError
 
 __all__ = ["FIELDS", "DataSplits", "PadCollate", "as_splits", "pad_collate"]
 

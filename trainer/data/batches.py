@@ -6,11 +6,11 @@ import os
 
 from engine.distributed import DistInfo
 from engine.parallel.base import Parallelism
-from trainer.batch_plan import BatchPlan
-from trainer.config import DataExtras, EvalCfg
+from trainer.config.errors import ConfigError
+from trainer.config.schema import DataExtras, EvalCfg
 from trainer.data import DataSplits
 from trainer.data.loader import EvalBatches, GlobalBatchSampler, TrainBatches, eval_set_size
-from trainer.errors import ConfigError
+from trainer.run.batch_plan import BatchPlan
 
 
 def resolve_num_workers(requested: int | None, info: DistInfo) -> int:

@@ -8,9 +8,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from engine.rng import rng_state, set_rng_state
-from trainer.contract import annotate
+from trainer.config.contract import annotate
+from trainer.config.errors import ConfigError, UserError
 from trainer.data import DataSplits
-from trainer.errors import ConfigError, UserError
 
 PAD_HINT = (
     'return "collate_fn": pad_collate(pad={"FIELD": PAD_VALUE, ...}) (from trainer.data: '

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import TensorDataset
 
+from trainer.config.errors import UserError
 from trainer.data import DataSplits
-from trainer.errors import UserError
 
 
 def digits(val_every_nth: int = 5) -> DataSplits:

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.config.errors import UserError
 from trainer.data import DataSplits
 from trainer.data.shards import Source, TokenStore, TokenView, load_saved, open_shards
 from trainer.data.text import collate, decode_bytes, token_samples
 from trainer.data.tokenize import EXTRA, decoder, load_tokenizer
-from trainer.errors import UserError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 

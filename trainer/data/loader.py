@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate, get_worker_info
 
-from trainer.batch_plan import BatchPlan
-from trainer.errors import UserError
+from trainer.config.errors import UserError
+from trainer.run.batch_plan import BatchPlan
 
 Batch = Any
 # (dataset index, seed of the sample's generators)

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.errors import UserError
+from trainer.config.errors import UserError
 
 FORMAT = "cumulus-shards/1"
 CHUNK_BYTES = 4 << 20  # source bytes per chunk: bounds memory per worker and per shard

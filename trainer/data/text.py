@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from engine.tasks import IGNORE_INDEX
+from trainer.config.errors import UserError
 from trainer.data import DataSplits
 from trainer.data.shards import HOME_CACHE, Source, TokenView, open_shards
-from trainer.errors import UserError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import UserError
+from trainer.config.errors import UserError
 
 EXTRA = "hf"
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>")

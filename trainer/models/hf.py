@@ -29,7 +29,7 @@ from torch import nn
 
 from engine.numerics.chunked_ce import HeadLoss
 from engine.parallel.pipeline import NotSplittable
-from trainer.errors import UserError
+from trainer.config.errors import UserError
 
 if TYPE_CHECKING:
     from engine.parallel.context import SequenceShard

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.distributed import DistInfo, broadcast_object
-from trainer.errors import UserError
+from trainer.config.errors import UserError
 
 LOCK_NAME = ".cumulus.lock"
 HEARTBEAT_S = 10.0

@@ -1,6 +1,6 @@
 """Assemble a training run from the config: each builder receives its own sub-config and the
 runtime objects it needs, and `build_run` reads as the list of what a run is made of. The
-model, task and data come from `trainer.assemble`, shared with evaluation, export and the
+model, task and data come from `trainer.run.assemble`, shared with evaluation, export and the
 planner; the layout's refusals from the parallelism's own `check`."""
 
 from __future__ import annotations
@@ -16,22 +16,23 @@ from engine.distributed import DistInfo
 from engine.numerics.precision import Precision
 from engine.parallel.base import RunShape
 from engine.step import StepContext, StepStrategy
+from engine.steps.accumulate import AccumulateStep
 from engine.steps.dp_sgd import DPSGDStep, PrivacySpent, check_per_sample_model
-from trainer.assemble import Assembly, assemble, check_layout
-from trainer.auto_batch import setup_auto
-from trainer.batch_plan import AUTO, BatchPlan
-from trainer.components import instantiate
-from trainer.config import Config, DataExtras, TrainCfg
+from trainer.config.components import instantiate
+from trainer.config.errors import ConfigError
+from trainer.config.schema import Config, DataExtras, TrainCfg
 from trainer.data.batches import build_train_batches, build_val_batches
 from trainer.data.loader import TrainBatches
-from trainer.errors import ConfigError
-from trainer.export import export_line
-from trainer.fit import Run, RunSettings, plain_step_window
-from trainer.metrics import TrainMeter
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.preemption import StopRequest
-from trainer.sinks import Banner, build_sinks
-from trainer.state import ResumeSettings, RunState, TrainingProgress, build_checkpointer, resume
+from trainer.models.export import export_line
+from trainer.run.assemble import Assembly, assemble, check_layout
+from trainer.run.auto_batch import setup_auto
+from trainer.run.batch_plan import AUTO, BatchPlan
+from trainer.run.fit import Run, RunSettings, plain_step_window
+from trainer.run.optim import build_optimizer, build_scheduler
+from trainer.run.preemption import StopRequest
+from trainer.run.state import ResumeSettings, RunState, TrainingProgress, build_checkpointer, resume
+from trainer.tracking.records import TrainMeter
+from trainer.tracking.sinks import Banner, build_sinks
 
 # A step builds the optimizer's state (Adam's moments): the second one is a steady step.
 MEMORY_REPORT_STEPS = 2
@@ -133,6 +134,7 @@ def run_shape(cfg: Config, step_fn: Any, ctx: StepContext, plan: BatchPlan) -> R
         compile=cfg.train.compile,
         per_layer_norms=cfg.train.grad_norms == "per_layer",
         step=step_fn,
+        plain_accumulation=type(step_fn) is AccumulateStep,
         callbacks=ctx.callbacks,
         accum=plan.accum,
         checkpoint_format=fmt if fmt != "auto" else ctx.parallel.checkpoint_format,
@@ -206,10 +208,10 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
 
 
 def measured(step_window: Any, cfg: Config, run_dir: Path) -> Any:
-    """`train.memory_report=true`: the first steps measured (trainer/memory.py)."""
+    """`train.memory_report=true`: the first steps measured (trainer/run/memory.py)."""
     if not cfg.train.memory_report:
         return step_window
-    from trainer.memory import MemoryWindow
+    from trainer.run.memory import MemoryWindow
 
     return MemoryWindow(step_window, MEMORY_REPORT_STEPS, run_dir / "memory_report.json")
 

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 AUTO = "auto"
 
@@ -36,7 +36,7 @@ class BatchPlan:
         """The plan of the `train` config on `dp_size` data-parallel ranks.
         `train.global_batch_size`, when set, decides the accumulation count. Under
         `micro_batch_size=auto` the plan starts as the whole per-rank batch in one
-        micro-batch; the probe narrows it with `with_micro` (trainer/auto_batch.py)."""
+        micro-batch; the probe narrows it with `with_micro` (trainer/run/auto_batch.py)."""
         if train.micro_batch_size == AUTO:
             check_auto(train, dp_size)
             return cls(train.global_batch_size // dp_size, 1, dp_size, train.global_batch_size)

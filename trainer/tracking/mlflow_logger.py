@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from trainer.config import MlflowCfg
-from trainer.metrics import RecordSink
+from trainer.config.schema import MlflowCfg
+from trainer.tracking.records import RecordSink
 
 RUN_ID_TAG = "cumulus.run_id"
 # MLflow's limits: values per batch, and the length of a parameter's value.

@@ -6,7 +6,7 @@ that fits) is first estimated from the planned layout's measured breakdown, scal
 each degree divides (model state by the ranks sharing it, activations by the tokens and the
 layers a rank holds, times the micro-batches a pipeline keeps in flight). That screening is an
 estimate; the `SIMULATED` fastest layouts it finds fitting are then simulated like the plan
-itself (trainer/plan.py), and their measured peak decides. Layouts a model cannot run (heads
+itself (trainer/planning/simulate.py), and their measured peak decides. Layouts a model cannot run (heads
 that do not divide, no pipeline stages or context-parallel hook) are left out, as the
 simulation's refusal says.
 """
@@ -22,9 +22,9 @@ from omegaconf import OmegaConf
 
 from engine.parallel import LayoutError
 from engine.parallel.dims import ParallelDims
-from trainer.config import Config, DistCfg
-from trainer.errors import UserError
-from trainer.gpus import GPUS
+from trainer.config.errors import UserError
+from trainer.config.schema import Config, DistCfg
+from trainer.planning.gpus import GPUS
 
 SIMULATED = 3  # how many screened layouts are simulated in full
 AC_KEEPS = 0.15  # screening: the share of a block's activations checkpointing keeps (inputs)
@@ -146,7 +146,7 @@ def _state_share(dims: ParallelDims) -> float:
 
 def search(cfg: Config, plan: Any) -> list[dict[str, Any]]:
     """The valid layouts, fitting first, each group fastest first."""
-    from trainer.plan import plan_run
+    from trainer.planning.simulate import plan_run
 
     pc = cfg.plan
     gpu = GPUS[pc.gpu]

@@ -38,9 +38,9 @@ from engine.distributed import DistInfo, broadcast_object
 from engine.parallel.base import Parallelism
 from engine.rng import rng_state, seed_everything, set_rng_state
 from engine.step import StepContext
-from trainer.config import CheckpointCfg
-from trainer.errors import UserError
-from trainer.identity import new_run_id
+from trainer.config.errors import UserError
+from trainer.config.schema import CheckpointCfg
+from trainer.run.identity import new_run_id
 
 RESERVED = ("config", "model", "optimizer")
 SHARDED_STATE = "state"  # the prefix of components' DTensor leaves in DCP shards

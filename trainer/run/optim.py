@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.components import call, check, instantiate, locate
-from trainer.errors import ConfigError
+from trainer.config.components import call, check, instantiate, locate
+from trainer.config.errors import ConfigError
 
 _NO_DECAY = (nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 

@@ -19,16 +19,16 @@ from engine.evaluate import evaluate as evaluate_model
 from engine.model import Generates
 from engine.step import StepContext, StepResult, StepStrategy
 from engine.tasks import CausalLMTask, TaskOutputError
-from trainer.config import CheckpointCfg, Config, EvalCfg, TrainCfg
-from trainer.contract import annotate_step
+from trainer.config.contract import annotate_step
+from trainer.config.errors import UserError
+from trainer.config.schema import CheckpointCfg, Config, EvalCfg, TrainCfg
 from trainer.data.checks import next_window
 from trainer.data.loader import EvalBatches, TrainBatches
-from trainer.errors import UserError
-from trainer.metrics import EvalProgress, RecordSink, TrainMeter, peak_memory_mb
-from trainer.optim import horizon_dependent
-from trainer.preemption import StopRequest
-from trainer.state import Resumed, RunState, TrainingProgress
-from trainer.sum_check import check_loss_is_sum
+from trainer.run.optim import horizon_dependent
+from trainer.run.preemption import StopRequest
+from trainer.run.state import Resumed, RunState, TrainingProgress
+from trainer.run.sum_check import check_loss_is_sum
+from trainer.tracking.records import EvalProgress, RecordSink, TrainMeter, peak_memory_mb
 
 
 class RunEnded(UserError):
@@ -53,7 +53,7 @@ class CheckpointWriteFailed(RunEnded):
 
 @dataclass
 class RunSettings:
-    """What the loop reads of the config, picked once by `trainer.build`: the root config does
+    """What the loop reads of the config, picked once by `trainer.run.build`: the root config does
     not travel into the loop."""
 
     train: TrainCfg
@@ -63,7 +63,7 @@ class RunSettings:
     # The user-swappable nodes a failing step's header names (`model`, `task`).
     components: dict[str, Any]
     data_target: str | None  # `data._target_`, named when loading a window fails
-    check_sum: bool  # `task.check_sum` (trainer/sum_check.py)
+    check_sum: bool  # `task.check_sum` (trainer/run/sum_check.py)
     lr: Any  # `optim.lr`, quoted in the divergence hint
     schedule_uses_max_steps: bool  # the LR schedule decays over train.max_steps
 
@@ -83,7 +83,7 @@ class RunSettings:
 
 
 # One optimizer step on a window taken from `windows`: the result and the (possibly rebuilt)
-# window iterator (trainer/auto_batch.py redoes a window with smaller micro-batches).
+# window iterator (trainer/run/auto_batch.py redoes a window with smaller micro-batches).
 StepWindow = Callable[["Run", Any, Iterator[Any]], tuple[StepResult, Iterator[Any]]]
 
 
@@ -93,7 +93,7 @@ def plain_step_window(run: Run, window: Any, windows: Iterator[Any]) -> tuple[An
 
 @dataclass
 class Run:
-    """Everything one training run is made of, assembled by `trainer.build` in one call.
+    """Everything one training run is made of, assembled by `trainer.run.build` in one call.
     Nothing in it refers back to the run, so it is freed (DDP's reducer with it) as soon as
     it is dropped, while the process group still exists."""
 

@@ -19,7 +19,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 TARGET, PARTIAL = "_target_", "_partial_"
 # Targets cumulus shipped under another module path: a checkpoint's saved config may name them.

@@ -61,7 +61,7 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        from trainer.errors import UserError
+        from trainer.config.errors import UserError
 
         raise UserError(f"exporting needs transformers; pip install 'cumulus[{EXTRA}]'") from None
     return transformers

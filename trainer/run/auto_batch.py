@@ -33,9 +33,9 @@ from engine.rng import rng_state, set_rng_state
 from engine.step import StepContext
 from engine.steps.accumulate import AccumulateStep
 from engine.steps.oom import Agreement, OomGuard, OutOfMemoryAgreed, reset_window
-from trainer.batch_plan import AUTO, BatchPlan
+from trainer.config.errors import ConfigError, UserError
 from trainer.data.checks import next_window
-from trainer.errors import ConfigError, UserError
+from trainer.run.batch_plan import AUTO, BatchPlan
 
 # The worst case is looked for among this many samples from the start of the training set.
 WORST_CASE_SAMPLES = 256

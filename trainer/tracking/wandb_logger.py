@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from trainer.config import LoggerCfg
-from trainer.metrics import RecordSink
+from trainer.config.schema import LoggerCfg
+from trainer.tracking.records import RecordSink
 
 
 def has_credentials() -> bool:

@@ -1,5 +1,5 @@
 """The parts every command builds the same way from a config: the model laid out over the
-job's ranks, its task, its data. Training (`trainer.build`), evaluation (`trainer.evaluate`),
+job's ranks, its task, its data. Training (`trainer.run.build`), evaluation (`trainer.evaluate`),
 export (`scripts/export_hf.py`) and planning all call these, so none of them assembles a
 model that training would not."""
 
@@ -26,13 +26,13 @@ from engine.parallel.base import LayoutError, Parallelism, RunShape
 from engine.parallel.dims import ParallelDims
 from engine.rng import seed_everything
 from engine.step import Task
-from trainer.components import check, instantiate
-from trainer.config import EXTRAS, Config, DataExtras, ModelExtras
+from trainer.config.components import check, instantiate
+from trainer.config.errors import ConfigError
+from trainer.config.schema import EXTRAS, Config, DataExtras, ModelExtras
 from trainer.data import DataSplits, as_splits
 from trainer.data.checks import check_samples
-from trainer.errors import ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def split_extras(node: dict[str, Any], group: str) -> tuple[dict[str, Any], Any]:
@@ -87,7 +87,8 @@ def build_model(node: dict[str, Any], info: DistInfo) -> tuple[nn.Module, ModelE
 
 
 def build_task(node: dict[str, Any]) -> Task:
-    spec, _ = split_extras(node, "task")  # task.check_sum is the trainer's (trainer/sum_check.py)
+    # task.check_sum is the trainer's (trainer/run/sum_check.py)
+    spec, _ = split_extras(node, "task")
     task = instantiate(spec, "task")
     if not isinstance(task, Task):
         raise ConfigError(

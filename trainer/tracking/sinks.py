@@ -10,10 +10,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from trainer.batch_plan import AUTO, BatchPlan
-from trainer.config import Config, LoggerCfg, TrainCfg
-from trainer.metrics import JsonlWriter, Progress, RecordSink, supersede
-from trainer.state import Resumed
+from trainer.config.schema import Config, LoggerCfg, TrainCfg
+from trainer.run.batch_plan import AUTO, BatchPlan
+from trainer.run.state import Resumed
+from trainer.tracking.records import JsonlWriter, Progress, RecordSink, supersede
 
 
 @dataclass(frozen=True)
@@ -132,18 +132,18 @@ def open_tracker(
 ) -> RecordSink:
     """The tracker `name` (a package imported only here: `--help` stays fast)."""
     if name == "wandb":
-        from trainer.wandb_logger import WandbSink
+        from trainer.tracking.wandb_logger import WandbSink
 
         return WandbSink(cfg, run_dir, run_id, config, sent_through=moved if own else None)
     if name == "tensorboard":
-        from trainer.tensorboard_logger import TensorboardSink
+        from trainer.tracking.tensorboard_logger import TensorboardSink
 
         # The event directory belongs to the run directory: it holds every step that
         # metrics.jsonl held, whoever's checkpoint this launch resumed.
         logdir = Path(cfg.tensorboard.dir) if cfg.tensorboard.dir else run_dir / "tensorboard"
         return TensorboardSink(logdir, sent_through=moved)
     if name == "mlflow":
-        from trainer.mlflow_logger import MlflowSink
+        from trainer.tracking.mlflow_logger import MlflowSink
 
         # Continuing this run's MLflow run (found by run id) skips the moved steps itself.
         return MlflowSink(cfg.mlflow, run_dir, run_id, config, sent_through=moved if own else None)

@@ -5,7 +5,7 @@ Hydra checks names and types against them while composing, and `__post_init__` c
 when `OmegaConf.to_object` builds them, before any work starts. The components a user can
 swap (`model`, `task`, `data`, `optim`, `scheduler`, `step`, `callbacks.*`) are open nodes of
 `_target_` plus arguments, checked against their target's signature instead
-(`trainer/components.py`). Each builder receives only its own sub-config.
+(`trainer/config/components.py`). Each builder receives only its own sub-config.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from engine.numerics import PRECISIONS
 from engine.parallel import LayoutError
 from engine.parallel.dims import ParallelDims
-from trainer.errors import ConfigError, require
+from trainer.config.errors import ConfigError, require
 
 
 def _positive(value: int | float | None, key: str) -> None:
@@ -29,7 +29,8 @@ def _positive(value: int | float | None, key: str) -> None:
 @dataclass
 class TrainCfg:
     max_steps: int = 600
-    # A number, or `auto` (with global_batch_size): the largest that fits (trainer/auto_batch.py).
+    # A number, or `auto` (with global_batch_size): the largest that fits
+    # (trainer/run/auto_batch.py).
     micro_batch_size: Any = 16
     grad_accum_steps: int = 2
     # When set, grad_accum_steps is derived as global / (micro * world size).
@@ -44,7 +45,7 @@ class TrainCfg:
     # total: one global norm per record. per_layer: also grad_norm/<layer> for every block.
     grad_norms: str = "total"
     device: str = "auto"
-    # Measure each rank's tensor memory over the first steps (trainer/memory.py, the planner's
+    # Measure each rank's tensor memory over the first steps (trainer/run/memory.py, the planner's
     # tracker on real tensors) and write memory_report.json in the run directory.
     memory_report: bool = False
 
@@ -81,7 +82,7 @@ class TrainCfg:
 
 
 # Keys of the `model`, `data` and `task` groups that the trainer reads itself; every other key
-# of those groups is an argument of their `_target_` (trainer/components.py).
+# of those groups is an argument of their `_target_` (trainer/config/components.py).
 @dataclass
 class ModelExtras:
     # Recompute each block in backward instead of keeping its activations.
@@ -111,7 +112,7 @@ class DataExtras:
 @dataclass
 class TaskExtras:
     # Check once per launch, on the first window, that the task's loss is a sum over its
-    # items (trainer/sum_check.py); false for a loss that is deliberately not one.
+    # items (trainer/run/sum_check.py); false for a loss that is deliberately not one.
     check_sum: bool = True
 
 
@@ -297,10 +298,10 @@ class DistCfg:
 
 @dataclass
 class PlanCfg:
-    """`python -m trainer.plan` (trainer/plan.py): the simulated world and its GPUs."""
+    """`python -m trainer.plan` (trainer/planning/): the simulated world and its GPUs."""
 
     world: int = 8  # GPUs of the simulated world
-    gpu: str = "h100"  # trainer/gpus.py: memory, peak FLOP/s, links
+    gpu: str = "h100"  # trainer/planning/gpus.py: memory, peak FLOP/s, links
     memory_bytes: int | None = None  # the GPU's memory, if not the data sheet's
     search: bool = False  # also rank the valid layouts of `world` by predicted step time
     out: str = "plan.json"
@@ -309,7 +310,7 @@ class PlanCfg:
     gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
-        from trainer.gpus import GPUS
+        from trainer.planning.gpus import GPUS
 
         _positive(self.world, "plan.world")
         _positive(self.gpus_per_node, "plan.gpus_per_node")
@@ -323,7 +324,7 @@ class PlanCfg:
 
 def _component(**defaults: Any) -> Any:
     """A component node: `_target_` plus arguments, open to any key (its target's signature
-    decides which are valid, checked by trainer/components.py)."""
+    decides which are valid, checked by trainer/config/components.py)."""
     from omegaconf import OmegaConf
 
     return OmegaConf.create(defaults, flags={"struct": False})

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from trainer.errors import UserError
+from trainer.config.errors import UserError
 
 TARGET = "_target_"
 _PREFIX = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -80,7 +80,7 @@ def shipped_targets(config_dir: Path) -> set[str]:
     """What cumulus ships: every `_target_` in its `configs/` and in the schema's defaults."""
     from omegaconf import OmegaConf
 
-    from trainer.config import Config
+    from trainer.config.schema import Config
 
     defaults = OmegaConf.to_container(OmegaConf.structured(Config))
     return _yaml_targets(config_dir) | {v for _, v in targets(defaults) if isinstance(v, str)}

@@ -1,5 +1,5 @@
 """A user's component that fails inside its own code keeps its traceback, headed by one line
-naming the component, the step and the user's frame (`trainer.cli` prints it)."""
+naming the component, the step and the user's frame (`trainer.config.cli` prints it)."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ ROLES = {
 
 
 def annotate(exc: BaseException, head: str) -> BaseException:
-    """`exc` unchanged (its traceback kept), with the one line `trainer.cli` prints above the
+    """`exc` unchanged (its traceback kept), with the one line `trainer.config.cli` prints above the
     traceback: which component failed, at which step, and where in the user's own code."""
     frame = user_frame(exc)
     exc.cumulus_context = head + (f" ({frame})" if frame else "") + ":"  # type: ignore[attr-defined]
     return exc
 
 
-OURS = tuple(str(Path(__file__).resolve().parents[1] / d) for d in ("engine", "trainer"))
+OURS = tuple(str(Path(__file__).resolve().parents[2] / d) for d in ("engine", "trainer"))
 
 
 def user_frame(exc: BaseException) -> str | None:

@@ -20,8 +20,8 @@ import omegaconf
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config import Config
-from trainer.errors import ConfigError, UserError
+from trainer.config.errors import ConfigError, UserError
+from trainer.config.schema import Config
 
 if TYPE_CHECKING:
     from engine.distributed import DistInfo
@@ -168,7 +168,7 @@ def to_config(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
         if isinstance(exc, omegaconf.errors.InterpolationResolutionError):
             raise interpolation_error(cfg, exc) from None
         raise UserError(f"invalid config: {exc}".replace("\n", " ")) from None
-    from trainer.assemble import check_config
+    from trainer.run.assemble import check_config
 
     check_config(obj)  # type: ignore[arg-type]
     return obj, plain  # type: ignore[return-value]

@@ -21,7 +21,7 @@ from engine.distributed import DistInfo, all_reduce_sum, unwrap
 from engine.numerics.precision import Precision
 from engine.rng import rng_state, set_rng_state
 from engine.step import Batch, Task
-from trainer.errors import UserError
+from trainer.config.errors import UserError
 
 # Relative tolerance of |loss(batch) - (loss(first half) + loss(second half))|: a mean over
 # n items is off by a factor of about 2, a sum only by rounding (larger under autocast).

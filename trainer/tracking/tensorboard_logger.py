@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.metrics import RecordSink
+from trainer.tracking.records import RecordSink
 
 
 class TensorboardSink(RecordSink):

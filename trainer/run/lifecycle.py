@@ -1,0 +1,65 @@
+"""A training run from start to end, as `python -m trainer.train` and `trainer.api.train` run
+it: the run directory's lock held throughout, the run built (resuming from its checkpoints) and
+fitted, and closed on every path with a summary, report.html and the trackers flushed."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.config.schema import Config
+
+if TYPE_CHECKING:
+    from engine.distributed import DistInfo
+
+
+def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> None:
+    """Build the run in `run_dir` (resuming from its checkpoints) and fit it, holding the run
+    directory's lock throughout; a summary closes every run that ends on its own terms."""
+    # Imported here: `--help` and a refused config answer without loading torch.
+    import torch
+
+    from trainer.run.build import build_run
+    from trainer.run.fit import RunEnded, fit, summary
+    from trainer.run.lock import run_dir_lock
+    from trainer.tracking.report import write_run_report
+
+    started = time.perf_counter()
+    with run_dir_lock(run_dir, info):
+        run = build_run(cfg, plain, run_dir, info)
+        outcome = None
+        try:
+            outcome = fit(run)
+        except RunEnded as exc:  # diverged, or a checkpoint could not be written
+            outcome = exc.outcome
+            raise
+        except BaseException:
+            # A save in flight still commits: a sharded one needs the process group, which is
+            # torn down after this. Only this rank's own write is waited for: the other ranks
+            # may not be here.
+            run.checkpointer.wait()
+            raise
+        finally:
+            torch.autograd.set_detect_anomaly(False)  # process-wide; don't leak into later runs
+            closing = None
+            if info.is_main:
+                if outcome is not None:
+                    closing = summary(run, outcome, time.perf_counter() - started)
+                # Before the trackers close: MLflow uploads both as artifacts.
+                write_run_report(run_dir, closing)
+            for sink in run.sinks:
+                sink.close()
+            run.stop.close()
+            if closing is not None:
+                print(closing, flush=True)
+
+
+def remove_if_unused(run_dir: Path) -> None:
+    """A run directory that this launch created and that holds no record and no checkpoint
+    (the run was refused before its first step) is removed: nothing is left to resume."""
+    metrics = run_dir / "metrics.jsonl"
+    if any(run_dir.glob("checkpoints/step_*")) or (metrics.exists() and metrics.stat().st_size):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)

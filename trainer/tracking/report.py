@@ -1,0 +1,348 @@
+"""`python -m trainer.report RUN [RUN ...] -o FILE.html`: one self-contained page of runs.
+
+What a person looks at after (or during) a run: train and validation loss, learning rate,
+gradient norm with skipped steps, throughput, MFU and peak memory, then every other metric,
+for one run or several overlaid (one colour per run), with the config keys on which the runs
+differ, `trainer.compare`'s table of each run against the first, and each run's end summary.
+Everything is inline (SVG charts, CSS): the file opens in a browser with no Python and makes
+no request. Every run writes its own `report.html` at the end (`write_run_report`); this
+command reads any run directory, also one still being written.
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.checks.compare import CompareError, compare, metrics_file, report, series_of
+from trainer.tracking.plots import COLORS, DASHES, Chart, Line, svg
+
+EXIT_BAD_INPUT = 2
+SUMMARY_FILE = "summary.txt"
+# The charts a person looks at first: (title, metrics drawn together). Every other numeric
+# metric gets a chart of its own after these.
+MAIN_CHARTS = (
+    ("Loss", ("train/loss", "val/loss")),
+    ("Learning rate", ("train/lr",)),
+    ("Gradient norm (before clipping)", ("train/grad_norm",)),
+    ("Throughput: loss items per second", ("train/tokens_per_s",)),
+    ("MFU", ("train/mfu",)),
+    ("Peak memory (MB)", ("train/peak_mem_mb",)),
+)
+MAIN_METRICS = {m for _, metrics in MAIN_CHARTS for m in metrics}
+# Shown as marks instead (steps where the count grew), or not a curve at all.
+NOT_CHARTED = {"train/skipped_steps"}
+MAX_OTHER_CHARTS = 24
+
+
+class ReportError(Exception):
+    """A run that cannot be read: one paragraph, exit 2."""
+
+
+@dataclass
+class RunData:
+    """What the page shows of one run directory."""
+
+    path: Path
+    label: str
+    series: dict[str, dict[int, float | None]]
+    config: dict[str, Any]  # .hydra/config.yaml, flattened ({} when absent)
+    config_text: str
+    summary: str | None  # summary.txt: the run's own closing lines
+    unreadable: int  # lines of metrics.jsonl that are not records (one being written)
+
+
+def read_records(file: Path) -> tuple[list[dict[str, Any]], int]:
+    """The records of a metrics.jsonl that may be being written: a line that does not parse
+    (cut short) is counted and skipped instead of stopping the report."""
+    records, bad = [], 0
+    for line in file.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            bad += 1
+            continue
+        records.append(record)
+    return records, bad
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`; an empty mapping holds no key."""
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def load_run(path: Path, label: str) -> RunData:
+    try:
+        file = metrics_file(path)
+    except CompareError as exc:
+        raise ReportError(str(exc)) from None
+    run_dir = file.parent
+    records, bad = read_records(file)
+    config_file = run_dir / ".hydra" / "config.yaml"
+    config_text, config = "", {}
+    if config_file.is_file():
+        from omegaconf import OmegaConf
+
+        config_text = config_file.read_text(encoding="utf-8")
+        loaded = OmegaConf.to_container(OmegaConf.load(config_file), resolve=False)
+        config = flatten(loaded) if isinstance(loaded, dict) else {}
+    summary_file = run_dir / SUMMARY_FILE
+    summary = summary_file.read_text(encoding="utf-8") if summary_file.is_file() else None
+    return RunData(run_dir, label, series_of(records), config, config_text, summary, bad)
+
+
+def labels(paths: list[Path]) -> list[str]:
+    """The shortest trailing parts of the paths that tell the runs apart."""
+    parts = [p.resolve().parts for p in paths]
+    for n in range(1, max(len(p) for p in parts) + 1):
+        names = ["/".join(p[-n:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [str(p) for p in paths]
+
+
+def skipped_steps(series: dict[int, float | None]) -> list[int]:
+    """The record steps at which the cumulative `train/skipped_steps` count grew."""
+    marks, before = [], 0.0
+    for step in sorted(series):
+        count = series[step]
+        if count is not None and count > before:
+            marks.append(step)
+            before = count
+    return marks
+
+
+def charts(runs: list[RunData]) -> list[Chart]:
+    """The main charts (those with data), then one per other metric."""
+    out = []
+    for title, metrics in MAIN_CHARTS:
+        lines = [
+            Line(i, metric, sorted(run.series[metric].items()), dash)
+            for i, run in enumerate(runs)
+            for dash, metric in enumerate(metrics)
+            if run.series.get(metric)
+        ]
+        if not lines:
+            continue
+        chart = Chart(title, lines)
+        if metrics == ("train/grad_norm",):
+            chart.marks = [
+                (i, step, "skipped step")
+                for i, run in enumerate(runs)
+                for step in skipped_steps(run.series.get("train/skipped_steps", {}))
+            ]
+            clips = {run.config.get("train.clip_grad_norm") for run in runs} - {None}
+            if len(clips) == 1:
+                clip = float(clips.pop())
+                chart.hline = (clip, f"train.clip_grad_norm={clip:g}")
+        out.append(chart)
+    shown = MAIN_METRICS | NOT_CHARTED
+    others = sorted({m for run in runs for m in run.series} - shown)
+    for metric in [m for m in others if constant(runs, m) is None][:MAX_OTHER_CHARTS]:
+        lines = [
+            Line(i, metric, sorted(run.series[metric].items()))
+            for i, run in enumerate(runs)
+            if run.series.get(metric)
+        ]
+        out.append(Chart(metric, lines))
+    return out
+
+
+def constant(runs: list[RunData], metric: str) -> float | None:
+    """The one value `metric` takes in every record of every run (None if it varies): such a
+    metric (a validation set's item count) is a line of text, not a chart."""
+    values = {v for run in runs for v in run.series.get(metric, {}).values()}
+    return values.pop() if len(values) == 1 and None not in values else None
+
+
+def config_differences(runs: list[RunData]) -> list[tuple[str, list[str]]]:
+    """The config keys whose values are not the same in every run (absent shows as '-')."""
+    keys = sorted({k for run in runs for k in run.config})
+    rows = []
+    for key in keys:
+        values = [json.dumps(run.config[key]) if key in run.config else "-" for run in runs]
+        if len(set(values)) > 1:
+            rows.append((key, values))
+    return rows
+
+
+def compare_tables(runs: list[RunData]) -> list[tuple[str, str]]:
+    """`trainer.compare`'s table of each run against the first (or why it cannot be made)."""
+    tables = []
+    for run in runs[1:]:
+        title = f"{run.label} against {runs[0].label}"
+        try:
+            diffs, only = compare(runs[0].path, run.path)
+            tables.append((title, report(diffs, only, 1e-5, 1e-5)))
+        except CompareError as exc:
+            tables.append((title, f"not compared: {exc}"))
+    return tables
+
+
+def last(series: dict[int, float | None]) -> tuple[int, float | None] | None:
+    return max(series.items()) if series else None
+
+
+def run_line(run: RunData) -> str:
+    """One line about a run: its last step and values."""
+    parts = []
+    for metric in ("train/loss", "val/loss", "val/accuracy"):
+        point = last(run.series.get(metric, {}))
+        if point is not None and point[1] is not None:
+            parts.append(f"{metric} {point[1]:.4f} (step {point[0]})")
+    tps = [v for v in run.series.get("train/tokens_per_s", {}).values() if v is not None]
+    if tps:
+        parts.append(f"median items/s {sorted(tps)[len(tps) // 2]:,.0f}")
+    mem = [v for v in run.series.get("train/peak_mem_mb", {}).values() if v is not None]
+    if mem:
+        parts.append(f"peak memory {max(mem):,.0f} MB")
+    return " | ".join(parts) or "no records yet"
+
+
+STYLE = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; }
+h1 { font-size: 20px; } h2 { font-size: 16px; margin-top: 28px; }
+.swatch { display: inline-block; width: 14px; height: 4px; margin-right: 6px; }
+table { border-collapse: collapse; }
+td, th { border: 1px solid #ccc; padding: 2px 8px; text-align: left; vertical-align: top; }
+pre { background: #f6f6f6; padding: 8px; white-space: pre-wrap; font-size: 12px; }
+.charts { display: flex; flex-wrap: wrap; gap: 12px; }
+figure { margin: 0; width: 560px; } figcaption { font-weight: 600; margin: 4px 0; }
+svg.chart { background: #fff; font-size: 11px; }
+svg .frame { fill: none; stroke: #999; } svg .grid { stroke: #eee; }
+svg .series { fill: none; stroke-width: 1.5; } svg .mark { stroke-width: 2; }
+svg .threshold { stroke: #999; stroke-dasharray: 3 3; } svg .tick, svg .axis { fill: #555; }
+.legend span { margin-right: 14px; white-space: nowrap; }
+"""
+
+
+def legend(runs: list[RunData], chart: Chart) -> str:
+    items = []
+    for line in chart.lines:
+        color = COLORS[line.run % len(COLORS)]
+        dash = DASHES[line.dash % len(DASHES)]
+        sample = (
+            f'<svg width="28" height="8"><path d="M0 4 L28 4" stroke="{color}" stroke-width="2"'
+            + (f' stroke-dasharray="{dash}"' if dash else "")
+            + "/></svg>"
+        )
+        name = line.metric if len(runs) == 1 else f"{runs[line.run].label}: {line.metric}"
+        items.append(f"<span>{sample} {html.escape(name)}</span>")
+    if chart.marks:
+        items.append("<span>× skipped step (non-finite gradients)</span>")
+    return '<div class="legend">' + "".join(items) + "</div>"
+
+
+def render(runs: list[RunData], preface: tuple[str, str] | None = None) -> str:
+    """The whole page."""
+    esc = html.escape
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    out = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>cumulus report: {esc(', '.join(r.label for r in runs))}</title>",
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>cumulus report ({len(runs)} run{'s' if len(runs) > 1 else ''})</h1>",
+        f"<p>Written {when} from each run's metrics.jsonl and .hydra/config.yaml.</p>",
+        *([f"<h2>{esc(preface[0])}</h2><pre>{esc(preface[1])}</pre>"] if preface else []),
+        "<h2>Runs</h2><table><tr><th>run</th><th>directory</th><th>last values</th></tr>",
+    ]
+    for i, run in enumerate(runs):
+        color = COLORS[i % len(COLORS)]
+        note = f" ({run.unreadable} unreadable lines skipped)" if run.unreadable else ""
+        out.append(
+            f'<tr><td><span class="swatch" style="background:{color}"></span>{esc(run.label)}</td>'
+            f"<td>{esc(str(run.path))}</td><td>{esc(run_line(run))}{esc(note)}</td></tr>"
+        )
+    out.append("</table>")
+    if len(runs) > 1:
+        rows = config_differences(runs)
+        out.append("<h2>Config differences</h2>")
+        if rows:
+            head = "".join(f"<th>{esc(r.label)}</th>" for r in runs)
+            out.append(f"<table><tr><th>key</th>{head}</tr>")
+            for key, values in rows:
+                cells = "".join(f"<td>{esc(v)}</td>" for v in values)
+                out.append(f"<tr><td>{esc(key)}</td>{cells}</tr>")
+            out.append("</table>")
+        else:
+            out.append("<p>The runs' configs are the same.</p>")
+        out.append("<h2>Records compared (python -m trainer.compare)</h2>")
+        for title, text in compare_tables(runs):
+            out.append(f"<h3>{esc(title)}</h3><pre>{esc(text)}</pre>")
+    out.append('<h2>Curves</h2><div class="charts">')
+    for chart in charts(runs):
+        drawing = svg(chart)
+        if drawing:
+            out.append(
+                f"<figure><figcaption>{esc(chart.title)}</figcaption>{drawing}"
+                f"{legend(runs, chart)}</figure>"
+            )
+    out.append("</div>")
+    flat = sorted(
+        m
+        for m in {m for run in runs for m in run.series}
+        if m not in MAIN_METRICS and constant(runs, m) is not None
+    )
+    if flat:
+        values = ", ".join(f"{m} = {constant(runs, m):g}" for m in flat)
+        out.append(f"<p>Constant in every record: {esc(values)}.</p>")
+    out.append("<h2>End of run</h2>")
+    for run in runs:
+        text = run.summary or "no summary yet: the run is still going, or it stopped early"
+        out.append(f"<h3>{esc(run.label)}</h3><pre>{esc(text)}</pre>")
+        if run.config_text:
+            out.append(
+                f"<details><summary>config of {esc(run.label)}</summary>"
+                f"<pre>{esc(run.config_text)}</pre></details>"
+            )
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def build_report(
+    paths: list[Path],
+    out: Path,
+    names: list[str] | None = None,
+    preface: tuple[str, str] | None = None,
+) -> Path:
+    """Write the page of `paths` (run directories or metrics.jsonl files) to `out`,
+    atomically (a reader never sees half a page). `names` label the runs (default: the
+    shortest distinct ends of their paths); `preface` is a (title, text) shown first."""
+    runs = [load_run(p, "") for p in paths]
+    for run, label in zip(runs, names or labels([r.path for r in runs])):
+        run.label = label
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(render(runs, preface), encoding="utf-8")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def write_run_report(run_dir: Path, summary: str | None) -> None:
+    """At the end of a run (rank 0): `summary.txt` and `report.html` in its directory. A
+    report that cannot be written is a warning: it never fails the run."""
+    try:
+        if summary is not None:
+            (run_dir / SUMMARY_FILE).write_text(summary + "\n", encoding="utf-8")
+        if (run_dir / "metrics.jsonl").is_file():
+            build_report([run_dir], run_dir / "report.html")
+    except Exception as exc:
+        print(f"WARNING: report.html not written ({type(exc).__name__}: {exc})", file=sys.stderr)
