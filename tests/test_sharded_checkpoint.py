@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import hashlib
 import json
 import math
@@ -572,6 +573,48 @@ def test_metadata_that_runs_code_or_is_garbage_is_refused(tmp_path: Path) -> Non
     (path / ".metadata").write_bytes(b"\x80\x04garbage")
     with pytest.raises(UnsafeCheckpoint, match="unreadable"):
         read_metadata(path)
+
+
+class _ByName:
+    """Pickles as `getattr(owner, name)`."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, str]]:
+        return (getattr, (self.owner, self.name))
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles Enum members as `getattr(Enum, "NAME")`, as Python 3.11.2 (Debian 12's system
+    Python) does; 3.11.7 calls the class with the member's value instead."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, enum.Enum):
+            return (getattr, (type(obj), obj.name))
+        return NotImplemented
+
+
+def test_enum_members_pickled_by_name_load(tmp_path: Path) -> None:
+    """A checkpoint saved by a Python that pickles DCP's enum members by name loads; getattr
+    on anything else (a method of an allowed class, an enum's non-member attribute) is refused."""
+    path = tmp_path / "shards"
+    save_shards(_state(), path)
+    metadata = read_metadata(path)
+    with (path / ".metadata").open("wb") as f:
+        _EnumsByName(f).dump(metadata)
+    assert b"getattr" in (path / ".metadata").read_bytes()
+    assert read_metadata(path).state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
+    target = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(4)}}
+    load_shards(target, path)
+    assert torch.equal(target["model"]["w"], _state()["model"]["w"])
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    members = dcp_metadata._MEM_FORMAT_ENCODING
+    for owner, name in ((Path, "write_text"), (members, "__class__"), (members, "mro")):
+        (path / ".metadata").write_bytes(pickle.dumps(_ByName(owner, name)))
+        with pytest.raises(UnsafeCheckpoint, match=r"getattr\(.*not allowed"):
+            read_metadata(path)
 
 
 class _Evil:

@@ -86,10 +86,28 @@ _BUILDABLE = (
 )
 
 
+# Enum members in the metadata: Python pickles them as `Enum(value)` (a call of the class, as
+# 3.11.7 and later do) or as `getattr(Enum, "NAME")` (Debian's 3.11.2 among others); both
+# are read, `getattr` only for these classes and their members' names.
+_ENUMS = (dcp_metadata._MEM_FORMAT_ENCODING,)
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """What a pickled `getattr(cls, name)` may give: a member of one of DCP's own enums."""
+    if cls in _ENUMS and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise UnsafeCheckpoint(
+        f"the DCP metadata asks for getattr({getattr(cls, '__name__', cls)!r}, {name!r}), "
+        "which is not allowed"
+    )
+
+
 class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its opcodes can be overridden
     dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
