@@ -7,9 +7,12 @@ UTF-8 bytes. Other models (a CNN, your own) have no mapping and are refused.
 
     python scripts/export_hf.py checkpoint=RUN_DIR/checkpoints/step_NNNNNNNN out=DIR
     python scripts/export_hf.py checkpoint=RUN_DIR out=DIR trust=[mypkg]
+    python scripts/export_hf.py checkpoint=RUN_DIR out=DIR model.pretrained=BASE_DIR
 
 A run directory means its newest valid checkpoint. The checkpoint's saved config is untrusted
-input: only targets cumulus ships are built from it, others only under `trust=[PKG,...]`.
+input: only targets cumulus ships are built from it, others only under `trust=[PKG,...]`; the
+paths it names (`model.pretrained`, `data.tokenizer`...) are given again on the command line
+(`key=value`, as for `trainer.evaluate`) or taken with `saved_paths=true`.
 
 Either checkpoint layout (`full` or `sharded`, any world size) is read in this one process.
 Tied weights (GPT-2's input and output embedding) stay tied in the export.
@@ -27,17 +30,23 @@ from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.distributed import DistInfo  # noqa: E402
 from engine.parallel.dims import build_parallelism  # noqa: E402
 from engine.rng import seed_everything  # noqa: E402
-from trainer.config.cli import run_command  # noqa: E402
+from trainer.config.cli import check_overrides, run_command  # noqa: E402
 from trainer.config.errors import UserError  # noqa: E402
 from trainer.config.schema import Config, register_configs  # noqa: E402
-from trainer.config.trust import parse_trust  # noqa: E402
+from trainer.config.trust import parse_saved_paths, parse_trust  # noqa: E402
 from trainer.models.export import export_support, run_tokenizer, to_gpt2  # noqa: E402
-from trainer.run.assemble import build_model  # noqa: E402
+from trainer.run.assemble import CONFIG_DIR, build_model  # noqa: E402
 from trainer.run.evaluation import checkpoint_config, resolve_checkpoint  # noqa: E402
 from trainer.run.identity import register_resolvers  # noqa: E402
 from trainer.run.state import RunState  # noqa: E402
 
-USAGE = "usage: python scripts/export_hf.py checkpoint=PATH|RUN_DIR out=DIR [trust=[PKG,...]]"
+USAGE = (
+    "usage: python scripts/export_hf.py checkpoint=PATH|RUN_DIR out=DIR [trust=[PKG,...]] "
+    "[saved_paths=true] [key=value ...] (keys: the run's config, e.g. model.pretrained=DIR)"
+)
+OWN = ("checkpoint", "out")
+# What an export reads of the saved config: the model, and the tokenizer beside it.
+USES = ("model", "data.tokenizer", "data.chat_template")
 
 
 def export(path: Path, cfg: Config, info: DistInfo, out: Path) -> None:
@@ -68,17 +77,23 @@ def main(argv: list[str]) -> None:
     register_resolvers()
     try:
         trust, argv = parse_trust(argv)
+        saved_paths, argv = parse_saved_paths(argv)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    args = dict(a.split("=", 1) for a in argv if "=" in a)
-    if set(args) != {"checkpoint", "out"} or len(argv) != 2:
+    own = [a for a in argv if a.split("=", 1)[0] in OWN]
+    overrides = [a for a in argv if a not in own]
+    args = dict(a.split("=", 1) for a in own)
+    if set(args) != set(OWN) or len(own) != 2 or any("=" not in a for a in overrides):
         print(f"error: {USAGE}", file=sys.stderr)
         sys.exit(2)
     path, out = Path(args["checkpoint"]).expanduser(), Path(args["out"]).expanduser()
     try:
+        check_overrides(overrides, CONFIG_DIR)
         path = resolve_checkpoint(path)
-        cfg = checkpoint_config(path, [], trust, command="python scripts/export_hf.py")
+        cfg = checkpoint_config(
+            path, overrides, trust, "python scripts/export_hf.py", saved_paths, USES
+        )
     except (UserError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -89,7 +89,8 @@ def test_a_run_and_an_evaluation_never_sit_in_silence(
     assert "  data " in first and "tokenized into" in first and "reused" not in first
     assert "token cache reused" in second
     proc = run_cli(
-        [f"checkpoint={tmp_path / 'first'}", "eval.max_batches=20"], module="trainer.evaluate"
+        [f"checkpoint={tmp_path / 'first'}", f"data.path={corpus}", "eval.max_batches=20"],
+        module="trainer.evaluate",
     )
     assert proc.returncode == 0, explain(proc)
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("evaluating")]

@@ -37,7 +37,10 @@ def test_default_gpt_exports_with_cumulus_validation_loss(tmp_path: Path) -> Non
     export = launch([sys.executable, "scripts/export_hf.py", f"checkpoint={ckpt}", f"out={out}"])
     assert export.returncode == 0, explain(export)
     assert "as GPT2LMHeadModel, with a byte-level tokenizer" in export.stdout, explain(export)
-    evaluated = run_cli([f"checkpoint={ckpt}", "eval.max_batches=4"], module="trainer.evaluate")
+    evaluated = run_cli(
+        [f"checkpoint={ckpt}", f"data.path={text}", "eval.max_batches=4"],
+        module="trainer.evaluate",
+    )
     assert evaluated.returncode == 0, explain(evaluated)
     want = json.loads(evaluated.stdout.strip().splitlines()[-1])
 

@@ -180,7 +180,8 @@ def test_export_carries_the_tokenizer(tokenizer: Path, tmp_path: Path) -> None:
     train_in_process(run, tmp_path / "run")
     out = tmp_path / "exported"
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
-    proc = launch([sys.executable, "scripts/export_hf.py", f"checkpoint={ckpt}", f"out={out}"])
+    export = [sys.executable, "scripts/export_hf.py", f"checkpoint={ckpt}", f"out={out}"]
+    proc = launch([*export, f"data.tokenizer={tokenizer}"])  # a saved path is not taken
     assert proc.returncode == 0, explain(proc)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     sample = corpus(1)[0]["text"][:500]

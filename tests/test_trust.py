@@ -22,6 +22,7 @@ import torch
 
 from tests.conftest import REPO, TINY, read_metrics, stdlib_text, train_records
 from tests.ranks import explain, launch, launch_all
+from trainer.config.errors import UserError
 
 STEPS = 4
 # A package outside cumulus. Importing any part of it leaves IMPORTED behind; each function
@@ -182,15 +183,19 @@ def test_crafted_configs_are_refused_before_import(world: dict[str, Any], tmp_pa
 
 @pytest.mark.launches
 def test_trusted_payload_would_run(world: dict[str, Any], tmp_path: Path) -> None:
-    """The control: the same crafted checkpoint with `trust=[evilpkg]` does run the code, so
-    the refusals above are the boundary's doing, not a broken payload."""
+    """The control: the same crafted checkpoint with `trust=[evilpkg]` (and `saved_paths=true`
+    for the sentinel's path) does run the code, so the refusals above are the boundary's
+    doing, not a broken payload."""
     evil_dir = tmp_path / "evil"
     evil_dir.mkdir()
     ckpt = world["run"] / "checkpoints" / "step_00000004"
     spec = {"_target_": "evilpkg.payload.write_sentinel", "path": str(evil_dir / "SENTINEL")}
     crafted = craft(ckpt, tmp_path / "ckpt", place("model", spec))
     proc = launch(
-        [sys.executable, "-m", "trainer.evaluate", f"checkpoint={crafted}", "trust=[evilpkg]"],
+        [
+            *[sys.executable, "-m", "trainer.evaluate", f"checkpoint={crafted}"],
+            *["trust=[evilpkg]", "saved_paths=true"],
+        ],
         120,
         PYTHONPATH=f"{world['root']}:{REPO}",
         EVIL_DIR=str(evil_dir),
@@ -227,7 +232,7 @@ def test_users_own_model_needs_trust(world: dict[str, Any]) -> None:
     run = world["ext_run"]
     logged = [r for r in read_metrics(run) if "val/loss" in r][-1]
     py = f"{world['root']}:{REPO}"
-    base = [sys.executable, "-m", "trainer.evaluate", f"checkpoint={run}"]
+    base = [sys.executable, "-m", "trainer.evaluate", f"checkpoint={run}", "saved_paths=true"]
     results = launch_all(
         {
             "refused": base,
@@ -331,14 +336,16 @@ def test_run_directory_means_its_newest_valid_checkpoint(
 
     run = tmp_path / "run"
     shutil.copytree(world["run"] / "checkpoints", run / "checkpoints")
-    explicit = evaluate(run / "checkpoints" / "step_00000004")
-    assert evaluate(run) == explicit and explicit["step"] == STEPS
+    explicit = evaluate(run / "checkpoints" / "step_00000004", saved_paths=True)
+    assert evaluate(run, saved_paths=True) == explicit and explicit["step"] == STEPS
     state = run / "checkpoints" / "step_00000004" / "state.pt"
     state.write_bytes(state.read_bytes()[:-10])  # damaged: skipped, step 2 is evaluated
-    proc = launch([sys.executable, "-m", "trainer.evaluate", f"checkpoint={run}"], 120)
+    cmd = [sys.executable, "-m", "trainer.evaluate", f"checkpoint={run}", "saved_paths=true"]
+    proc = launch(cmd, 120)
     assert proc.returncode == 0, explain(proc)
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == evaluate(run / "checkpoints" / "step_00000002") and got["step"] == 2
+    step2 = evaluate(run / "checkpoints" / "step_00000002", saved_paths=True)
+    assert got == step2 and got["step"] == 2
     assert "skipping checkpoint" in proc.stderr
 
 
@@ -384,3 +391,80 @@ def test_trust_prefixes_match_whole_module_names() -> None:
             )
     with pytest.raises(Exception, match="not a module prefix"):
         parse_trust(["trust=[os;rm]"])
+
+
+@pytest.mark.launches
+def test_paths_in_a_received_config_are_data(world: dict[str, Any], tmp_path: Path) -> None:
+    """A checkpoint whose saved config points the shipped corpus reader at any file
+    (`data.path`) and its token cache at any directory (`data.cache_dir`) is evaluated only
+    with those paths from the user: each path the file alone sets is refused naming its key,
+    before anything is read or written; restated ones are used; `saved_paths=true` takes the
+    file's (the control: they would be used). The export refuses a saved `model.pretrained`."""
+    import yaml
+
+    docs = tmp_path / "docs.jsonl"
+    text = Path(world["text"]).read_text()
+    docs.write_text(
+        "".join(json.dumps({"text": text[i : i + 3000]}) + "\n" for i in range(0, 30_000, 3000))
+    )
+    outside, mine = tmp_path / "outside_cache", tmp_path / "my_cache"
+    data = yaml.safe_load((REPO / "configs" / "data" / "hf.yaml").read_text())
+    data.update(path=str(docs), cache_dir=str(outside), block_size=64)
+    ckpt = world["run"] / "checkpoints" / "step_00000004"
+    crafted = craft(ckpt, tmp_path / "ckpt", place("data", data))
+    llama = yaml.safe_load((REPO / "configs" / "model" / "hf_llama.yaml").read_text())
+    llama["pretrained"] = str(tmp_path / "somewhere")
+    foreign = craft(ckpt, tmp_path / "ckpt_llama", place("model", llama))
+
+    evaluate = [sys.executable, "-m", "trainer.evaluate", f"checkpoint={crafted}"]
+    mine_args = [f"data.path={docs}", f"data.cache_dir={mine}", "eval.max_batches=2"]
+    results = launch_all(
+        {
+            "file_paths": [*evaluate, "eval.max_batches=2"],
+            "path_restated": [*evaluate, f"data.path={docs}", "eval.max_batches=2"],
+            "export": [sys.executable, "scripts/export_hf.py", f"checkpoint={foreign}",
+                       f"out={tmp_path / 'exported'}"],
+        },
+        120,
+    )  # fmt: skip
+    for name, key in (("file_paths", "data.path"), ("path_restated", "data.cache_dir")):
+        proc = results[name]
+        err = proc.stderr.strip()
+        assert proc.returncode == 2 and len(err.splitlines()) == 1, f"{name}\n{explain(proc)}"
+        assert f"`{key}: " in err and "saved_paths=true" in err and "Traceback" not in err, err
+    export = results["export"]
+    assert export.returncode == 2 and "`model.pretrained: " in export.stderr, explain(export)
+    assert "python scripts/export_hf.py" in export.stderr
+    assert not outside.exists() and not (tmp_path / "exported").exists()
+
+    # The user's paths are used; the file's only with saved_paths=true.
+    saved = [*evaluate, "eval.max_batches=2", "saved_paths=true"]
+    results = launch_all({"mine": [*evaluate, *mine_args], "saved": saved}, 120)
+    for proc in results.values():
+        assert proc.returncode == 0, explain(proc)
+    assert any(mine.rglob("*")) and any(outside.rglob("*"))
+    same = [json.loads(p.stdout.strip().splitlines()[-1]) for p in results.values()]
+    assert same[0] == same[1] and same[0]["step"] == STEPS
+
+
+def test_path_keys_are_known_by_name() -> None:
+    from trainer.config.trust import is_path_key, parse_saved_paths
+
+    for key in (
+        "data.path",
+        "data.val_path",
+        "data.cache_dir",
+        "data.tokenizer",
+        "model.pretrained",
+        "data.chat_template",
+        "data.root",
+        "data.files[0]",
+        "model.weights_file",
+    ):
+        assert is_path_key(key), key
+    for key in ("data.text_field", "model.config.hidden_size", "data.packed", "task.temperature"):
+        assert not is_path_key(key), key
+    assert parse_saved_paths(["a=1", "saved_paths=true"]) == (True, ["a=1"])
+    assert parse_saved_paths(["a=1"]) == (False, ["a=1"])
+    with pytest.raises(UserError, match="saved_paths"):
+        parse_saved_paths(["saved_paths=yes"])

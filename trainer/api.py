@@ -70,13 +70,15 @@ def evaluate(
     *,
     weights: str = "model",
     trust: Sequence[str] = (),
+    saved_paths: bool = False,
     config_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (or a run directory's newest valid one) in this process and
     return its metrics, as `python -m trainer.evaluate checkpoint=... OVERRIDES` prints them.
 
     The checkpoint's saved config is untrusted input: targets it names outside what cumulus
-    ships must be under a `trust` prefix (`trust=["mypkg"]`) or in `config_dir`.
+    ships must be under a `trust` prefix (`trust=["mypkg"]`) or in `config_dir`, and paths it
+    sets must be restated in `overrides` (`"data.path=..."`) or taken with `saved_paths=True`.
     """
     from engine.distributed import init_distributed, shutdown_distributed
     from trainer.config.cli import check_overrides, to_config
@@ -92,7 +94,7 @@ def evaluate(
         overrides.append(f"hydra.searchpath=[file://{Path(config_dir).resolve()}]")
     check_overrides(overrides, CONFIG_DIR)
     path = resolve_checkpoint(Path(checkpoint).expanduser())
-    cfg, _ = to_config(checkpoint_config(path, overrides, list(trust)))
+    cfg, _ = to_config(checkpoint_config(path, overrides, list(trust), saved_paths=saved_paths))
     info = init_distributed(cfg.dist.backend, cfg.train.device, cfg.dist.timeout_s)
     try:
         return evaluate_checkpoint(path, cfg, info, weights)

@@ -8,8 +8,10 @@ exactly as training takes them (`eval.max_batches=null` for the whole validation
 metrics as one JSON object on the last line of stdout. Writes nothing.
 `weights=NAME` evaluates the weights an averaging callback (`ema`) kept instead.
 
-The saved config is untrusted input (trainer/config/trust.py): only targets cumulus ships, targets
-the user restates and those under `trust=[PKG,...]` are built.
+The saved config is untrusted input (trainer/config/trust.py): only targets cumulus ships,
+targets the user restates and those under `trust=[PKG,...]` are built; paths it sets (data,
+tokenizer, pretrained model, cache) are refused unless restated on the command line
+(`data.path=...`) or taken with `saved_paths=true`.
 """
 
 from __future__ import annotations
@@ -24,22 +26,23 @@ from engine.distributed import DistInfo
 from trainer.config.cli import check_overrides, run_command
 from trainer.config.errors import UserError
 from trainer.config.schema import Config, register_configs
-from trainer.config.trust import parse_trust
+from trainer.config.trust import parse_saved_paths, parse_trust
 from trainer.run.assemble import CONFIG_DIR
 from trainer.run.evaluation import checkpoint_config, evaluate_checkpoint, resolve_checkpoint
 from trainer.run.identity import register_resolvers
 
 USAGE = (
     "usage: python -m trainer.evaluate checkpoint=PATH|RUN_DIR [weights=model|NAME] "
-    "[trust=[PKG,...]] [key=value ...]"
+    "[trust=[PKG,...]] [saved_paths=true] [key=value ...]"
 )
 
 
-def parse_args(argv: list[str]) -> tuple[Path, str, list[str], list[str]]:
+def parse_args(argv: list[str]) -> tuple[Path, str, list[str], bool, list[str]]:
     """`checkpoint=PATH`, `weights=model|NAME` (a weight-averaging callback such as `ema`),
-    `trust=[PKG,...]` (module prefixes whose targets the checkpoint's config may name), and
-    the config overrides."""
+    `trust=[PKG,...]` (module prefixes whose targets the checkpoint's config may name),
+    `saved_paths=true` (use the paths it names), and the config overrides."""
     trust, argv = parse_trust(argv)
+    saved_paths, argv = parse_saved_paths(argv)
     ckpt = [a.split("=", 1)[1] for a in argv if a.startswith("checkpoint=")]
     weights = [a.split("=", 1)[1] for a in argv if a.startswith("weights=")]
     rest = [a for a in argv if not a.startswith(("checkpoint=", "weights="))]
@@ -48,7 +51,7 @@ def parse_args(argv: list[str]) -> tuple[Path, str, list[str], list[str]]:
     bad = [a for a in rest if "=" not in a]
     if bad:
         raise UserError(f"overrides must look like key=value, got {bad}. {USAGE}")
-    return Path(ckpt[0]).expanduser(), (weights or ["model"])[-1], trust, rest
+    return Path(ckpt[0]).expanduser(), (weights or ["model"])[-1], trust, saved_paths, rest
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,10 +59,10 @@ def main(argv: list[str] | None = None) -> None:
     register_configs()
     register_resolvers()
     try:
-        path, weights, trust, overrides = parse_args(argv)
+        path, weights, trust, saved_paths, overrides = parse_args(argv)
         check_overrides(overrides, CONFIG_DIR)
         path = resolve_checkpoint(path)
-        cfg = checkpoint_config(path, overrides, trust)
+        cfg = checkpoint_config(path, overrides, trust, saved_paths=saved_paths)
     except (UserError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -14,6 +14,13 @@ every `_target_` in it, nested ones inside a component's arguments included, mus
 
 Anything else is refused with one paragraph naming the key, the target and the `trust=[...]`
 that would allow it. The check reads strings only: nothing is imported to decide.
+
+Paths are data too. A saved config can name any file to read (data, validation data, a
+tokenizer, a pretrained directory, a chat template) and any directory to write (a token
+cache). A path the file sets (one that differs from what this version's configs give and
+that the user did not restate) is not used: the user gives it on the command line
+(`data.path=...`) or says `saved_paths=true` to take the file's paths. Nothing is read or
+written where a received file alone says so.
 """
 
 from __future__ import annotations
@@ -84,6 +91,93 @@ def shipped_targets(config_dir: Path) -> set[str]:
 
     defaults = OmegaConf.to_container(OmegaConf.structured(Config))
     return _yaml_targets(config_dir) | {v for _, v in targets(defaults) if isinstance(v, str)}
+
+
+# Config keys that name a file or directory: by name, in any node (a user's data source's
+# `root=` included). The run's own outputs (checkpoint, logger, plan) are not rebuilt from a
+# saved config, so only what evaluation and export build is looked at.
+PATH_KEYS = frozenset(
+    {"path", "paths", "val_path", "tokenizer", "cache_dir", "pretrained", "chat_template"}
+    | {"root", "dir", "file", "files", "data_dir", "data_files"}
+)
+PATH_SUFFIXES = ("_path", "_paths", "_dir", "_file", "_files")
+# What evaluation rebuilds from a saved config (an export reads less: its own list).
+BUILT_FROM_SAVED = ("model", "task", "data", "callbacks")
+
+
+def is_path_key(key: str) -> bool:
+    name = key.rsplit(".", 1)[-1].split("[", 1)[0]
+    return name in PATH_KEYS or name.endswith(PATH_SUFFIXES)
+
+
+def parse_saved_paths(args: Sequence[str]) -> tuple[bool, list[str]]:
+    """Split `saved_paths=true|false` off the command line: (its value, the rest)."""
+    allow, rest = False, []
+    for arg in args:
+        if not arg.startswith("saved_paths="):
+            rest.append(arg)
+            continue
+        value = arg.split("=", 1)[1].strip().lower()
+        if value not in ("true", "false"):
+            raise UserError(
+                f"saved_paths: {value!r} is not a boolean; saved_paths=true uses the file and "
+                "directory paths a checkpoint's config names (data, tokenizer, pretrained "
+                "model, cache), saved_paths=false (the default) refuses them"
+            )
+        allow = value == "true"
+    return allow, rest
+
+
+def _leaves(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(node, dict):
+        for name, value in node.items():
+            yield from _leaves(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(node, list | tuple):
+        for i, value in enumerate(node):
+            yield from _leaves(value, f"{key}[{i}]")
+    else:
+        yield key, node
+
+
+def _select(node: Any, key: str) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(OmegaConf.create(node), key, default=None)
+
+
+def check_paths(
+    config: Any,
+    fresh: Any,
+    source: Path,
+    *,
+    overrides: Sequence[str] = (),
+    allow: bool = False,
+    uses: Sequence[str] = BUILT_FROM_SAVED,
+    command: str = "python -m trainer.evaluate",
+) -> None:
+    """Refuse a path that only the file read from `source` sets: a path-named key (`data.path`,
+    `model.pretrained`, `data.cache_dir`...) under what the command reads (`uses`: nodes or
+    keys) whose value differs from this version's own configs composed with the user's
+    overrides (`fresh`) and that the user did not restate. `allow` (`saved_paths=true`)
+    takes the file's paths."""
+    if allow:
+        return
+    stated = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    for node in dict.fromkeys(u.split(".", 1)[0] for u in uses):
+        for key, value in _leaves(config.get(node), node):
+            if not any(key == u or key.startswith(u + ".") for u in uses):
+                continue
+            if not is_path_key(key) or value in (None, "", []) or key in stated:
+                continue
+            if value == _select(fresh, key):
+                continue  # what this version's configs give: not the file's choice
+            raise UntrustedConfigError(
+                f"checkpoint: the config saved in {source} sets `{key}: {value!r}`, a path, "
+                "and paths in a checkpoint's config are data: cumulus does not read from or "
+                "write to where a received file alone says. Nothing was read or written. "
+                f"Give it yourself (`{key}=...`, the same value or your own), or, if you "
+                f"trust this checkpoint's paths, add `saved_paths=true` to `{command} ...`."
+            )
 
 
 def parse_trust(args: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -1,8 +1,8 @@
 """The GPUs `trainer.plan` can plan for: memory, dense peak FLOP/s and link bandwidths.
 
 Figures are vendors' data-sheet numbers (dense, no sparsity): the planner's time estimate is
-an estimate built on them and on the efficiency assumptions of trainer/planning/simulate.py, stated in
-docs/plan.md, not a measurement.
+an estimate built on them and on the efficiency assumptions of
+trainer/planning/simulate.py, stated in docs/plan.md, not a measurement.
 """
 
 from __future__ import annotations

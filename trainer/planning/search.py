@@ -6,9 +6,9 @@ that fits) is first estimated from the planned layout's measured breakdown, scal
 each degree divides (model state by the ranks sharing it, activations by the tokens and the
 layers a rank holds, times the micro-batches a pipeline keeps in flight). That screening is an
 estimate; the `SIMULATED` fastest layouts it finds fitting are then simulated like the plan
-itself (trainer/planning/simulate.py), and their measured peak decides. Layouts a model cannot run (heads
-that do not divide, no pipeline stages or context-parallel hook) are left out, as the
-simulation's refusal says.
+itself (trainer/planning/simulate.py), and their measured peak decides. Layouts a model cannot
+run (heads that do not divide, no pipeline stages or context-parallel hook) are left out, as
+the simulation's refusal says.
 """
 
 from __future__ import annotations

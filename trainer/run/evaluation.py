@@ -28,7 +28,7 @@ from engine.parallel.dims import ParallelDims
 from trainer.config.components import current_targets
 from trainer.config.errors import UserError
 from trainer.config.schema import Config
-from trainer.config.trust import check_saved, check_targets
+from trainer.config.trust import BUILT_FROM_SAVED, check_paths, check_saved, check_targets
 from trainer.data.batches import build_val_batches
 from trainer.run.assemble import CONFIG_DIR, assemble
 from trainer.run.build import instantiate_callback
@@ -41,11 +41,12 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def compose_config(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
+def compose_config(saved: dict[str, Any], overrides: list[str]) -> tuple[DictConfig, DictConfig]:
     """The checkpoint's config with `overrides` applied as training applies them: the
     overrides are composed by Hydra (from this repository's configs and any
     `hydra.searchpath`), then a group selection (`data=NAME`) replaces that whole node of the
-    saved config and a key (`eval.max_batches=...`) that one value."""
+    saved config and a key (`eval.max_batches=...`) that one value. Also returns that fresh
+    composition: what this version's configs give without the file."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
@@ -59,7 +60,7 @@ def compose_config(saved: dict[str, Any], overrides: list[str]) -> DictConfig:
             OmegaConf.update(cfg, key, None, force_add=True)  # deleted: back to no value
             continue
         OmegaConf.update(cfg, key, OmegaConf.select(fresh, key), merge=False, force_add=True)
-    return cfg
+    return cfg, fresh
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -86,21 +87,30 @@ def resolve_checkpoint(path: Path) -> Path:
     return newest
 
 
+def _nodes(cfg: DictConfig, names: Sequence[str]) -> dict[str, Any]:
+    """The named top-level nodes of `cfg`, resolved (`data.block_size` reads `model.*`)."""
+    return {n: OmegaConf.to_container(cfg[n], resolve=True) for n in names if n in cfg}
+
+
 def checkpoint_config(
     path: Path,
     overrides: list[str],
     trust: Sequence[str] = (),
     command: str = "python -m trainer.evaluate",
+    saved_paths: bool = False,
+    uses: Sequence[str] = BUILT_FROM_SAVED,
 ) -> DictConfig:
     """The config checkpoint `path` was saved with, `overrides` applied. The checkpoint is
     verified first (UserError / CheckpointError when missing or damaged), and the saved config
     is untrusted input: a target it names that is neither shipped, restated by the user, nor
-    under a `trust` prefix is refused before anything is imported (trainer/config/trust.py)."""
+    under a `trust` prefix is refused before anything is imported, and a path only it sets
+    is refused unless `saved_paths` (trainer/config/trust.py). `uses`: what the command
+    reads of the config (nodes or keys), whose paths are checked."""
     verify(path)
     saved = current_targets(safe_load(path / SHARED).get("config"))
     check_saved(saved, path)
     try:
-        cfg = compose_config(saved, overrides)
+        cfg, fresh = compose_config(saved, overrides)
     except OmegaConfBaseException as exc:
         if any(_key(o) in str(exc) for o in overrides):
             raise  # the user's override, reported as one by the caller
@@ -112,6 +122,15 @@ def checkpoint_config(
     composed = OmegaConf.to_container(cfg, resolve=False)
     check_targets(
         composed, path, config_dir=CONFIG_DIR, overrides=overrides, trust=trust, command=command
+    )
+    check_paths(
+        _nodes(cfg, BUILT_FROM_SAVED),
+        _nodes(fresh, BUILT_FROM_SAVED),
+        path,
+        overrides=overrides,
+        allow=saved_paths,
+        uses=uses,
+        command=command,
     )
     return cfg
 
