@@ -30,3 +30,20 @@ def count_before_split(self: AccumulateStep, ctx: StepContext, window: Sequence[
 if __name__ == "__main__":
     AccumulateStep.__call__ = count_before_split  # type: ignore[method-assign]
     runpy.run_module("trainer.train", run_name="__main__", alter_sys=True)
+
+
+def labelled_dicts(**kwargs: Any) -> Any:
+    """`data._target_`: the stdlib text as dict batches `{"input_ids", "labels"}` (labels =
+    the inputs, shifted by the task), as transformers' data collators give them: a batch that
+    context parallelism cannot split without `shift_labels`."""
+    import dataclasses
+
+    from trainer.data.text import text_data
+
+    splits = text_data(**kwargs)
+
+    def collate(samples: list[Any]) -> dict[str, Any]:
+        inputs, _ = splits.collate_fn(samples)
+        return {"input_ids": inputs, "labels": inputs.clone()}
+
+    return dataclasses.replace(splits, collate_fn=collate)

@@ -130,3 +130,34 @@ def test_bad_input_is_one_paragraph(project: Path, tmp_path: Path, arg: str, say
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], explain(proc)
     assert not (tmp_path / "w").exists()
+
+
+def test_a_crash_is_reported_by_its_error_not_torchruns_banner() -> None:
+    """A layout whose ranks crashed (a traceback, then torchrun's failure report): the reason
+    is the exception's own line, not the report's last rule or banner."""
+    from trainer.checks.certify import crash_line
+
+    log = """cumulus | run dir /tmp/w/cp2 | run id 1234
+[rank 0] training failed:
+Traceback (most recent call last):
+  File "trainer/run/fit.py", line 10, in fit
+ValueError: the batch holds 3 sequences of 17 tokens, which cp=2 cannot split
+E1127 12:58:24.104000 27660 torch/distributed/elastic/multiprocessing/api.py:900] failed
+Traceback (most recent call last):
+  File "torch/distributed/run.py", line 9, in <module>
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+trainer.train FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  exitcode  : 1 (pid: 27672)
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+    assert crash_line(log).startswith("ValueError: the batch holds 3 sequences")
+    killed = "cumulus | run dir /tmp/w/ddp2\nstep 1 done\n" + log[log.index("=====") :]
+    assert crash_line(killed) == "step 1 done"  # no exception: the last line before the report

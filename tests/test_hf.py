@@ -178,7 +178,10 @@ def test_export_reloads_in_transformers_with_the_same_validation_loss(
     out = tmp_path / "exported"
     export = launch([sys.executable, "scripts/export_hf.py", f"checkpoint={ckpt}", f"out={out}"])
     assert export.returncode == 0, explain(export)
-    evaluated = run_cli([f"checkpoint={ckpt}", "eval.max_batches=4"], module="trainer.evaluate")
+    evaluated = run_cli(
+        [f"checkpoint={ckpt}", f"data.path={gpt2_runs['text']}", "eval.max_batches=4"],
+        module="trainer.evaluate",
+    )
     assert evaluated.returncode == 0, explain(evaluated)
     want = json.loads(evaluated.stdout.strip().splitlines()[-1])
 

@@ -367,3 +367,42 @@ def test_fsdp_shards_a_fused_qkv_weight_on_its_input_features() -> None:
             check_dp_placements(model, 3)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_plan_naming_a_module_no_style_splits_is_one_paragraph() -> None:
+    """A model whose tensor-parallel plan names a LayerNorm (or a whole block): a paragraph
+    naming the module, its type and what the style splits, before torch's bare
+    NotImplementedError; its linear layers named instead, the same model is split."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from engine.distributed import DistInfo
+    from engine.parallel.tensor import NotParallelizable, TensorParallel
+
+    class Block(nn.Module):
+        def __init__(self, plan: dict[str, str]) -> None:
+            super().__init__()
+            self.plan = plan
+            self.norm, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def tensor_parallel_plan(self) -> dict[str, str]:
+            return self.plan
+
+        def forward(self, x):  # pragma: no cover - never run
+            return self.down(self.up(self.norm(x)))
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        tp = TensorParallel(DistInfo(), mesh)
+        with pytest.raises(NotParallelizable) as refused:
+            tp.apply(Block({"norm": "colwise", "down": "rowwise"}))
+        assert refused.value.key == "dist.tp"
+        said = str(refused.value)
+        assert "'norm'" in said and "LayerNorm" in said and "Linear and Embedding" in said
+        split = tp.apply(Block({"up": "colwise", "down": "rowwise"}))
+        assert isinstance(split.up.weight, DTensor)
+    finally:
+        dist.destroy_process_group()

@@ -128,10 +128,13 @@ def test_tensorboard_holds_metrics_jsonl(resumed: Resumed) -> None:
 
 
 def mlflow_client(run_dir: Path) -> Any:
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    """A client of the run directory's default store: SQLite (`mlflow.db`), opened as
+    `mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db` opens it, no opt-in."""
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+    assert (run_dir / "mlflow.db").is_file() and not (run_dir / "mlruns").exists()
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+    return MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
 
 
 @pytest.mark.launches
@@ -179,6 +182,7 @@ def test_mlflow_holds_metrics_jsonl(resumed: Resumed) -> None:
         assert run.data.params[key] == (value if isinstance(value, str) else json.dumps(value))
 
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert (resumed.run_dir / "mlartifacts").is_dir()  # beside its store, not in the cwd
     assert {"metrics.jsonl", "metrics.superseded.jsonl", "report.html", "summary.txt"} <= artifacts
     local = Path(
         client.download_artifacts(run.info.run_id, "metrics.jsonl", str(resumed.run_dir / "dl"))
@@ -200,6 +204,8 @@ def test_tracker_failing_mid_run_warns_once(tmp_path: Path) -> None:
         *[a for a in ARGS if not a.startswith(("train.max_steps", "eval.", "checkpoint."))],
         "train.max_steps=5",
         f"hydra.run.dir={run_dir}",
+        # MLflow's file store (a directory per run), the one whose metrics a test can break.
+        f"logger.mlflow.tracking_uri={(run_dir / 'mlruns').as_uri()}",
         "+callbacks.brk._target_=tests.tracker_support.BreakMlflowStore",
         "+callbacks.brk.step=3",
         f"+callbacks.brk.store={run_dir / 'mlruns'}",

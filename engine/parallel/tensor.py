@@ -255,6 +255,33 @@ def sequence_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
+# What torch's styles split: ColwiseParallel and RowwiseParallel take nn.Linear and
+# nn.Embedding, the fused q/k/v split (colwise_qkv) nn.Linear only.
+SPLITS: dict[str, tuple[type[nn.Module], ...]] = {
+    "colwise": (nn.Linear, nn.Embedding),
+    "rowwise": (nn.Linear, nn.Embedding),
+    "colwise_qkv": (nn.Linear,),
+}
+
+
+def check_plan_modules(model: nn.Module, plan: dict[str, str]) -> None:
+    """Every module the plan names is one its style can split: one paragraph naming the
+    first that is not (torch would raise a bare NotImplementedError in the middle of it)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    for pattern, style in plan.items():
+        kinds = SPLITS.get(style, ())
+        for module in _matching(model, pattern):
+            name = names[id(module)]
+            if kinds and not isinstance(module, kinds):
+                raise NotParallelizable(
+                    f"the tensor-parallel plan of {type(model).__name__} splits {name!r} "
+                    f"({pattern!r}: {style}), a {type(module).__name__}; {style} splits "
+                    f"{' and '.join(k.__name__ for k in kinds)} modules only. Name the linear "
+                    "layers inside it in the plan (tensor_parallel_plan(), or the transformers "
+                    "config's base_model_tp_plan), or run without dist.tp"
+                )
+
+
 def _matching(model: nn.Module, pattern: str) -> list[nn.Module]:
     """Modules whose path matches `pattern` (`*`: one path element)."""
     want = pattern.split(".")
@@ -347,6 +374,7 @@ class TensorParallel(MeshSplit):
                 f"{', '.join(STYLES)}"
             )
         check_heads(model, self.tp)
+        check_plan_modules(model, plan)
         seq = self.sequence_parallel
         if seq:
             from torch.distributed.tensor import Shard

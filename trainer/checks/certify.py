@@ -204,8 +204,22 @@ def refusal(output: str) -> str | None:
     return None
 
 
-def last_line(output: str) -> str:
+# A Python exception's own line (`ValueError: ...`, `[rank 1] torch.OutOfMemoryError: ...`).
+_EXCEPTION = re.compile(r"^(\[rank \d+\] )?([A-Za-z_][\w.]*(Error|Exception|Interrupt)): .+")
+
+
+def crash_line(output: str) -> str:
+    """What a crashed launch died of: the last exception line a rank printed, else its last
+    line before torchrun's failure report (a banner of `=` and `-` rules that names no cause).
+    """
     lines = [line for line in output.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _EXCEPTION.match(line):
+            return line[:300]
+    cut = next((i for i, ln in enumerate(lines) if "FAILED" in ln and ln.endswith("FAILED")), None)
+    if cut is not None and cut > 0:  # torchrun's report starts with "<module> FAILED"
+        lines = lines[:cut]
+    lines = [ln for ln in lines if not set(ln.strip()) <= set("=-")]
     return lines[-1][:300] if lines else "(no output)"
 
 
@@ -254,7 +268,7 @@ def finish(run: Running, work: Path, code: int) -> Outcome:
         outcome.status, outcome.reason = "skipped", f"the trainer refuses it: {reason}"
     else:
         outcome.status = "failed"
-        outcome.reason = f"exit {code}: {refusal(output) or last_line(output)}"
+        outcome.reason = f"exit {code}: {refusal(output) or crash_line(output)}"
     return outcome
 
 

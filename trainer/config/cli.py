@@ -14,7 +14,7 @@ import traceback
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import omegaconf
 from omegaconf import DictConfig, OmegaConf
@@ -245,6 +245,8 @@ def exit_user_error(printed: bool) -> None:
 
 def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInfo], T]) -> T:
     """Validate, join the process group, run `body`, leave cleanly; exit non-zero on error."""
+    from engine.parallel import LayoutError  # nothing imported: cheap
+
     info: DistInfo | None = None
     try:
         config, plain = to_config(cfg)
@@ -253,15 +255,9 @@ def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInf
         info = init_distributed(config.dist.backend, config.train.device, config.dist.timeout_s)
         result = body(config, plain, info)
     except UserError as exc:
-        # Config, batch arithmetic and divergence errors hit every rank alike: rank 0 speaks.
-        # Others (a data file missing on one node) name their rank.
-        shared = info is None or not info.distributed or getattr(exc, "all_ranks", False)
-        if not shared:
-            print(f"error (rank {info.rank}): {exc}", file=sys.stderr, flush=True)
-        elif _rank() == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        leave_process_group(clean=False)
-        exit_user_error(printed=not shared or _rank() == 0)
+        user_error(exc, info)
+    except LayoutError as exc:  # an engine refusal met while running: a batch it cannot split
+        user_error(ConfigError(exc.key, str(exc)), info)
     except Exception as exc:
         rank = info.rank if info is not None and info.distributed else None
         if rank is not None and is_peer_failure(exc):
@@ -282,6 +278,19 @@ def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInf
     gc.collect()
     leave_process_group(clean=True)
     return result
+
+
+def user_error(exc: UserError, info: DistInfo | None) -> NoReturn:
+    """Print a user error once (or per rank, for one that names its rank) and exit 2."""
+    # Config, batch arithmetic and divergence errors hit every rank alike: rank 0 speaks.
+    # Others (a data file missing on one node) name their rank.
+    shared = info is None or not info.distributed or getattr(exc, "all_ranks", False)
+    if not shared:
+        print(f"error (rank {info.rank}): {exc}", file=sys.stderr, flush=True)
+    elif _rank() == 0:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    leave_process_group(clean=False)
+    exit_user_error(printed=not shared or _rank() == 0)
 
 
 def leave_process_group(clean: bool) -> None:

@@ -210,7 +210,7 @@ class EvalCfg:
 class CheckpointCfg:
     every_steps: int = 100
     keep_last: int = 2
-    resume: str = "auto"  # auto | never | a path
+    resume: str = "auto"  # auto | never | a checkpoint or run directory
     # Write on a background thread from a CPU snapshot (training stalls only for the copy).
     async_save: bool = False
     # full: rank 0 gathers the whole model and optimizer state into one file (portable; needs

@@ -178,7 +178,7 @@ def fit(run: Run) -> str:
             # A finished run rerun has its last evaluation already: one record per step.
             if eval_cfg.every_steps and not (run.step == first_step and run.resumed.evaluated):
                 if run.dist.is_main:
-                    sample = " and a text sample" if run.settings.eval.sample_tokens else ""
+                    sample = " and a text sample" if sample_prompt(run) is not None else ""
                     print(
                         f"final evaluation at step {run.step}: {len(run.val_batches)} "
                         f"validation batches{sample}",
@@ -295,6 +295,9 @@ def summary(run: Run, outcome: str, seconds: float) -> str:
         f"  newest checkpoint {newest if newest is not None else '(none)'}",
         f"  data {run.data_description}",
     ]
+    report = run.run_dir / "memory_report.json"
+    if run.settings.train.memory_report and report.is_file():
+        lines.append(f"  memory report {report}")
     lines += run.ctx.callbacks.summaries(run.batches.plan.global_batch)
     lines += [note for sink in run.sinks if (note := sink.closing_note())]
     return "\n".join(lines)
@@ -351,18 +354,28 @@ def _prompt(batch: Any, length: int = 32) -> torch.Tensor | None:
     return ids[:1, :length]
 
 
+def sample_prompt(run: Run) -> torch.Tensor | None:
+    """The prompt of the text sample each evaluation writes, or None when it writes none:
+    `eval.sample_tokens=0`, a model that cannot generate (or is split over ranks: `dist.cp`,
+    `dist.pp`, `dist.tp`), data without a decoder or without token ids."""
+    model = unwrap(run.ctx.model)
+    if not run.settings.eval.sample_tokens or run.decode is None:
+        return None
+    # Generating is optional (a model declares `generate`) and needs the whole model.
+    if not isinstance(model, Generates) or not run.ctx.parallel.whole_model:
+        return None
+    first = run.val_batches.first_sample()
+    return None if first is None else _prompt(first)
+
+
 def sample_text(run: Run, max_new_tokens: int) -> str | None:
-    """A continuation of the validation set's first sample, decoded; None when the model
-    cannot generate or the data has no decoder.
+    """A continuation of the validation set's first sample, decoded; None when no sample can
+    be made (`sample_prompt`).
 
     Uses its own seeded generator and eval mode, so training randomness is untouched.
     """
     model = unwrap(run.ctx.model)
-    # Generating is optional (a model declares `generate`) and needs the whole model.
-    if run.decode is None or not isinstance(model, Generates) or not run.ctx.parallel.whole_model:
-        return None
-    first = run.val_batches.first_sample()
-    prompt = None if first is None else _prompt(first)
+    prompt = sample_prompt(run)
     if prompt is None:
         return None
     gen = torch.Generator(run.dist.device).manual_seed(run.settings.seed + run.step)

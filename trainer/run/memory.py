@@ -142,3 +142,11 @@ class MemoryWindow:
         everyone = gather_object({"rank": run.dist.rank, **mine.as_dict()}, run.dist)
         if everyone is not None:
             self.path.write_text(json.dumps({"steps": self.steps, "ranks": everyone}, indent=1))
+            top = max(everyone, key=lambda r: r["peak_bytes"])
+            kinds = ("parameters", "gradients", "optimizer", "activations")
+            parts = ", ".join(f"{k} {top[f'{k}_bytes'] / 2**20:.1f}" for k in kinds)
+            print(
+                f"memory report of steps 1-{self.steps}: peak {top['peak_bytes'] / 2**20:.1f} MiB "
+                f"on rank {top['rank']} ({parts} MiB), written to {self.path}",
+                flush=True,
+            )

@@ -89,6 +89,31 @@ def build_scheduler(
     return scheduler
 
 
+def warmup_note(spec: dict[str, Any], max_steps: int, lr: float) -> str:
+    """A note when the warmup covers more than half of the run ('' otherwise): the learning
+    rate then never reaches its peak, or holds it only briefly, and never decays much."""
+    warmup = spec.get("warmup_steps")
+    if not isinstance(warmup, int) or warmup <= max_steps / 2:
+        return ""
+    if warmup >= max_steps:
+        # engine.schedule's warmup: update k (from 0) uses (k + 1) / (warmup + 1) of the peak.
+        last = max_steps / (warmup + 1)
+        what = (
+            f"the learning rate climbs to {last * lr:.3g} ({last:.0%} of optim.lr={lr:g}) by "
+            "the last step: it never reaches its peak and never decays"
+        )
+    else:
+        what = (
+            f"the learning rate reaches optim.lr={lr:g} at step {warmup} and has only the last "
+            f"{max_steps - warmup} steps to decay"
+        )
+    return (
+        f"NOTE: scheduler.warmup_steps={warmup} covers more than half of this run's "
+        f"{max_steps} steps (train.max_steps): {what}. Set scheduler.warmup_steps (e.g. "
+        f"{max(1, max_steps // 10)}) or train.max_steps."
+    )
+
+
 def horizon_dependent(spec: dict[str, Any]) -> bool:
     """Whether the schedule's shape depends on train.max_steps (its length)."""
     try:

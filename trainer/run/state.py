@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from engine.checkpoint import (
+    MANIFEST,
     SHARDS,
     CheckpointError,
     CheckpointWriter,
@@ -212,30 +213,47 @@ def build_checkpointer(
 
 def find_resume(resume: str, ckpt_dir: Path, info: DistInfo) -> Path | None:
     """The checkpoint to resume from, the same on every rank: the newest that verifies
-    (`auto`) or the given path. All ranks verify each candidate together."""
+    (`auto`: of this run; a run directory or its `checkpoints/`: of that run) or the given
+    checkpoint. All ranks verify each candidate together."""
     if resume == "never":
         return None
-    error = None
+    error, newest = None, resume == "auto"
     if resume == "auto":
         candidates = list(reversed(list_checkpoints(ckpt_dir))) if info.is_main else []
     else:
-        candidates = [Path(resume).expanduser()]
-        if info.is_main and not candidates[0].exists():
+        given = Path(resume).expanduser()
+        candidates = [given]
+        if info.is_main and not given.exists():
             error = (
-                f"checkpoint.resume: {candidates[0]} does not exist; valid: auto, never, or "
-                "the path of a checkpoint directory (run_dir/checkpoints/step_NNNNNNNN)"
+                f"checkpoint.resume: {given} does not exist; valid: auto, never, the path of a "
+                "checkpoint directory (run_dir/checkpoints/step_NNNNNNNN) or a run directory "
+                "(its newest valid checkpoint)"
             )
-    candidates, error = broadcast_object((candidates, error), info)
+        elif info.is_main and given.is_dir() and not (given / MANIFEST).exists():
+            root = given / "checkpoints" if (given / "checkpoints").is_dir() else given
+            candidates, newest = list(reversed(list_checkpoints(root))), True
+            if not candidates:
+                error = (
+                    f"checkpoint.resume: {given} is neither a checkpoint nor a run directory "
+                    f"with checkpoints under {root}; pass a checkpoint directory "
+                    "(run_dir/checkpoints/step_NNNNNNNN) or a run directory that has one"
+                )
+    candidates, newest, error = broadcast_object((candidates, newest, error), info)
     if error:
         raise UserError(error, all_ranks=True)
     for path in candidates:
         problem = verify_together(path, info)
         if problem is None:
             return path
-        if resume != "auto":
+        if not newest:
             raise UserError(f"checkpoint.resume: {problem}", all_ranks=True)
         if info.is_main:
             print(f"WARNING: skipping checkpoint: {problem}", file=sys.stderr)
+    if resume != "auto" and candidates:
+        raise UserError(
+            f"checkpoint.resume: no checkpoint under {resume} verifies (see the warnings above)",
+            all_ranks=True,
+        )
     return None
 
 

@@ -1,14 +1,19 @@
 """MLflow on rank 0 (extra `mlflow`: `mlflow-skinny`, the client without the server).
 
-By default the store is local, `mlruns/` in the run directory (MLflow's file store, which
-needs no database and no server); `logger.mlflow.tracking_uri` names any other (a server,
-`databricks`, `sqlite:///...` with full `mlflow` installed). The MLflow run is found again by
-its tag `cumulus.run_id` (the run id kept in checkpoints), so a resumed run continues it.
+By default the store is local, in the run directory: `mlflow.db` (SQLite, artifacts in
+`mlartifacts/`), the store MLflow 3 recommends and browses without opt-in, where SQLAlchemy
+and Alembic are installed (the `mlflow` extra installs them); else `mlruns/` (MLflow's file
+store, which MLflow 3 keeps in maintenance mode: browsing it needs
+`MLFLOW_ALLOW_FILE_STORE=true`). A run that began with one keeps it. `logger.mlflow.tracking_uri`
+names any other store (a server, `databricks`, `sqlite:///...`). The MLflow run is found again
+by its tag `cumulus.run_id` (the run id kept in checkpoints), so a resumed run continues it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
 import sys
 import time
@@ -26,9 +31,23 @@ MAX_METRICS, MAX_PARAMS, MAX_PARAM_CHARS = 1000, 100, 6000
 ARTIFACT_MAX_BYTES = 64 * 2**20
 
 
+DB_FILE, ARTIFACT_DIR, FILE_STORE = "mlflow.db", "mlartifacts", "mlruns"
+
+
+def sql_store_available() -> bool:
+    """MLflow's SQL stores need SQLAlchemy and Alembic (full `mlflow` brings them)."""
+    return all(importlib.util.find_spec(m) is not None for m in ("sqlalchemy", "alembic"))
+
+
 def tracking_uri(cfg: MlflowCfg, run_dir: Path) -> str:
-    """The store: `logger.mlflow.tracking_uri`, or `mlruns/` in the run directory."""
-    return cfg.tracking_uri or (run_dir / "mlruns").resolve().as_uri()
+    """The store: `logger.mlflow.tracking_uri`; else the run directory's own: the file store
+    `mlruns/` when the run began with one (or SQLAlchemy is missing), else `mlflow.db`."""
+    if cfg.tracking_uri:
+        return cfg.tracking_uri
+    files = (run_dir / FILE_STORE).resolve()
+    if files.is_dir() or not sql_store_available():
+        return files.as_uri()
+    return f"sqlite:///{(run_dir / DB_FILE).resolve()}"
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -69,6 +88,14 @@ class MlflowSink(RecordSink):
         sent_through: int | None = None,
     ) -> None:
         uri = tracking_uri(cfg, run_dir)
+        # The run directory's own SQLite store keeps its artifacts beside it (MLflow's
+        # default for a SQL store is ./mlruns of the working directory).
+        self.artifact_root = (
+            (run_dir / ARTIFACT_DIR).resolve().as_uri() if uri.endswith(DB_FILE) else None
+        )
+        if uri.startswith("sqlite:"):  # creating its tables logs each migration at INFO
+            for name in ("mlflow.store.db.utils", "alembic"):
+                logging.getLogger(name).setLevel(logging.WARNING)
         if urlparse(uri).scheme in ("", "file"):  # a directory: MLflow's file store
             # MLflow 3 keeps the file store but asks to opt in; it is the local store that
             # needs neither a database nor a server.
@@ -105,7 +132,7 @@ class MlflowSink(RecordSink):
         if experiment is not None:
             return experiment.experiment_id
         try:
-            return self.client.create_experiment(name)
+            return self.client.create_experiment(name, artifact_location=self.artifact_root)
         except Exception:  # another run created it meanwhile
             experiment = self.client.get_experiment_by_name(name)
             if experiment is None:
@@ -160,6 +187,10 @@ class MlflowSink(RecordSink):
 def artifacts(run_dir: Path) -> list[Path]:
     """The run directory's own small files: its top-level files (not the lock) and the
     resolved config; never checkpoints or other trackers' directories."""
-    files = [p for p in sorted(run_dir.iterdir()) if p.is_file() and not p.name.startswith(".")]
+    files = [
+        p
+        for p in sorted(run_dir.iterdir())
+        if p.is_file() and not p.name.startswith(".") and p.name != DB_FILE
+    ]
     files.append(run_dir / ".hydra" / "config.yaml")
     return [p for p in files if p.is_file() and p.stat().st_size <= ARTIFACT_MAX_BYTES]

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from trainer.config.schema import Config, LoggerCfg, TrainCfg
 from trainer.run.batch_plan import AUTO, BatchPlan
+from trainer.run.optim import warmup_note
 from trainer.run.state import Resumed
 from trainer.tracking.records import JsonlWriter, Progress, RecordSink, supersede
 
@@ -94,9 +95,13 @@ def build_sinks(cfg: Config, config: dict[str, Any], banner: Banner, unit: str) 
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(config))
     print(banner.text(), flush=True)
-    note = default_accumulation_note(cfg.train, banner.plan)
-    if note:
-        print(note, flush=True)
+    notes = (
+        default_accumulation_note(cfg.train, banner.plan),
+        warmup_note(cfg.scheduler, cfg.train.max_steps, float(cfg.optim.get("lr", 0.0))),
+    )
+    for note in notes:
+        if note:
+            print(note, flush=True)
     moved = supersede(run_dir / "metrics.jsonl", resumed.step)
     sinks: list[RecordSink] = [
         JsonlWriter(run_dir / "metrics.jsonl"),
