@@ -97,7 +97,8 @@ def test_resume_from_a_run_directory(
 def test_no_text_sample_is_promised_where_none_is_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A model that cannot generate (experiment=digits' CNN; also a model split by dist.cp):
+    """A model that cannot generate (experiment=digits' CNN; the same rule covers a model split
+    by dist.cp, dist.pp or dist.tp):
     the final evaluation's line promises no text sample, and none is recorded; gpt_tiny's
     line promises one and it is there."""
     pytest.importorskip("sklearn")
