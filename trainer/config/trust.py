@@ -58,17 +58,21 @@ def targets(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
             yield from targets(value, f"{key}[{i}]")
 
 
-def _interpolations(node: Any, key: str = "") -> Iterator[str]:
-    """Keys whose value is an OmegaConf interpolation (`${...}`): a saved config is resolved,
-    so one there was put by hand, and resolving it could hide what a `_target_` names."""
+def _leaves(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
     if isinstance(node, dict):
         for name, value in node.items():
-            yield from _interpolations(value, f"{key}.{name}" if key else str(name))
+            yield from _leaves(value, f"{key}.{name}" if key else str(name))
     elif isinstance(node, list | tuple):
         for i, value in enumerate(node):
-            yield from _interpolations(value, f"{key}[{i}]")
-    elif isinstance(node, str) and "${" in node:
-        yield key
+            yield from _leaves(value, f"{key}[{i}]")
+    else:
+        yield key, node
+
+
+def _interpolations(node: Any) -> Iterator[str]:
+    """Keys whose value is an OmegaConf interpolation (`${...}`): a saved config is resolved,
+    so one there was put by hand, and resolving it could hide what a `_target_` names."""
+    return (key for key, value in _leaves(node) if isinstance(value, str) and "${" in value)
 
 
 def _yaml_targets(folder: Path) -> set[str]:
@@ -126,17 +130,6 @@ def parse_saved_paths(args: Sequence[str]) -> tuple[bool, list[str]]:
             )
         allow = value == "true"
     return allow, rest
-
-
-def _leaves(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(node, dict):
-        for name, value in node.items():
-            yield from _leaves(value, f"{key}.{name}" if key else str(name))
-    elif isinstance(node, list | tuple):
-        for i, value in enumerate(node):
-            yield from _leaves(value, f"{key}[{i}]")
-    else:
-        yield key, node
 
 
 def _select(node: Any, key: str) -> Any:
