@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from engine.distributed import unwrap
 from engine.numerics.gather import gather_rows
@@ -75,9 +76,11 @@ class CachedStep:
         global_count = count_window(ctx, window)
         window_guard = guard.window(ctx) or NO_GUARD
         reps, replays = represent_window(ctx, task, window, window_guard)  # pass 1
+        buffers = ModuleBuffers(ctx.model)  # BatchNorm statistics: pass 1 updated them
         loss = WindowLoss(ctx, task, global_count, self.chunk_size)
         window_guard.micro_batch(len(window) - 1, len(window), lambda: loss(reps))
         backward_window(ctx, task, window, replays, loss.grads, global_count, window_guard)
+        buffers.restore()  # once per micro-batch, as with step=accumulate
         grad_norm, found_inf, lr = guard.update(ctx, lambda: apply_update(ctx))
         loss_sum = loss.loss_sum if ctx.parallel.reports else torch.zeros_like(loss.loss_sum)
         result = StepResult(loss_sum, global_count, grad_norm, found_inf, lr)
@@ -111,6 +114,20 @@ class RandomState:
         torch.set_rng_state(self.cpu)
         for device, state in self.cuda:
             torch.cuda.set_rng_state(state, device)
+
+
+class ModuleBuffers:
+    """The model's buffers (BatchNorm's running statistics) as they are now, put back after
+    pass 2, whose forwards would update them a second time for the same micro-batches."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.buffers = list(unwrap(model).buffers())
+        self.values = [b.detach().clone() for b in self.buffers]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, v in zip(self.buffers, self.values):
+                b.copy_(v)
 
 
 def cuda_devices(ctx: StepContext, window: Sequence[Batch]) -> list[torch.device]:

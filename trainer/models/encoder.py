@@ -144,3 +144,29 @@ def _takes(cls: type, name: str) -> bool:
         return name in inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):
         return False
+
+
+SPECIAL_TOKENS = {
+    "unk_token": ("[UNK]", "<unk>"),
+    "pad_token": ("[PAD]", "<pad>"),
+    "cls_token": ("[CLS]", "<s>"),
+    "sep_token": ("[SEP]", "</s>"),
+    "mask_token": ("[MASK]", "<mask>"),
+}
+
+
+def encoder_tokenizer(path: str) -> Any:
+    """The run's tokenizer (a tokenizer.json, or a directory holding one) as a
+    `PreTrainedTokenizerFast` with the special tokens its vocabulary has (BERT's or
+    RoBERTa's names), for an exported encoder directory: `AutoTokenizer` loads it, and its
+    padding token lets sentence-transformers batch texts."""
+    transformers = require_transformers()
+    from trainer.data.tokenize import load_tokenizer
+
+    tok = load_tokenizer(path, key="data.tokenizer")
+    special = {
+        role: next(name for name in names if tok.token_to_id(name) is not None)
+        for role, names in SPECIAL_TOKENS.items()
+        if any(tok.token_to_id(name) is not None for name in names)
+    }
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **special)

@@ -148,7 +148,7 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
     parts = assemble(cfg, info, dims)
     parallel = parts.parallel
     ctx = build_context(cfg, parts, info)
-    step_fn = window_step(build_step(cfg.step), ctx, f"task `{cfg.task.get('_target_')}`")
+    step_fn = window_step(build_step(cfg.step), ctx, cfg, plan)
     check_layout(parallel, run_shape(cfg, step_fn, ctx, plan))
     step_fn, plan, auto_window = setup_auto(cfg, ctx, parts.data, step_fn, plan)
     batches = build_train_batches(parts.data, parts.data_extras, cfg.seed, info, plan, parallel)

@@ -11,6 +11,8 @@ from engine.steps.accumulate import AccumulateStep
 from engine.steps.cached import CachedStep
 from engine.window_task import WindowTask
 from trainer.config.errors import ConfigError
+from trainer.config.schema import Config
+from trainer.run.batch_plan import AUTO, BatchPlan
 
 
 class TaskRecords(Callback):
@@ -26,10 +28,14 @@ class TaskRecords(Callback):
         return self.task.metrics()
 
 
-def window_step(step_fn: StepStrategy, ctx: StepContext, task_name: str) -> StepStrategy:
+def window_step(step_fn: StepStrategy, ctx: StepContext, cfg: Config, plan: BatchPlan) -> Any:
     """`step_fn`, or `step=cached` in place of the default step for a task whose loss is of
-    the whole window (one line says so); a step that cannot run the task is refused."""
-    task = ctx.task
+    the whole window (one line says so); a step that cannot run the task is refused. When the
+    window is one micro-batch on one process, its loss is the window's: the default step
+    computes it at once, without the cached step's second pass."""
+    task, task_name = ctx.task, f"task `{cfg.task.get('_target_')}`"
+    auto = cfg.train.micro_batch_size == AUTO
+    one_micro_batch = plan.accum == 1 and ctx.dist.world_size == 1 and not auto
     if not isinstance(task, WindowTask):
         if isinstance(step_fn, CachedStep):
             raise ConfigError(
@@ -39,7 +45,13 @@ def window_step(step_fn: StepStrategy, ctx: StepContext, task_name: str) -> Step
                 f"task=contrastive; {task_name} has a loss per micro-batch: use step=accumulate",
             )
         return step_fn
-    if type(step_fn) is AccumulateStep:
+    if type(step_fn) is AccumulateStep and one_micro_batch:
+        print(
+            f"step=accumulate: the loss of {task_name} is of the whole window, and the window "
+            "is one micro-batch on one process: its loss is computed at once",
+            flush=True,
+        )
+    elif type(step_fn) is AccumulateStep:
         step_fn = CachedStep()
         if ctx.dist.is_main:
             print(
