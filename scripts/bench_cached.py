@@ -211,7 +211,9 @@ def side_by_side(root: Path, rounds: int, steps: int, skip_st: bool) -> dict[str
 
     if not skip_st:
         from sentence_transformers import SentenceTransformer
-        from sentence_transformers.losses import CachedMultipleNegativesRankingLoss
+        from sentence_transformers.sentence_transformer.losses import (
+            CachedMultipleNegativesRankingLoss,
+        )
 
         st = SentenceTransformer(str(out), device="cpu")
         st.train()
@@ -229,7 +231,7 @@ def side_by_side(root: Path, rounds: int, steps: int, skip_st: bool) -> dict[str
             value = loss_fn(features, None)
             value.backward()
             optimizer.step()
-            return float(value)
+            return float(value.detach())
 
         results["sentence_transformers"] = {"loss": st_step()}
         got = flat_grads(inner, names)

@@ -510,3 +510,59 @@ def test_batchnorm_statistics_are_updated_once_per_micro_batch(files: dict[str, 
         got, want = getattr(model.norm, name), getattr(by_hand.norm, name)
         assert torch.equal(got, want), name
     assert int(model.norm.num_batches_tracked) == 3
+
+
+class MeanEncoder(torch.nn.Module):
+    """Token embeddings, a linear layer, mean over the mask: a tiny encoder for the step's
+    unit checks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        mask = attention_mask.unsqueeze(-1).to(self.emb.weight.dtype)
+        pooled = (self.emb(input_ids) * mask).sum(1) / mask.sum(1)
+        return self.proj(pooled)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_low_precision_gradients_are_the_whole_batch_gradient(
+    files: dict[str, Path], mode: str
+) -> None:
+    """Under fp16 (GradScaler: the window's loss, the cached gradient and pass 2 all carry the
+    loss scale, unscaled together) and bf16, the encoder's and the temperature's gradients
+    equal fp32's to low-precision rounding, not off by the loss scale or the accumulation."""
+    from engine.distributed import DistInfo
+    from engine.numerics.precision import Precision
+    from engine.step import StepContext
+    from engine.steps.cached import CachedStep
+    from engine.window_task import attach_loss_parameters
+    from trainer.data.pairs import pairs_data
+
+    data = pairs_data(str(files["train"]), str(files["val"]), tokenizer=str(files["tokenizer"]))
+    assert data.collate_fn is not None
+    window = [data.collate_fn([data.train[i] for i in range(j, j + 4)]) for j in range(0, 24, 4)]
+
+    def grads(precision: str) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = MeanEncoder()
+        task = ContrastiveTask(temperature=0.1, learn_temperature=True)
+        attach_loss_parameters(model, task, torch.device("cpu"))
+        ctx = StepContext(
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            scheduler=None,
+            task=task,  # type: ignore[arg-type]
+            precision=Precision(precision, "cpu"),
+            dist=DistInfo(),
+        )
+        CachedStep(chunk_size=7)(ctx, window)
+        return torch.cat([p.grad.flatten() for p in model.parameters()])  # temperature last
+
+    want, got = grads("fp32"), grads(mode)
+    assert want[-1].abs() > 0.01  # the temperature's gradient
+    error = ((got - want).norm() / want.norm()).item()
+    assert error < 2e-2, f"{mode}: gradient off by {error:.2e} (relative)"
+    assert abs(got[-1] / want[-1] - 1) < 2e-2, (got[-1], want[-1])
