@@ -6,7 +6,8 @@ over the group and keeps this rank's rows (a reduce-scatter; an all-reduce and a
 the backend has no reduce-scatter, gloo). A gather that returns only this rank's share of the
 gradient (GradCache's distributed loss) trains with 1/world of it. torch's deprecated
 `torch.distributed.nn.functional.all_gather` gave wrong gradients on gloo (PLATFORM.md).
-Ranks may hold different numbers of rows.
+Ranks may hold different numbers of rows (exchanged on the host, through gloo, so that a
+step never waits for the device to read them).
 """
 
 from __future__ import annotations
@@ -30,10 +31,24 @@ def gather_rows(
 
 
 def _row_counts(x: torch.Tensor, group: dist.ProcessGroup | None) -> list[int]:
-    mine = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+    """Every rank's number of rows, exchanged on the host (no wait for the device): through
+    `group` when it is gloo, else through a gloo group over the same ranks, made once."""
+    mine = torch.tensor([x.shape[0]], dtype=torch.int64)
     counts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(counts, mine, group=group)
-    return [int(c) for c in torch.cat(counts).tolist()]
+    dist.all_gather(counts, mine, group=_host_group(group))
+    return [int(c) for c in counts]
+
+
+_HOST_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    if dist.get_backend(group) == "gloo":
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    if ranks not in _HOST_GROUPS:  # collective: every rank of the world makes it, once
+        _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo")
+    return _HOST_GROUPS[ranks]
 
 
 class _GatherRows(torch.autograd.Function):
