@@ -3,7 +3,10 @@
 beside it: a transformers model (`model=hf_*`) as its own class, the in-tree GPT
 (`model=gpt_small|gpt_tiny`) as `GPT2LMHeadModel` with the same logits (`trainer/models/export.py`).
 The tokenizer is the run's `data.tokenizer`, or for byte-level text one whose ids are the
-UTF-8 bytes. Other models (a CNN, your own) have no mapping and are refused.
+UTF-8 bytes. An encoder (`model=hf_encoder`) becomes transformers' base model (`AutoModel`)
+with the run's tokenizer and sentence-transformers' mean pooling (`modules.json`); a task's own
+parameters (a learned temperature) are left out. Other models (a CNN, your own) have no
+mapping and are refused.
 
     python scripts/export_hf.py checkpoint=RUN_DIR/checkpoints/step_NNNNNNNN out=DIR
     python scripts/export_hf.py checkpoint=RUN_DIR out=DIR trust=[mypkg]
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -30,10 +34,12 @@ from engine.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from engine.distributed import DistInfo  # noqa: E402
 from engine.parallel.dims import build_parallelism  # noqa: E402
 from engine.rng import seed_everything  # noqa: E402
+from engine.window_task import LOSS_MODULE  # noqa: E402
 from trainer.config.cli import check_overrides, run_command  # noqa: E402
 from trainer.config.errors import UserError  # noqa: E402
 from trainer.config.schema import Config, register_configs  # noqa: E402
 from trainer.config.trust import parse_saved_paths, parse_trust  # noqa: E402
+from trainer.models.encoder import MeanPooling, encoder_tokenizer  # noqa: E402
 from trainer.models.export import export_support, run_tokenizer, to_gpt2  # noqa: E402
 from trainer.run.assemble import CONFIG_DIR, build_model  # noqa: E402
 from trainer.run.evaluation import checkpoint_config, resolve_checkpoint  # noqa: E402
@@ -59,7 +65,12 @@ def export(path: Path, cfg: Config, info: DistInfo, out: Path) -> None:
     why = export_support(model)
     if why is not None:
         raise UserError(f"checkpoint: {path} holds {why}")
+    drop_task_parameters(ckpt)
     RunState(model, None, build_parallelism("ddp", info)).load(ckpt)  # the whole model
+    if isinstance(model, MeanPooling):  # model=hf_encoder: the encoder directory
+        export_encoder(model, dict(cfg.data), out)
+        print(f"exported step {ckpt.step} of {path} to {out} as an encoder", flush=True)
+        return
     tokenizer, what = run_tokenizer(dict(cfg.data))  # before anything is written
     if not hasattr(model, "save_pretrained"):  # the in-tree GPT
         model = to_gpt2(model.cpu(), tokenizer.eos_token_id if tokenizer is not None else None)
@@ -70,6 +81,24 @@ def export(path: Path, cfg: Config, info: DistInfo, out: Path) -> None:
         f"exported step {ckpt.step} of {path} to {out} as {type(model).__name__}, with {what}",
         flush=True,
     )
+
+
+def drop_task_parameters(ckpt: Any) -> None:
+    """A task's own parameters (task=contrastive's learned temperature) are saved with the
+    model's (engine/window_task.py) but belong to no exported model."""
+    weights = ckpt.shared.get("model")
+    if isinstance(weights, dict):
+        for key in [k for k in weights if k.startswith(f"{LOSS_MODULE}.")]:
+            del weights[key]
+
+
+def export_encoder(model: MeanPooling, data: dict[str, Any], out: Path) -> None:
+    """`model=hf_encoder`: transformers' base model (`AutoModel` loads it), the run's
+    tokenizer, and sentence-transformers' mean-pooling description."""
+    tokenizer = encoder_tokenizer(str(data["tokenizer"])) if data.get("tokenizer") else None
+    model.save_encoder(out)  # type: ignore[attr-defined]
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
 
 
 def main(argv: list[str]) -> None:

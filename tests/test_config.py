@@ -232,8 +232,13 @@ BUILDERS: dict[str, Callable[[Config], None]] = {
 # Groups whose checks build a model: use the small one unless the group picks the model itself.
 NEEDS_SMALL_MODEL = {"optim", "scheduler", "step", "callbacks", "logger", "task"}
 # Choices that only fit together (an image model needs image data), checked in company.
+PAIRS = ["model=hf_encoder", "task=contrastive", "data=pairs"]  # an encoder on text pairs
 COMPANIONS = {
     ("model", "cnn"): ["data=digits", "task=classification"],
+    ("model", "hf_encoder"): PAIRS,
+    ("data", "pairs"): PAIRS,
+    ("task", "contrastive"): PAIRS,
+    ("step", "cached"): PAIRS,
     ("data", "digits"): ["model=cnn", "task=classification"],
 }
 
@@ -264,6 +269,11 @@ def test_config_composes_and_instantiates(group: str, name: str, tmp_path: Path)
         docs = tmp_path / "docs.jsonl"
         docs.write_text("".join(f'{{"text": "document number {i}"}}\n' for i in range(200)))
         overrides.append(f"data.path={docs}")
+    elif cfg.data.get("_target_") == "trainer.data.pairs.pairs_data":  # text pairs
+        from tests.cached_support import write_pairs, write_tokenizer
+
+        overrides.append(f"data.path={write_pairs(tmp_path / 'pairs.jsonl', 40)}")
+        overrides.append(f"data.tokenizer={write_tokenizer(tmp_path / 'tokenizer')}")
     elif cfg.data.get("path") == "required":  # a preset on a token .bin dataset the user provides
         for split, n in (("train", 20000), ("val", 3000)):  # > block_size + 1 tokens each
             np.arange(n, dtype="<u2").tofile(tmp_path / f"{split}.bin")

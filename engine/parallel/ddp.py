@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.parallel.base import ParallelBase
+from engine.window_task import loss_parameters
 
 
 class DataParallel(ParallelBase):
@@ -42,6 +43,12 @@ class DataParallel(ParallelBase):
             return model
         info = self.info
         device_ids = [info.device.index] if info.device.type == "cuda" else None
+        # A task's own parameters (engine/window_task.py) get no gradient in any backward of
+        # the model: step=cached sums theirs over ranks itself.
+        own = [name for name, _ in loss_parameters(model)]
+        if own:
+            DDP = nn.parallel.DistributedDataParallel
+            DDP._set_params_and_buffers_to_ignore_for_model(model, own)
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
     def untracked_bytes(self, model: nn.Module) -> dict[str, int]:

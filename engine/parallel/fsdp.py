@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from engine.distributed import unwrap
 from engine.parallel.base import LayoutError, ParallelBase
+from engine.window_task import loss_parameters
 
 
 class PeerOutOfMemory(Exception):
@@ -59,7 +60,10 @@ class FullyShardedDataParallel(ParallelBase):
                 f"comms (this is {torch.__version__}); use dist.strategy=ddp or upgrade torch",
             )
         mesh = self.mesh["dp"] if self.mesh is not None else None  # None: FSDP's default mesh
-        shard_units([*blocks, model], mesh, param_dtype, reshard_after_forward)
+        # A task's own parameters (engine/window_task.py) stay whole on every rank:
+        # step=cached sums their gradient over ranks itself.
+        own = {p for _, p in loss_parameters(model)}
+        shard_units([*blocks, model], mesh, param_dtype, reshard_after_forward, ignored=own)
         return model
 
     @contextlib.contextmanager
@@ -88,11 +92,12 @@ def shard_units(
     param_dtype: torch.dtype | None,
     reshard: bool,
     placement: Any = None,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
     """FSDP2 (`fully_shard`) on each unit, in order (blocks first, the root last), over
     `mesh`; gradients reduced in fp32 (float64 models: float64) as plain sums, never divided
     (the loss is already normalized by the global item count). `placement`: FSDP2's
-    `shard_placement_fn`."""
+    `shard_placement_fn`; `ignored`: parameters left unsharded and unreduced."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # fp32, or float64 for a float64 model (fp32 would round its gradients).
@@ -106,6 +111,7 @@ def shard_units(
             mp_policy=policy,
             reshard_after_forward=reshard,
             shard_placement_fn=placement,
+            ignored_params=ignored or None,
         )
     for unit in units:  # a setting of each FSDP module, not inherited
         unit.set_gradient_divide_factor(1.0)

@@ -26,6 +26,7 @@ from engine.parallel.base import LayoutError, Parallelism, RunShape
 from engine.parallel.dims import ParallelDims
 from engine.rng import seed_everything
 from engine.step import Task
+from engine.window_task import WindowTask, attach_loss_parameters
 from trainer.config.components import check, instantiate
 from trainer.config.errors import ConfigError
 from trainer.config.schema import EXTRAS, Config, DataExtras, ModelExtras
@@ -90,12 +91,13 @@ def build_task(node: dict[str, Any]) -> Task:
     # task.check_sum is the trainer's (trainer/run/sum_check.py)
     spec, _ = split_extras(node, "task")
     task = instantiate(spec, "task")
-    if not isinstance(task, Task):
+    if not isinstance(task, Task | WindowTask):
         raise ConfigError(
             "task._target_",
             f"{spec['_target_']} built a {type(task).__name__}, which is not a task: it needs "
             "count_items(batch) (loss items, without the model) and loss_sum(model, batch) (the "
-            "summed loss), see engine/step.py; or select "
+            "summed loss), see engine/step.py, or for a loss of the whole window represent(model, "
+            "batch) and window_loss(reps, rows), see engine/window_task.py; or select "
             f"task={'|'.join(options('task'))}",
         )
     return task
@@ -220,6 +222,10 @@ def assemble(
     # Of the whole model, before pipeline stages prune it to their own parameters.
     flops = flops_per_token(model, data.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
+    try:  # a task's own parameters (a learned temperature) train and save with the model
+        attach_loss_parameters(model, task, info.device)
+    except ValueError as exc:
+        raise ConfigError("task", str(exc)) from None
     with building:
         wrapped = parallelize(
             model,

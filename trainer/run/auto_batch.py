@@ -32,7 +32,9 @@ from engine.parallel.base import local_values
 from engine.rng import rng_state, set_rng_state
 from engine.step import StepContext
 from engine.steps.accumulate import AccumulateStep
+from engine.steps.cached import CachedStep, represent
 from engine.steps.oom import Agreement, OomGuard, OutOfMemoryAgreed, reset_window
+from engine.window_task import WindowTask
 from trainer.config.errors import ConfigError, UserError
 from trainer.data.checks import next_window
 from trainer.run.batch_plan import AUTO, BatchPlan
@@ -63,10 +65,11 @@ def refusal(ctx: StepContext, step_fn: Any) -> str | None:
                 f"2.13 or later; this is {torch.__version__}) to recover from an out-of-memory "
                 "error; set train.micro_batch_size to a number, or use dist.strategy=ddp"
             )
-    if type(step_fn) is not AccumulateStep:  # auto redoes the default step's windows only
+    if type(step_fn) not in (AccumulateStep, CachedStep):  # whose windows auto redoes
         return (
             f"step {type(step_fn).__name__} is not supported (auto redoes windows of the "
-            "default step only); use step=accumulate or set train.micro_batch_size to a number"
+            "default step and step=cached only); use step=accumulate or set "
+            "train.micro_batch_size to a number"
         )
     per_micro = [name for name, cb in ctx.callbacks.named.items() if cb.per_micro_batch]
     if per_micro:
@@ -127,7 +130,11 @@ def setup_auto(
             f"{per_rank} (tried {', '.join(tried)}); accumulation {plan.accum}",
             flush=True,
         )
-    return AccumulateStep(guard=OomGuard(agreement)), plan, step_window
+    guard = OomGuard(agreement)
+    # step=cached: the size is pass 2's micro-batch (pass 1 runs the same ones, without
+    # activations kept).
+    guarded = step_fn.guarded(guard) if isinstance(step_fn, CachedStep) else None
+    return guarded or AccumulateStep(guard=guard), plan, step_window
 
 
 def _size(sample: Any) -> int:
@@ -180,8 +187,11 @@ def fits(ctx: StepContext, batch: Any, agreement: Agreement) -> bool:
 
     def step() -> None:
         with ctx.parallel.guarded_sync(ctx.model, True):
-            with ctx.precision.autocast():
-                loss = ctx.task.loss_sum(ctx.model, batch)
+            if isinstance(ctx.task, WindowTask):  # step=cached's pass 2 of one micro-batch
+                loss = represent(ctx, ctx.task, batch).sum()
+            else:
+                with ctx.precision.autocast():
+                    loss = ctx.task.loss_sum(ctx.model, batch)
             loss.float().backward()
         del loss
         ctx.optimizer.step()

@@ -1,0 +1,89 @@
+"""The contract of a task whose loss is of the whole window, not a sum over micro-batches.
+
+In-batch negatives (contrastive, CLIP, retrieval) compare every sample with every other of
+the global batch: a micro-batch's loss is not a term of the batch's loss, so accumulating
+micro-batch losses trains on fewer negatives than the batch holds. Such a task says instead
+how a micro-batch becomes per-sample representations (`represent`) and which loss the
+representations of the whole window give (`window_loss`, over every micro-batch of every
+data-parallel rank). `step=cached` (engine/steps/cached.py) then makes the gradient exactly
+the whole batch's: representations without gradients first, the loss and its gradient with
+respect to them once, then each micro-batch again with gradients, fed that gradient.
+
+A task may own parameters (a learned temperature): `loss_module()` returns them as a module,
+which the trainer attaches to the model under `LOSS_MODULE` before laying it out, so that the
+optimizer, clipping, EMA and checkpoints see them as the model's own. Data parallelism leaves
+them alone (`loss_parameters`): the window's loss gives them their gradient once, summed over
+ranks by the step. Only torch is imported here: the parallelisms read this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+Batch = Any
+
+# The attribute of the model that holds a task's own parameters; their names in checkpoints
+# start with it (`loss_parameters.log_scale`).
+LOSS_MODULE = "loss_parameters"
+
+
+@runtime_checkable
+class WindowTask(Protocol):
+    """A loss of the whole window's representations (every micro-batch, every data-parallel
+    rank). The window's loss is the sum of `window_loss` over a partition of its rows, divided
+    by the global count of loss items: each rank computes the rows of its own samples."""
+
+    def count_items(self, batch: Batch) -> torch.Tensor:
+        """Loss items in `batch` (usually its samples), without running the model."""
+        ...
+
+    def represent(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Per-sample representations of `batch`: a float tensor (samples, ...), one row per
+        sample; whatever a sample needs (an anchor's and a positive's embedding) stacked in
+        its row. Run twice per step (without, then with gradients) with the same random
+        state: it must be a function of the model, the batch and the random state only."""
+        ...
+
+    def window_loss(self, reps: torch.Tensor, rows: slice) -> torch.Tensor:
+        """The summed loss terms of samples `rows` of the window, given the representations
+        of the whole window `reps` (samples, ...): a differentiable scalar. The step asks for
+        a rank's own rows a chunk at a time, so a (rows x samples) block is the most any call
+        should hold. A loss that is not a sum over samples returns its whole value for the
+        chunk starting at row 0 and zero for the others."""
+        ...
+
+
+@runtime_checkable
+class OwnsParameters(Protocol):
+    """A task with parameters of its own (a learned temperature), trained with the model."""
+
+    def loss_module(self) -> nn.Module | None:
+        """The module holding them (None: none after all)."""
+        ...
+
+
+def attach_loss_parameters(model: nn.Module, task: Any, device: torch.device) -> None:
+    """Put the task's own parameters (if any) on `device` and under the model as
+    `LOSS_MODULE`, before the model is laid out over ranks: they are then the model's for the
+    optimizer, clipping and checkpoints."""
+    module = task.loss_module() if isinstance(task, OwnsParameters) else None
+    if module is None or not any(True for _ in module.parameters()):
+        return
+    if hasattr(model, LOSS_MODULE):
+        raise ValueError(
+            f"the model already has an attribute {LOSS_MODULE!r}, where the task's own "
+            "parameters go; rename it"
+        )
+    model.add_module(LOSS_MODULE, module.to(device))
+
+
+def loss_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name in the model, parameter) of the task's own parameters attached to `model`:
+    data parallelism neither wraps, shards nor reduces them (the step does)."""
+    module = getattr(model, LOSS_MODULE, None)
+    if not isinstance(module, nn.Module):
+        return []
+    return [(f"{LOSS_MODULE}.{n}", p) for n, p in module.named_parameters()]
