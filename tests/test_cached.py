@@ -392,7 +392,7 @@ def test_bad_pair_rows_are_one_paragraph(files: dict[str, Path], tmp_path: Path)
 # ----------------------------------------------------------------- pretrained dir, export
 
 
-def run_export(checkpoint: Path, out: Path) -> None:
+def run_export(checkpoint: Path, out: Path, *overrides: str) -> None:
     """scripts/export_hf.py's `main`, in this process."""
     import importlib.util
 
@@ -402,7 +402,7 @@ def run_export(checkpoint: Path, out: Path) -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.main([f"checkpoint={checkpoint}", f"out={out}"])
+    module.main([f"checkpoint={checkpoint}", f"out={out}", *overrides])
 
 
 def test_pretrained_directory_trains_and_exports_as_an_encoder(
@@ -435,12 +435,13 @@ def test_pretrained_directory_trains_and_exports_as_an_encoder(
     records = train_in_process([*overrides, "eval.every_steps=2"], tmp_path / "run")
     from trainer.api import evaluate
 
-    again = evaluate(tmp_path / "run")  # trainer.evaluate: the temperature loads too
+    # trainer.evaluate (the temperature loads too); the run's own paths, as a user names them.
+    again = evaluate(tmp_path / "run", saved_paths=True)
     (last,) = [r for r in records if "val/loss" in r]
     assert again["val/loss"] == pytest.approx(last["val/loss"], rel=1e-6), again
     assert again["val/accuracy@1"] == last["val/accuracy@1"]
     out = tmp_path / "export"
-    run_export(tmp_path / "run", out)
+    run_export(tmp_path / "run", out, f"model.pretrained={pretrained}")
     from safetensors.torch import load_file
 
     assert not [k for k in load_file(out / "model.safetensors") if "log_scale" in k]

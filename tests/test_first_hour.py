@@ -182,7 +182,7 @@ def test_chosen_accumulation_has_no_note(runs: dict[str, Any], tmp_path: Path) -
         train_in_process(
             [*TINY, "train.max_steps=1", "train.global_batch_size=16"], tmp_path / "global"
         )
-    assert "world 1 x micro 8 x accum 2" in out.getvalue() and "NOTE" not in out.getvalue()
+    assert "world 1 x micro 8 x accum 2" in out.getvalue() and note not in out.getvalue()
 
 
 @pytest.mark.multiproc

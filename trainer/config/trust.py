@@ -25,6 +25,7 @@ written where a received file alone says so.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -132,6 +133,10 @@ def parse_saved_paths(args: Sequence[str]) -> tuple[bool, list[str]]:
     return allow, rest
 
 
+def _same_path(value: str) -> str:
+    return os.path.normpath(os.path.expanduser(value.strip().strip("'\"")))
+
+
 def _select(node: Any, key: str) -> Any:
     from omegaconf import OmegaConf
 
@@ -156,6 +161,13 @@ def check_paths(
     if allow:
         return
     stated = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    # A path the user typed for another key is theirs too (a tokenizer that defaults to the
+    # pretrained directory, `data.tokenizer=${model.pretrained}`, saved resolved).
+    named = {
+        _same_path(value)
+        for key, value in (o.split("=", 1) for o in overrides if "=" in o)
+        if is_path_key(key) and value
+    }
     for node in dict.fromkeys(u.split(".", 1)[0] for u in uses):
         for key, value in _leaves(config.get(node), node):
             if not any(key == u or key.startswith(u + ".") for u in uses):
@@ -164,6 +176,8 @@ def check_paths(
                 continue
             if value == _select(fresh, key):
                 continue  # what this version's configs give: not the file's choice
+            if isinstance(value, str) and _same_path(value) in named:
+                continue
             raise UntrustedConfigError(
                 f"checkpoint: the config saved in {source} sets `{key}: {value!r}`, a path, "
                 "and paths in a checkpoint's config are data: cumulus does not read from or "
