@@ -13,6 +13,13 @@ input: only targets cumulus ships are built from it, others only under `trust=[P
 
 Either checkpoint layout (`full` or `sharded`, any world size) is read in this one process.
 Tied weights (GPT-2's input and output embedding) stay tied in the export.
+
+A run with `adapter=lora` saved its adapters alone: the export is a PEFT adapter directory
+(`adapter_config.json`, `adapter_model.safetensors`, written by peft) on the run's base
+(`model.pretrained`), which `PeftModel.from_pretrained(base, DIR)` loads; with `merge=true`,
+the base with the adapters merged into its weights, as a `save_pretrained` directory.
+
+    python scripts/export_hf.py checkpoint=RUN_DIR out=DIR merge=true
 """
 
 from __future__ import annotations
@@ -32,15 +39,19 @@ from trainer.config.errors import UserError  # noqa: E402
 from trainer.config.schema import Config, register_configs  # noqa: E402
 from trainer.config.trust import parse_trust  # noqa: E402
 from trainer.models.export import export_support, run_tokenizer, to_gpt2  # noqa: E402
-from trainer.run.assemble import build_model  # noqa: E402
+from trainer.models.lora import export_adapter  # noqa: E402
+from trainer.run.assemble import build_adapter, build_model  # noqa: E402
 from trainer.run.evaluation import checkpoint_config, resolve_checkpoint  # noqa: E402
 from trainer.run.identity import register_resolvers  # noqa: E402
 from trainer.run.state import RunState  # noqa: E402
 
-USAGE = "usage: python scripts/export_hf.py checkpoint=PATH|RUN_DIR out=DIR [trust=[PKG,...]]"
+USAGE = (
+    "usage: python scripts/export_hf.py checkpoint=PATH|RUN_DIR out=DIR [merge=true] "
+    "[trust=[PKG,...]]"
+)
 
 
-def export(path: Path, cfg: Config, info: DistInfo, out: Path) -> None:
+def export(path: Path, cfg: Config, info: DistInfo, out: Path, merge: bool = False) -> None:
     try:
         ckpt = load_checkpoint(path, info, checksums=False)  # verified before
     except CheckpointError as exc:
@@ -50,8 +61,25 @@ def export(path: Path, cfg: Config, info: DistInfo, out: Path) -> None:
     why = export_support(model)
     if why is not None:
         raise UserError(f"checkpoint: {path} holds {why}")
-    RunState(model, None, build_parallelism("ddp", info)).load(ckpt)  # the whole model
+    adapter = build_adapter(cfg, model, info, shards=False)  # adapter=lora: peft's layers
+    if merge and adapter is None:
+        raise UserError(
+            f"merge=true: {path} holds a whole model (its run had no adapter=lora), nothing "
+            "to merge; export it without merge=true"
+        )
+    # The whole model, or the adapters on the base they were trained on (refused otherwise).
+    RunState(model, None, build_parallelism("ddp", info), adapter=adapter).load(ckpt)
     tokenizer, what = run_tokenizer(dict(cfg.data))  # before anything is written
+    if adapter is not None:
+        done = export_adapter(adapter, out, cfg.model.get("pretrained"), merge, tokenizer)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        print(
+            f"exported step {ckpt.step} of {path} to {out} as {done.kind} ({done.cls}), "
+            f"with {what}",
+            flush=True,
+        )
+        return
     if not hasattr(model, "save_pretrained"):  # the in-tree GPT
         model = to_gpt2(model.cpu(), tokenizer.eos_token_id if tokenizer is not None else None)
     model.save_pretrained(out)
@@ -71,8 +99,14 @@ def main(argv: list[str]) -> None:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    keys = [a.split("=", 1)[0] for a in argv]
     args = dict(a.split("=", 1) for a in argv if "=" in a)
-    if set(args) != {"checkpoint", "out"} or len(argv) != 2:
+    merge = args.pop("merge", "false").lower()
+    if (
+        len(args) + ("merge" in keys) != len(argv)  # each argument once, as key=value
+        or set(args) != {"checkpoint", "out"}
+        or merge not in ("true", "false")
+    ):
         print(f"error: {USAGE}", file=sys.stderr)
         sys.exit(2)
     path, out = Path(args["checkpoint"]).expanduser(), Path(args["out"]).expanduser()
@@ -82,7 +116,7 @@ def main(argv: list[str]) -> None:
     except (UserError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    run_command(cfg, lambda config, plain, info: export(path, config, info, out))
+    run_command(cfg, lambda config, plain, info: export(path, config, info, out, merge == "true"))
 
 
 if __name__ == "__main__":
