@@ -46,7 +46,11 @@ from engine.checkpoint.manifest import (
     verify,
     verify_together,
 )
-from engine.checkpoint.trainable import check_trainable_keys, trainable_state_keys
+from engine.checkpoint.trainable import (
+    check_trainable_keys,
+    trainable_state_keys,
+    without_frozen,
+)
 from engine.checkpoint.writer import (
     CheckpointWriteError,
     CheckpointWriter,
@@ -97,7 +101,10 @@ def model_optimizer_state(
     options = StateDictOptions(
         full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
     )
-    return get_state_dict(model, optimizer, options=options)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    if trainable_only:  # (a frozen tied weight's second name, gathered all the same)
+        model_state = without_frozen(model, model_state)
+    return model_state, optimizer_state
 
 
 def load_model_optimizer_state(

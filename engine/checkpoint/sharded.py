@@ -45,7 +45,7 @@ from engine.checkpoint.manifest import (
     file_entry,
     register_layout,
 )
-from engine.checkpoint.trainable import check_trainable_keys
+from engine.checkpoint.trainable import check_trainable_keys, without_frozen
 from engine.checkpoint.writer import commit, describe_write_error, fsync_dir, stage, tmp_dir
 from engine.distributed import DistInfo, gather_object
 
@@ -396,6 +396,8 @@ def sharded_model_optimizer_state(
             raise
         options = _options(NESTED, trainable_only)
         model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    if trainable_only:
+        model_state = without_frozen(model, model_state)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
@@ -425,8 +427,8 @@ def load_sharded(
             saved = saved_keys(path / SHARDS, "model")
             check_trainable_keys(model, saved)
         if optimizer is None:
-            options = _options(layout, trainable_only)
-            state = {"model": get_model_state_dict(model, options=options)}
+            model_state = get_model_state_dict(model, options=_options(layout, trainable_only))
+            state = {"model": without_frozen(model, model_state) if trainable_only else model_state}
         else:
             layout = optimizer_layout(path / SHARDS)
             state = sharded_model_optimizer_state(model, optimizer, layout, trainable_only)

@@ -5,8 +5,23 @@ model was built (the frozen base) and so cannot rely on a strict `load_state_dic
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+
+
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """Every name a frozen parameter has, a tied weight's other names included (torch's
+    `ignore_frozen_params` drops only the first: GPT-2's frozen `lm_head.weight`, which is
+    `wte.weight`, would stay in an adapters' checkpoint)."""
+    params = model.named_parameters(remove_duplicate=False)
+    return {name for name, p in params if not p.requires_grad}
+
+
+def without_frozen(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` (a model's, keyed by parameter name) without any frozen parameter."""
+    frozen = frozen_names(model)
+    return {k: v for k, v in state.items() if k not in frozen}
 
 
 def trainable_state_keys(model: torch.nn.Module) -> set[str]:
@@ -15,7 +30,7 @@ def trainable_state_keys(model: torch.nn.Module) -> set[str]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(ignore_frozen_params=True)
-    return set(get_model_state_dict(model, options=options))
+    return set(without_frozen(model, get_model_state_dict(model, options=options)))
 
 
 def check_trainable_keys(model: torch.nn.Module, saved: Iterable[str]) -> None:

@@ -195,9 +195,11 @@ def apply_adapter(
     base: str = "model.*",
     shards: bool = False,
     is_main: bool = True,
+    fake: bool = False,
 ) -> Adapter:
     """LoRA on `model` in place through peft, every other parameter frozen. `shards`
-    (FSDP2): trainable parameters of mixed dtypes are upcast to one, with one NOTE."""
+    (FSDP2): trainable parameters of mixed dtypes are upcast to one, with one NOTE. `fake`:
+    the model's tensors are the planner's fake tensors."""
     peft = require_peft()
     targets = resolve_targets(model, cfg)
     check_modules_to_save(model, cfg)
@@ -219,8 +221,8 @@ def apply_adapter(
             warnings.filterwarnings(
                 "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
             )
-            peft_model = peft.get_peft_model(model, config)
-    except (ValueError, TypeError, NotImplementedError, RuntimeError) as exc:
+            peft_model = _get_peft_model(peft, model, config, fake)
+    except (ValueError, TypeError, NotImplementedError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
             f"adapter=lora: peft cannot wrap {type(model).__name__} with adapter.target_modules="
@@ -232,6 +234,25 @@ def apply_adapter(
     if shards:
         one_trainable_dtype(model, is_main)
     return Adapter(peft_model, cfg, model, base)
+
+
+def _get_peft_model(peft: Any, model: nn.Module, config: Any, fake: bool) -> Any:
+    """peft's `get_peft_model`. On the planner's fake tensors peft's own move of each new
+    layer to its base layer's device fails (a fake parameter cannot be swapped): the layers
+    are made as real tensors outside the fake mode, then replaced by fake ones of the same
+    shapes (values do not matter where nothing real is computed)."""
+    if not fake:
+        return peft.get_peft_model(model, config)
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        peft_model = peft.get_peft_model(model, config)
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not is_fake(p):  # back under the fake mode: torch.empty is fake
+                empty = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                setattr(module, name, nn.Parameter(empty, requires_grad=p.requires_grad))
+    return peft_model
 
 
 def _causal_lm(model: nn.Module) -> bool:

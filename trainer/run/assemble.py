@@ -103,8 +103,11 @@ def build_task(node: dict[str, Any]) -> Task:
     return task
 
 
-def build_adapter(cfg: Config, model: nn.Module, info: DistInfo, shards: bool) -> Adapter | None:
-    """`adapter=lora`: LoRA on `model` through peft, the base frozen (trainer/models/lora.py)."""
+def build_adapter(
+    cfg: Config, model: nn.Module, info: DistInfo, shards: bool, fake: bool = False
+) -> Adapter | None:
+    """`adapter=lora`: LoRA on `model` through peft, the base frozen (trainer/models/lora.py);
+    `fake`: on the planner's fake tensors."""
     if cfg.adapter.kind == "none":
         return None
     from trainer.models.lora import apply_adapter
@@ -115,7 +118,9 @@ def build_adapter(cfg: Config, model: nn.Module, info: DistInfo, shards: bool) -
         if node.get("pretrained")
         else f"{node.get('_target_')} initialized from seed {cfg.seed}"
     )
-    return apply_adapter(model, cfg.adapter, base=base, shards=shards, is_main=info.is_main)
+    return apply_adapter(
+        model, cfg.adapter, base=base, shards=shards, is_main=info.is_main, fake=fake
+    )
 
 
 def check_fits(model: nn.Module, data: DataSplits, spec: dict[str, Any]) -> None:
@@ -234,7 +239,8 @@ def assemble(
     seed_everything(cfg.seed)  # same initial weights on every rank
     with building:
         model, model_extras = build_model(cfg.model, info)
-        adapter = build_adapter(cfg, model, info, parallel.shards_parameters)
+        shards, fake = parallel.shards_parameters, simulated is not None
+        adapter = build_adapter(cfg, model, info, shards, fake)
     data, data_extras = build_data(cfg.data)
     check_samples(data, cfg.data["_target_"])
     check_fits(model, data, cfg.model)
