@@ -79,6 +79,8 @@ def export(path: Path, cfg: Config, info: DistInfo, out: Path, merge: bool = Fal
             f"with {what}",
             flush=True,
         )
+        if done.note:
+            print(done.note, flush=True)
         return
     if not hasattr(model, "save_pretrained"):  # the in-tree GPT
         model = to_gpt2(model.cpu(), tokenizer.eos_token_id if tokenizer is not None else None)

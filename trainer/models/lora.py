@@ -162,10 +162,6 @@ class Adapter:
     base: str = "model.*"  # where the base comes from, in words (for the refusal)
     _base: dict[str, Any] | None = None
 
-    @property
-    def n_trainable(self) -> int:
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-
     def base_fingerprint(self) -> dict[str, Any]:
         """Of the frozen weights as they are now (collective when they are sharded); once."""
         if self._base is None:
@@ -282,15 +278,13 @@ def one_trainable_dtype(model: nn.Module, is_main: bool) -> None:
         )
 
 
-def trainable_summary(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts (a DTensor counts its whole shape)."""
-    params = list(model.parameters())
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
-
-
 # ---- export --------------------------------------------------------------------------------
 def export_line(adapter: Adapter) -> str:
     """The run header's line on what scripts/export_hf.py makes of the adapters."""
+    from trainer.models import export
+
+    if export.export_support(adapter.model) is not None:  # no Hugging Face architecture
+        return export.export_line(adapter.model)
     if hasattr(adapter.model, "save_pretrained"):
         return (
             "export: scripts/export_hf.py writes the adapters as a PEFT adapter directory "
@@ -303,6 +297,7 @@ def export_line(adapter: Adapter) -> str:
 class Exported:
     kind: str  # what was written, in words
     cls: str
+    note: str = ""  # what the user must know to load it
 
 
 def export_adapter(
@@ -331,4 +326,11 @@ def export_adapter(
     config = adapter.peft_model.peft_config["default"]
     config.base_model_name_or_path = base
     adapter.peft_model.save_pretrained(out)
-    return Exported("a PEFT adapter directory", type(adapter.peft_model).__name__)
+    note = ""
+    if base is None:
+        note = (
+            "NOTE: the adapters' base was a random initialization (model.pretrained=null), "
+            "which no directory holds: PeftModel.from_pretrained needs that model built the "
+            "same way (model.*, seed); merge=true writes a model that stands alone"
+        )
+    return Exported("a PEFT adapter directory", type(adapter.peft_model).__name__, note)
