@@ -524,12 +524,10 @@ def test_plan_counts_optimizer_state_for_the_adapters_alone(
     tensor) of this rank's shards of the adapters, nothing for the frozen base."""
     from trainer.plan import main
 
-    args = [*SMALL, f"data.path={small_text}", "dist.strategy=fsdp", "plan.world=2"]
-    roles = {}
-    for name, extra in (("lora", ["adapter=lora", *ADAPTER[1:]]), ("full", [])):
-        out = tmp_path / f"{name}.json"
-        main([*args, *extra, f"plan.out={out}"])
-        (roles[name],) = json.loads(out.read_text())["roles"]
+    out = tmp_path / "plan.json"
+    main([*SMALL, f"data.path={small_text}", *ADAPTER, "dist.strategy=fsdp", "plan.world=2",
+          f"plan.out={out}"])  # fmt: skip
+    (role,) = json.loads(out.read_text())["roles"]
     from trainer.models.gpt import GPT
     from trainer.models.lora import apply_adapter
 
@@ -537,7 +535,7 @@ def test_plan_counts_optimizer_state_for_the_adapters_alone(
     apply_adapter(model, lora_cfg())
     adapters = [p for p in model.parameters() if p.requires_grad]
     per_rank = sum(p.numel() for p in adapters) // 2
-    assert roles["lora"]["optimizer_bytes"] == 2 * 4 * per_rank + 4 * len(adapters)
-    assert roles["lora"]["gradients_bytes"] == 4 * per_rank
-    full = sum(p.numel() for p in model.parameters() if not p.requires_grad) // 2
-    assert roles["full"]["gradients_bytes"] == 4 * full  # the premise: all of it otherwise
+    assert role["optimizer_bytes"] == 2 * 4 * per_rank + 4 * len(adapters)
+    assert role["gradients_bytes"] == 4 * per_rank
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert frozen > 2 * per_rank  # the premise: counting the base would show
