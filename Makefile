@@ -10,7 +10,7 @@ PIP_INSTALL = $(PYTHON) -m pip install --quiet --disable-pip-version-check -c co
 
 setup:
 	@sh scripts/python_env.sh create $(PYTHON)
-	$(PIP_INSTALL) -e '.[dev,sklearn,hf,tensorboard,mlflow]'
+	$(PIP_INSTALL) -e '.[dev,sklearn,hf,tensorboard,mlflow,adapter]'
 
 train: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PYTHON) -m trainer.train $(ARGS)

@@ -19,6 +19,13 @@ paths it names (`model.pretrained`, `data.tokenizer`...) are given again on the 
 
 Either checkpoint layout (`full` or `sharded`, any world size) is read in this one process.
 Tied weights (GPT-2's input and output embedding) stay tied in the export.
+
+A run with `adapter=lora` saved its adapters alone: the export is a PEFT adapter directory
+(`adapter_config.json`, `adapter_model.safetensors`, written by peft) on the run's base
+(`model.pretrained`), which `PeftModel.from_pretrained(base, DIR)` loads; with `merge=true`,
+the base with the adapters merged into its weights, as a `save_pretrained` directory.
+
+    python scripts/export_hf.py checkpoint=RUN_DIR out=DIR merge=true
 """
 
 from __future__ import annotations
@@ -41,21 +48,23 @@ from trainer.config.schema import Config, register_configs  # noqa: E402
 from trainer.config.trust import parse_saved_paths, parse_trust  # noqa: E402
 from trainer.models.encoder import MeanPooling, encoder_tokenizer  # noqa: E402
 from trainer.models.export import export_support, run_tokenizer, to_gpt2  # noqa: E402
-from trainer.run.assemble import CONFIG_DIR, build_model  # noqa: E402
+from trainer.models.lora import export_adapter  # noqa: E402
+from trainer.run.assemble import CONFIG_DIR, build_adapter, build_model  # noqa: E402
 from trainer.run.evaluation import checkpoint_config, resolve_checkpoint  # noqa: E402
 from trainer.run.identity import register_resolvers  # noqa: E402
 from trainer.run.state import RunState  # noqa: E402
 
 USAGE = (
-    "usage: python scripts/export_hf.py checkpoint=PATH|RUN_DIR out=DIR [trust=[PKG,...]] "
-    "[saved_paths=true] [key=value ...] (keys: the run's config, e.g. model.pretrained=DIR)"
+    "usage: python scripts/export_hf.py checkpoint=PATH|RUN_DIR out=DIR [merge=true] "
+    "[trust=[PKG,...]] [saved_paths=true] [key=value ...] (keys: the run's config, e.g. "
+    "model.pretrained=DIR)"
 )
-OWN = ("checkpoint", "out")
+OWN = ("checkpoint", "out", "merge")
 # What an export reads of the saved config: the model, and the tokenizer beside it.
 USES = ("model", "data.tokenizer", "data.chat_template")
 
 
-def export(path: Path, cfg: Config, info: DistInfo, out: Path) -> None:
+def export(path: Path, cfg: Config, info: DistInfo, out: Path, merge: bool = False) -> None:
     try:
         ckpt = load_checkpoint(path, info, checksums=False)  # verified before
     except CheckpointError as exc:
@@ -66,12 +75,32 @@ def export(path: Path, cfg: Config, info: DistInfo, out: Path) -> None:
     if why is not None:
         raise UserError(f"checkpoint: {path} holds {why}")
     drop_task_parameters(ckpt)
-    RunState(model, None, build_parallelism("ddp", info)).load(ckpt)  # the whole model
     if isinstance(model, MeanPooling):  # model=hf_encoder: the encoder directory
+        RunState(model, None, build_parallelism("ddp", info)).load(ckpt)  # the whole model
         export_encoder(model, dict(cfg.data), out)
         print(f"exported step {ckpt.step} of {path} to {out} as an encoder", flush=True)
         return
+    adapter = build_adapter(cfg, model, info, shards=False)  # adapter=lora: peft's layers
+    if merge and adapter is None:
+        raise UserError(
+            f"merge=true: {path} holds a whole model (its run had no adapter=lora), nothing "
+            "to merge; export it without merge=true"
+        )
+    # The whole model, or the adapters on the base they were trained on (refused otherwise).
+    RunState(model, None, build_parallelism("ddp", info), adapter=adapter).load(ckpt)
     tokenizer, what = run_tokenizer(dict(cfg.data))  # before anything is written
+    if adapter is not None:
+        done = export_adapter(adapter, out, cfg.model.get("pretrained"), merge, tokenizer)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        print(
+            f"exported step {ckpt.step} of {path} to {out} as {done.kind} ({done.cls}), "
+            f"with {what}",
+            flush=True,
+        )
+        if done.note:
+            print(done.note, flush=True)
+        return
     if not hasattr(model, "save_pretrained"):  # the in-tree GPT
         model = to_gpt2(model.cpu(), tokenizer.eos_token_id if tokenizer is not None else None)
     model.save_pretrained(out)
@@ -113,7 +142,13 @@ def main(argv: list[str]) -> None:
     own = [a for a in argv if a.split("=", 1)[0] in OWN]
     overrides = [a for a in argv if a not in own]
     args = dict(a.split("=", 1) for a in own)
-    if set(args) != set(OWN) or len(own) != 2 or any("=" not in a for a in overrides):
+    merge = args.pop("merge", "false").lower()
+    if (
+        len(args) + ("merge" in {a.split("=", 1)[0] for a in own}) != len(own)  # each once
+        or set(args) != {"checkpoint", "out"}
+        or merge not in ("true", "false")
+        or any("=" not in a for a in overrides)
+    ):
         print(f"error: {USAGE}", file=sys.stderr)
         sys.exit(2)
     path, out = Path(args["checkpoint"]).expanduser(), Path(args["out"]).expanduser()
@@ -126,7 +161,7 @@ def main(argv: list[str]) -> None:
     except (UserError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    run_command(cfg, lambda config, plain, info: export(path, config, info, out))
+    run_command(cfg, lambda config, plain, info: export(path, config, info, out, merge == "true"))
 
 
 if __name__ == "__main__":

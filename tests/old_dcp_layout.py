@@ -17,8 +17,14 @@ import torch
 import engine.checkpoint.sharded
 
 
-def old_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def old_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
+) -> dict[str, Any]:
+    """(`trainable_only`, adapters' checkpoints of the trainable parameters alone, came after
+    this layout: whole models only.)"""
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    assert not trainable_only
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state}

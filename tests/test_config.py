@@ -30,7 +30,7 @@ from trainer.config.cli import to_config
 from trainer.config.errors import ConfigError, UserError
 from trainer.config.schema import Config
 from trainer.data import DataSplits
-from trainer.run.assemble import build_data, build_model, build_task, check_fits
+from trainer.run.assemble import build_adapter, build_data, build_model, build_task, check_fits
 from trainer.run.build import build_callbacks, build_step
 from trainer.run.optim import build_optimizer, build_scheduler
 
@@ -218,6 +218,19 @@ def check_experiment(cfg: Config) -> None:
     check_data(cfg)
 
 
+def check_adapter(cfg: Config) -> None:
+    """adapter=lora: peft's adapters on the model, the base frozen; adapter=none: all train."""
+    _, model, _ = _parts(cfg)
+    adapter = build_adapter(cfg, model, DistInfo(), shards=False)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    if cfg.adapter.kind == "none":
+        assert adapter is None and len(trainable) == len(list(model.parameters()))
+        return
+    assert adapter is not None and trainable, "no trainable parameter"
+    assert all(".lora_" in n for n in trainable), trainable
+    check_model(cfg)  # forward and backward through the adapters
+
+
 BUILDERS: dict[str, Callable[[Config], None]] = {
     "model": check_model,
     "task": check_task,
@@ -228,9 +241,10 @@ BUILDERS: dict[str, Callable[[Config], None]] = {
     "step": check_step,
     "callbacks": check_callbacks,
     "experiment": check_experiment,
+    "adapter": check_adapter,
 }
 # Groups whose checks build a model: use the small one unless the group picks the model itself.
-NEEDS_SMALL_MODEL = {"optim", "scheduler", "step", "callbacks", "logger", "task"}
+NEEDS_SMALL_MODEL = {"optim", "scheduler", "step", "callbacks", "logger", "task", "adapter"}
 # Choices that only fit together (an image model needs image data), checked in company.
 PAIRS = ["model=hf_encoder", "task=contrastive", "data=pairs"]  # an encoder on text pairs
 COMPANIONS = {
@@ -321,6 +335,13 @@ CONTRACT_KEYS = [
     "dist.strategy",
     "step",
     "callbacks",
+    "adapter",
+    "adapter.r",
+    "adapter.alpha",
+    "adapter.dropout",
+    "adapter.target_modules",
+    "adapter.modules_to_save",
+    "adapter.use_dora",
 ]
 
 
@@ -346,6 +367,7 @@ def test_contract_defaults() -> None:
     assert cfg.checkpoint.resume == "auto"
     assert cfg.train.precision == "fp32"
     assert cfg.callbacks == {}
+    assert cfg.adapter.kind == "none"  # adapter=none: every weight trains
 
 
 CONTRACT_VALUES = [
@@ -374,6 +396,8 @@ CONTRACT_VALUES = [
     "model=gpt_tiny",
     "step=accumulate",
     "step=sam",
+    "adapter=none",
+    "adapter=lora",
 ]
 
 

@@ -46,6 +46,11 @@ from engine.checkpoint.manifest import (
     verify,
     verify_together,
 )
+from engine.checkpoint.trainable import (
+    check_trainable_keys,
+    trainable_state_keys,
+    without_frozen,
+)
 from engine.checkpoint.writer import (
     CheckpointWriteError,
     CheckpointWriter,
@@ -63,6 +68,7 @@ __all__ = [
     "CheckpointWriter",
     "LoadedCheckpoint",
     "UnsafeCheckpoint",
+    "check_trainable_keys",
     "checkpoint_name",
     "cpu_copy",
     "latest_valid",
@@ -73,6 +79,7 @@ __all__ = [
     "rank_file",
     "remove_stale_tmp",
     "safe_load",
+    "trainable_state_keys",
     "verify",
     "verify_together",
     "write_checkpoint",
@@ -80,19 +87,24 @@ __all__ = [
 
 
 def model_optimizer_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Full (unsharded) model and optimizer state keyed by parameter name, on the CPU.
 
     Collective under a process group: every rank calls it; rank 0 receives the state, other
     ranks empty dicts. The same format for one process, DDP and FSDP, so a checkpoint saved
-    with any of them on N ranks resumes with any other on M ranks.
+    with any of them on N ranks resumes with any other on M ranks. `trainable_only`: the
+    frozen parameters are left out (adapters on a frozen base), never gathered.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
     )
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    if trainable_only:  # (a frozen tied weight's second name, gathered all the same)
+        model_state = without_frozen(model, model_state)
+    return model_state, optimizer_state
 
 
 def load_model_optimizer_state(
@@ -100,15 +112,19 @@ def load_model_optimizer_state(
     optimizer: torch.optim.Optimizer,
     model_state: dict[str, Any],
     optimizer_state: dict[str, Any],
+    trainable_only: bool = False,
 ) -> None:
-    """Load full state from `model_optimizer_state` into a (possibly sharded) model."""
+    """Load full state from `model_optimizer_state` into a (possibly sharded) model;
+    `trainable_only`: a state without the frozen parameters, which keep their values."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    full = StateDictOptions(full_state_dict=True)
+    if trainable_only:
+        check_trainable_keys(model, model_state)
+    full = StateDictOptions(full_state_dict=True, strict=not trainable_only)
     set_model_state_dict(model, model_state, options=full)
     # An optimizer whose state holds no tensor to lay out (SGD without momentum: its
     # buffers are None) loads as it is: torch's full-state path needs one to learn the device.
@@ -117,5 +133,5 @@ def load_model_optimizer_state(
         for state in optimizer_state.get("state", {}).values()
         for v in state.values()
     )
-    options = full if holds_tensors else StateDictOptions(full_state_dict=False)
+    options = full if holds_tensors else StateDictOptions(full_state_dict=False, strict=full.strict)
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)

@@ -45,6 +45,7 @@ from engine.checkpoint.manifest import (
     file_entry,
     register_layout,
 )
+from engine.checkpoint.trainable import check_trainable_keys, without_frozen
 from engine.checkpoint.writer import commit, describe_write_error, fsync_dir, stage, tmp_dir
 from engine.distributed import DistInfo, gather_object
 
@@ -372,10 +373,16 @@ NESTED = "nested"  # checkpoints written before the flattened layout; still read
 _NESTED_GROUP = re.compile(r"optimizer\.param_groups\.\d+\.params")
 
 
-def _options(layout: str) -> Any:
+def _options(layout: str, trainable_only: bool = False) -> Any:
+    """`trainable_only`: without the frozen parameters (and not strict about their absence:
+    `load_sharded` checks the keys itself)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(flatten_optimizer_state_dict=layout == FLAT)
+    return StateDictOptions(
+        flatten_optimizer_state_dict=layout == FLAT,
+        ignore_frozen_params=trainable_only,
+        strict=not trainable_only,
+    )
 
 
 def optimizer_layout(path: Path) -> str:
@@ -385,23 +392,30 @@ def optimizer_layout(path: Path) -> str:
 
 
 def sharded_model_optimizer_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: str = FLAT
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    layout: str = FLAT,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """This rank's model and optimizer state keyed by parameter name, no communication: FSDP's
     shards as DTensors, DDP's (replicated) tensors as they are, a pipeline stage's parameters
     under the whole model's names. For `CheckpointWriter` with `sharded=True`, and as the
-    template `load_sharded` fills in place."""
+    template `load_sharded` fills in place. `trainable_only`: without the frozen parameters."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     try:
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(layout))
+        options = _options(layout, trainable_only)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     except NotImplementedError:
         # Per-parameter state DCP cannot flatten (a list, None: a user's optimizer) is saved
         # nested, as before; such a checkpoint resumes on stages only if its groups, saved
         # from one rank, name every parameter (not when a pipeline saved it).
         if layout != FLAT:
             raise
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=_options(NESTED))
+        options = _options(NESTED, trainable_only)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    if trainable_only:
+        model_state = without_frozen(model, model_state)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
@@ -410,24 +424,32 @@ def load_sharded(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Any] | None = None,
+    trainable_only: bool = False,
 ) -> None:
     """Collective: load the `sharded` checkpoint `path` into `model` (and `optimizer`, and the
     tensors of `extra` in place, e.g. callbacks' state), resharding from whatever world size,
     strategy and pipeline split saved it (each rank reads its own parameters by name).
-    Either optimizer layout is read. Unsafe or unreadable files raise CheckpointError; state
-    that does not fit raises RuntimeError."""
+    Either optimizer layout is read. `trainable_only`: a checkpoint of the trainable
+    parameters alone, which must hold every one of them and nothing else. Unsafe or
+    unreadable files raise CheckpointError; state that does not fit raises RuntimeError (or
+    ValueError)."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         set_model_state_dict,
         set_state_dict,
     )
 
+    layout = FLAT
     try:
+        if trainable_only:
+            saved = saved_keys(path / SHARDS, "model")
+            check_trainable_keys(model, saved)
         if optimizer is None:
-            state = {"model": get_model_state_dict(model)}
+            model_state = get_model_state_dict(model, options=_options(layout, trainable_only))
+            state = {"model": without_frozen(model, model_state) if trainable_only else model_state}
         else:
             layout = optimizer_layout(path / SHARDS)
-            state = sharded_model_optimizer_state(model, optimizer, layout)
+            state = sharded_model_optimizer_state(model, optimizer, layout, trainable_only)
         state |= extra or {}
         load_shards(state, path / SHARDS)
     except UnsafeCheckpoint as exc:
@@ -437,14 +459,14 @@ def load_sharded(
     except OSError as exc:
         raise CheckpointError(f"cannot read {path / SHARDS}: {exc}") from None
     if optimizer is None:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=_options(layout, trainable_only))
     else:
         set_state_dict(
             model,
             optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
-            options=_options(layout),
+            options=_options(layout, trainable_only),
         )
 
 

@@ -247,8 +247,10 @@ class Parallelism(Protocol):
         ...
 
     # ---- checkpoints ----
+    # `trainable_only`: checkpoints of the trainable parameters alone (adapters on a frozen
+    # base): the frozen ones are neither saved nor expected on load.
     def full_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The whole model's and optimizer's state on rank 0 (collective; `full` layout)."""
         ...
@@ -259,11 +261,14 @@ class Parallelism(Protocol):
         optimizer: torch.optim.Optimizer | None,
         model_state: dict[str, Any],
         optimizer_state: dict[str, Any] | None,
+        trainable_only: bool = False,
     ) -> None:
         """Load a `full` checkpoint's state into this rank's part of the model."""
         ...
 
-    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def sharded_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
+    ) -> dict[str, Any]:
         """This rank's shards of the model and optimizer state (`sharded` layout, DCP)."""
         ...
 
@@ -273,6 +278,7 @@ class Parallelism(Protocol):
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         extra: dict[str, Any],
+        trainable_only: bool = False,
     ) -> None:
         """Collective: load a `sharded` checkpoint (and the tensors of `extra`, in place)."""
         ...
@@ -461,11 +467,11 @@ class ParallelBase:
 
     # ---- checkpoints ----
     def full_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         from engine.checkpoint import model_optimizer_state
 
-        return model_optimizer_state(model, optimizer)
+        return model_optimizer_state(model, optimizer, trainable_only)
 
     def load_full_state(
         self,
@@ -473,19 +479,26 @@ class ParallelBase:
         optimizer: torch.optim.Optimizer | None,
         model_state: dict[str, Any],
         optimizer_state: dict[str, Any] | None,
+        trainable_only: bool = False,
     ) -> None:
-        from engine.checkpoint import load_model_optimizer_state
+        from engine.checkpoint import check_trainable_keys, load_model_optimizer_state
 
         if optimizer is None or optimizer_state is None:
-            model.load_state_dict(model_state)
+            if trainable_only:
+                check_trainable_keys(model, model_state)
+            model.load_state_dict(model_state, strict=not trainable_only)
             return
         with self.optimizer_context():  # loading initializes the optimizer's state
-            load_model_optimizer_state(model, optimizer, model_state, optimizer_state)
+            load_model_optimizer_state(
+                model, optimizer, model_state, optimizer_state, trainable_only
+            )
 
-    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def sharded_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
+    ) -> dict[str, Any]:
         from engine.checkpoint.sharded import sharded_model_optimizer_state
 
-        return sharded_model_optimizer_state(model, optimizer)
+        return sharded_model_optimizer_state(model, optimizer, trainable_only=trainable_only)
 
     def load_sharded_state(
         self,
@@ -493,11 +506,12 @@ class ParallelBase:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         extra: dict[str, Any],
+        trainable_only: bool = False,
     ) -> None:
         from engine.checkpoint.sharded import load_sharded
 
         with self.optimizer_context():
-            load_sharded(path, model, optimizer, extra)
+            load_sharded(path, model, optimizer, extra, trainable_only)
 
     # ---- a simulated world ----
     def simulate_world(self, book: dict[Any, Any]) -> None:

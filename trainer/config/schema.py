@@ -296,6 +296,63 @@ class DistCfg:
             raise ConfigError(exc.key, str(exc)) from None
 
 
+ADAPTERS = ("none", "lora")
+
+
+@dataclass
+class AdapterCfg:
+    """`adapter=lora` (configs/adapter/): LoRA adapters built by `peft` on a frozen base
+    (trainer/models/lora.py); `adapter=none` trains every weight. The LoRA keys are null under
+    `adapter=none`, so setting one without selecting `adapter=lora` is an error, not a no-op."""
+
+    kind: str = "none"
+    r: int | None = None  # the adapters' rank
+    alpha: float | None = None  # their scale is alpha / r
+    dropout: float | None = None  # on the adapters' input
+    # Module names (the last part of a path, e.g. [q_proj, v_proj]) or `all-linear` (every
+    # linear layer but the output layer).
+    target_modules: Any = None
+    modules_to_save: list[str] | None = None  # modules trained whole (a new head, a norm)
+    use_dora: bool | None = None  # weight-decomposed LoRA (DoRA)
+
+    def __post_init__(self) -> None:
+        require(
+            self.kind in ADAPTERS,
+            "adapter",
+            f"must be one of {', '.join(ADAPTERS)} (adapter=lora), got {self.kind!r}",
+        )
+        lora = ("r", "alpha", "dropout", "target_modules", "modules_to_save", "use_dora")
+        if self.kind == "none":
+            for name in lora:
+                require(
+                    getattr(self, name) is None,
+                    f"adapter.{name}",
+                    "is set but no adapter is selected: add adapter=lora (the default is "
+                    "adapter=none, which trains every weight)",
+                )
+            return
+        require(
+            isinstance(self.r, int) and self.r > 0, "adapter.r", f"must be >= 1, got {self.r!r}"
+        )
+        _positive(self.alpha, "adapter.alpha")
+        require(
+            self.dropout is not None and 0.0 <= self.dropout < 1.0,
+            "adapter.dropout",
+            f"must be in [0, 1), got {self.dropout!r}",
+        )
+        targets = self.target_modules
+        require(
+            targets == "all-linear"
+            or (
+                isinstance(targets, list | tuple)
+                and len(targets) > 0
+                and all(isinstance(t, str) and t for t in targets)
+            ),
+            "adapter.target_modules",
+            f"must be all-linear or a list of module names (e.g. [q_proj,v_proj]), got {targets!r}",
+        )
+
+
 @dataclass
 class PlanCfg:
     """`python -m trainer.plan` (trainer/planning/): the simulated world and its GPUs."""
@@ -349,6 +406,8 @@ class Config:
         default_factory=lambda: _component(_target_="engine.steps.accumulate.AccumulateStep")
     )
     callbacks: dict[str, Any] = field(default_factory=dict)
+    # adapter=lora: LoRA adapters on a frozen base (trainer/models/lora.py).
+    adapter: AdapterCfg = field(default_factory=AdapterCfg)
     # python -m trainer.plan only (training ignores it).
     plan: PlanCfg = field(default_factory=PlanCfg)
 

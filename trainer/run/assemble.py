@@ -32,6 +32,8 @@ from trainer.config.errors import ConfigError
 from trainer.config.schema import EXTRAS, Config, DataExtras, ModelExtras
 from trainer.data import DataSplits, as_splits
 from trainer.data.checks import check_samples
+from trainer.models.lora import Adapter
+from trainer.models.lora import check_layout as check_adapter_layout
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -101,6 +103,26 @@ def build_task(node: dict[str, Any]) -> Task:
             f"task={'|'.join(options('task'))}",
         )
     return task
+
+
+def build_adapter(
+    cfg: Config, model: nn.Module, info: DistInfo, shards: bool, fake: bool = False
+) -> Adapter | None:
+    """`adapter=lora`: LoRA on `model` through peft, the base frozen (trainer/models/lora.py);
+    `fake`: on the planner's fake tensors."""
+    if cfg.adapter.kind == "none":
+        return None
+    from trainer.models.lora import apply_adapter
+
+    node = cfg.model
+    base = (
+        f"model.pretrained={node['pretrained']}"
+        if node.get("pretrained")
+        else f"{node.get('_target_')} initialized from seed {cfg.seed}"
+    )
+    return apply_adapter(
+        model, cfg.adapter, base=base, shards=shards, is_main=info.is_main, fake=fake
+    )
 
 
 def check_fits(model: nn.Module, data: DataSplits, spec: dict[str, Any]) -> None:
@@ -195,6 +217,8 @@ class Assembly:
     data_extras: DataExtras
     flops_per_token: float
     n_params: int
+    adapter: Adapter | None = None  # adapter=lora: peft's adapters on the frozen base
+    n_trainable: int | None = None  # parameters that train (all of them without an adapter)
 
 
 def assemble(
@@ -208,13 +232,17 @@ def assemble(
     the ranks (`dims`, by default `dist.*`'s in this world). The model is built and laid out
     within `building` (the planner's fake tensors); the mesh and the data never are. With
     `simulated` (trainer.plan), this rank runs alone in a simulated world."""
-    parallel = build_parallelism(dims or cfg.dist.dims(info.world_size), info)
+    dims = dims or cfg.dist.dims(info.world_size)
+    check_adapter_layout(cfg.adapter, dims)
+    parallel = build_parallelism(dims, info)
     if simulated is not None:
         parallel.simulate_world(simulated)
     building = building or contextlib.nullcontext()
     seed_everything(cfg.seed)  # same initial weights on every rank
     with building:
         model, model_extras = build_model(cfg.model, info)
+        shards, fake = parallel.shards_parameters, simulated is not None
+        adapter = build_adapter(cfg, model, info, shards, fake)
     data, data_extras = build_data(cfg.data)
     check_samples(data, cfg.data["_target_"])
     check_fits(model, data, cfg.model)
@@ -222,6 +250,7 @@ def assemble(
     # Of the whole model, before pipeline stages prune it to their own parameters.
     flops = flops_per_token(model, data.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     try:  # a task's own parameters (a learned temperature) train and save with the model
         attach_loss_parameters(model, task, info.device)
     except ValueError as exc:
@@ -235,5 +264,15 @@ def assemble(
             precision=cfg.train.precision,
         )
     return Assembly(
-        model, wrapped, model_extras, parallel, task, data, data_extras, flops, n_params
+        model,
+        wrapped,
+        model_extras,
+        parallel,
+        task,
+        data,
+        data_extras,
+        flops,
+        n_params,
+        adapter,
+        n_trainable,
     )

@@ -24,6 +24,7 @@ from trainer.config.schema import Config, DataExtras, TrainCfg
 from trainer.data.batches import build_train_batches, build_val_batches
 from trainer.data.loader import TrainBatches
 from trainer.models.export import export_line
+from trainer.models.lora import export_line as adapter_line
 from trainer.run.assemble import Assembly, assemble, check_layout
 from trainer.run.auto_batch import setup_auto
 from trainer.run.batch_plan import AUTO, BatchPlan
@@ -113,7 +114,14 @@ def build_state(
     and the named stateful components (user components join when they have state)."""
     fmt = cfg.checkpoint.format
     sharded = (fmt if fmt != "auto" else parts.parallel.checkpoint_format) == "sharded"
-    state = RunState(parts.model, ctx.optimizer, parts.parallel, config=config, sharded=sharded)
+    state = RunState(
+        parts.model,
+        ctx.optimizer,
+        parts.parallel,
+        config=config,
+        sharded=sharded,
+        adapter=parts.adapter,
+    )
     for name, component in {
         **named,
         "scheduler": ctx.scheduler,
@@ -173,6 +181,7 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
             run_id=resumed.run_id,
             model=type(parts.model).__name__,
             n_params=parts.n_params,
+            n_trainable=parts.n_trainable,
             data=parts.data.description or str(cfg.data.get("_target_")),
             n_train=len(parts.data.train),
             n_val=len(parts.data.val),
@@ -181,7 +190,9 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
             precision=cfg.train.precision,
             device=str(info.device),
             resumed=resumed,
-            export=export_line(parts.model),
+            export=export_line(parts.model)
+            if parts.adapter is None
+            else adapter_line(parts.adapter),
         )
         # A task may name its loss items (`unit = "tokens"`), for the progress line's rate.
         sinks = build_sinks(cfg, config, banner, unit=getattr(parts.task, "unit", "items"))

@@ -167,7 +167,7 @@ def evaluate_checkpoint(
     (`trainer.run.assemble`), its state loaded through the layout's state I/O."""
     parts = assemble(cfg, info, evaluation_dims(cfg, info))
     averaged = averaged_weights(cfg, weights)
-    state = RunState(parts.model, None, parts.parallel)
+    state = RunState(parts.model, None, parts.parallel, adapter=parts.adapter)
     if averaged is not None:
         averaged.attach(parts.model)
         state.add("callbacks", CallbackList({weights: averaged}))

@@ -291,12 +291,15 @@ def summary(run: Run, outcome: str, seconds: float) -> str:
         f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in run.latest.items()
     )
     newest = run.checkpointer.committed
+    what = "; the trainable parameters alone" if run.state.trainable_only else ""
     lines = [
         f"run {outcome}: step {run.step}/{run.settings.train.max_steps} in "
         + (f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}")
         + (f" | {losses}" if losses else ""),
         f"  run dir {run.run_dir}",
-        f"  newest checkpoint {newest if newest is not None else '(none)'}",
+        f"  newest checkpoint {newest} ({size_text(newest)}{what})"
+        if newest is not None
+        else "  newest checkpoint (none)",
         f"  data {run.data_description}",
     ]
     report = run.run_dir / "memory_report.json"
@@ -450,3 +453,13 @@ def write_failed(run: Run, exc: CheckpointWriteError, retry_at: int | None) -> N
         "set checkpoint.on_write_error=warn to keep training when a checkpoint cannot be "
         "written and try again at the next checkpoint step."
     )
+
+
+def size_text(path: Path) -> str:
+    """A checkpoint's size on disk, every file of it (shards included), in words."""
+    size = float(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
+    for unit in ("bytes", "KB", "MB"):
+        if size < 1000:
+            return f"{size:.0f} bytes" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} GB"

@@ -26,10 +26,25 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from engine.parallel.base import Parallelism, local_values
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
 class StepTracker(MemTracker):
     """`MemTracker` over any number of forwards per step (micro-batches, pipeline stages):
     a root module's next forward starts its module statistics afresh (MemTracker refuses a
-    second root forward otherwise); the device-level peak runs on across them."""
+    second root forward otherwise); the device-level peak runs on across them. Frozen
+    parameters (a base under adapters) get no gradient hook: torch cannot hook them, and they
+    have no gradient to see."""
+
+    def _track_module_params_and_buffers(
+        self, module: nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        for p in module.parameters():
+            if not p.requires_grad and p not in self._param_to_grad_hook_handles:
+                self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         name = self._mod_tracker.get_known_fqn(module)

@@ -44,6 +44,7 @@ from trainer.config.schema import CheckpointCfg
 from trainer.run.identity import new_run_id
 
 RESERVED = ("config", "model", "optimizer")
+ADAPTER = "adapter"  # the component of adapter=lora: checked first on load
 SHARDED_STATE = "state"  # the prefix of components' DTensor leaves in DCP shards
 
 
@@ -84,7 +85,9 @@ class TrainingProgress:
 
 class RunState:
     """Everything a checkpoint of a run holds. `optimizer` None: the model and components
-    only (evaluation, export)."""
+    only (evaluation, export). With `adapter` (adapter=lora) the model's state is its
+    trainable parameters alone, and the component `adapter` (the base's fingerprint) is
+    checked before any of it is loaded."""
 
     def __init__(
         self,
@@ -94,10 +97,14 @@ class RunState:
         *,
         config: dict[str, Any] | None = None,
         sharded: bool = False,
+        adapter: Stateful | None = None,
     ) -> None:
         self.model, self.optimizer, self.parallel = model, optimizer, parallel
         self.config, self.sharded = config, sharded
         self.components: dict[str, Stateful] = {}
+        self.trainable_only = adapter is not None
+        if adapter is not None:
+            self.add(ADAPTER, adapter)
 
     def add(self, name: str, component: Any) -> None:
         """Register `component` under `name`; a component without state (no `state_dict` and
@@ -121,13 +128,16 @@ class RunState:
         assert self.optimizer is not None, "a RunState without optimizer is for loading only"
         state = self.component_states()
         per_rank = {"rng": rng_state()}
+        only = self.trainable_only
         if not self.sharded:
-            model_state, optimizer_state = self.parallel.full_state(self.model, self.optimizer)
+            model_state, optimizer_state = self.parallel.full_state(
+                self.model, self.optimizer, trainable_only=only
+            )
             shared = {"config": self.config, **state, "model": model_state}
             return {**shared, "optimizer": optimizer_state}, per_rank, None
         from engine.checkpoint.sharded import split_dtensors
 
-        shards = self.parallel.sharded_state(self.model, self.optimizer)
+        shards = self.parallel.sharded_state(self.model, self.optimizer, trainable_only=only)
         state, shards[SHARDED_STATE] = split_dtensors(state)
         return {"config": self.config, **state}, per_rank, shards
 
@@ -136,19 +146,28 @@ class RunState:
         """Collective: the model (and optimizer, if any) and every registered component from
         `ckpt`, resharded to this run's ranks and layout. Random streams: `load_rng`."""
         saved = {k: v for k, v in ckpt.shared.items() if k not in RESERVED}
+        only = self.trainable_only
+        if only:  # adapters: on the base they were trained on, or nothing is loaded
+            if ADAPTER not in saved:
+                raise ValueError(
+                    "it holds the whole model, not adapters (it was saved without adapter=lora)"
+                )
+            self.components[ADAPTER].load_state_dict(saved[ADAPTER])
+        elif ckpt.shared.get(ADAPTER) is not None:
+            raise ValueError("it holds adapters only (saved with adapter=lora), not a whole model")
         if ckpt.layout == "sharded":
             from engine.checkpoint.sharded import with_path
 
             targets = self._sharded_targets(ckpt)
             self.parallel.load_sharded_state(
-                ckpt.path, self.model, self.optimizer, {SHARDED_STATE: targets}
+                ckpt.path, self.model, self.optimizer, {SHARDED_STATE: targets}, only
             )
             for key, tensor in targets.items():
                 saved = with_path(saved, key, tensor)
         else:
             optimizer_state = ckpt.shared["optimizer"] if self.optimizer is not None else None
             self.parallel.load_full_state(
-                self.model, self.optimizer, ckpt.shared["model"], optimizer_state
+                self.model, self.optimizer, ckpt.shared["model"], optimizer_state, only
             )
         self._load_components(saved)
 
@@ -156,6 +175,8 @@ class RunState:
         """Each component's own state; a component whose state the checkpoint lacks is an
         error unless it has none to restore (e.g. a stateless callback list)."""
         for name, component in self.components.items():
+            if name == ADAPTER:
+                continue  # checked before the model was loaded
             if name not in state:
                 if _empty(component.state_dict()):
                     continue

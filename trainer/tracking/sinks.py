@@ -34,12 +34,21 @@ class Banner:
     device: str
     resumed: Resumed
     export: str  # what scripts/export_hf.py will make of the model
+    n_trainable: int | None = None  # when not every parameter trains (adapter=lora)
+
+    def trainable(self) -> str:
+        """' (N trainable, x%)' when not every parameter trains."""
+        n = self.n_trainable
+        if n is None or n == self.n_params:
+            return ""
+        return f" ({n:,} of {self.n_params:,} trainable, {n / max(self.n_params, 1):.2%})"
 
     def text(self) -> str:
         plan = self.plan
         return (
             f"cumulus | run dir {self.run_dir} | run id {self.run_id}\n"
-            f"  model {self.model} {self.n_params / 1e6:.2f}M params | data {self.data}: "
+            f"  model {self.model} {self.n_params / 1e6:.2f}M params{self.trainable()} | "
+            f"data {self.data}: "
             f"{self.n_train} train / {self.n_val} val samples\n"
             f"  world {plan.dp_size} x micro {plan.micro} x accum {plan.accum} = "
             f"global batch {plan.global_batch}"

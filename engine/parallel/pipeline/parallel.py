@@ -447,10 +447,13 @@ class PipelineParallel(MeshSplit):
 
     # ---- checkpoints ----------------------------------------------------------------------
     def full_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The whole model's and optimizer's state under the model's parameter names, on rank
-        0 (empty elsewhere), in the format of a single-process `full` checkpoint. Collective."""
+        0 (empty elsewhere), in the format of a single-process `full` checkpoint. Collective.
+        (Checkpoints of trainable parameters alone, `trainable_only`, are not built for
+        stages: adapters refuse dist.pp before anything is built.)"""
+        assert not trainable_only, "trainable-only checkpoints are not built for dist.pp"
         local: Any = None
         # Every dp rank gathers (FSDP's shards are collective); the first one contributes.
         model_state = {k: on_cpu(v) for k, v in model.state_dict().items()}
@@ -470,9 +473,11 @@ class PipelineParallel(MeshSplit):
         optimizer: torch.optim.Optimizer | None,
         model_state: dict[str, Any],
         optimizer_state: dict[str, Any] | None,
+        trainable_only: bool = False,
     ) -> None:
         """Load a `full` checkpoint (saved with or without a pipeline) into this rank's stages:
         each takes its own parameters by name; anything of this rank missing is an error."""
+        assert not trainable_only, "trainable-only checkpoints are not built for dist.pp"
         own = model.state_dict()
         missing = sorted(k for k in own if k not in model_state)
         if missing:
