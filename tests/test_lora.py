@@ -96,7 +96,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     for name, proc in first.items():
         assert proc.returncode == 0, f"{name}: {explain(proc)}"
+    # Paths in a checkpoint's config are data: the base is named again for the export, and
+    # taken from the run's own config with saved_paths=true for the evaluation.
     export = [sys.executable, "scripts/export_hf.py", f"checkpoint={root / 'one'}"]
+    export.append(f"model.pretrained={base}")
     second = launch_all(
         {
             "one_from_fsdp": python_cmd(
@@ -119,6 +122,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "evaluate": python_cmd(
                 "trainer.evaluate",
                 f"checkpoint={root / 'fsdp'}",
+                "saved_paths=true",
                 "eval.max_batches=2",
                 "eval.batch_size=8",
             ),
@@ -289,7 +293,7 @@ def cumulus_model(path: Path) -> Any:
     from trainer.run.evaluation import checkpoint_config
     from trainer.run.state import RunState
 
-    cfg = OmegaConf.to_object(checkpoint_config(path, []))
+    cfg = OmegaConf.to_object(checkpoint_config(path, [], saved_paths=True))  # its own run
     info = DistInfo()
     seed_everything(cfg.seed)  # a random-init base is its seed's
     model, _ = build_model(cfg.model, info)
@@ -332,8 +336,10 @@ def test_peft_loads_the_export_and_the_merged_model_gives_the_same_logits(runs: 
 
 @pytest.mark.multiproc
 def test_evaluate_takes_the_base_from_the_runs_pretrained_directory(runs: dict) -> None:
-    """trainer.evaluate on the FSDP run's sharded adapter checkpoint, in one process: its
-    validation loss is PEFT's on the same samples."""
+    """trainer.evaluate on the FSDP run's sharded adapter checkpoint, in one process, the base
+    taken from the run's `model.pretrained` (with saved_paths=true: a path in a checkpoint's
+    config is used only when the user says so): its validation loss is PEFT's on the same
+    samples."""
     proc = runs["second"]["evaluate"]
     assert proc.returncode == 0, explain(proc)
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -511,7 +517,7 @@ def test_in_tree_gpt_exports_merged_as_gpt2(small_text: Path, tmp_path: Path) ->
 
     train_in_process([*SMALL, f"data.path={small_text}", "adapter=lora"], tmp_path / "run")
     path = ckpt(tmp_path / "run", 2)
-    cfg = OmegaConf.to_object(checkpoint_config(path, []))
+    cfg = OmegaConf.to_object(checkpoint_config(path, [f"data.path={small_text}"]))
     export(path, cfg, DistInfo(), tmp_path / "merged", merge=True)
     with pytest.raises(UserError, match="export merged only"):
         export(path, cfg, DistInfo(), tmp_path / "peft", merge=False)
