@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.errors import ConfigError, UserError
-from trainer.planning.simulate import plan_run, table
+from trainer.planning.plan import plan_run
+from trainer.planning.progress import Progress
+from trainer.planning.table import search_table, table
 from trainer.run.assemble import CONFIG_DIR
 
 
@@ -22,15 +24,21 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_overrides(argv, CONFIG_DIR)
         cfg, _ = to_config(_compose(argv))
-        result = plan_run(cfg)
-        if cfg.plan.search:
-            from trainer.planning.search import search
+        with Progress() as progress:
+            result = plan_run(cfg, progress)
+            if cfg.plan.search:
+                from trainer.planning.search import search
 
-            result.layouts = search(cfg, result)
+                print(table(result), flush=True)
+                result.layouts = search(cfg, result, progress)
     except (UserError, ConfigError) as exc:
         exit_with(exc)
         return
-    print(table(result), flush=True)
+    if result.layouts is None:
+        print(table(result), flush=True)
+    else:
+        capacity = result.gpu_memory_bytes * (1 - cfg.plan.headroom)
+        print(search_table(result.layouts, capacity), flush=True)
     Path(cfg.plan.out).write_text(json.dumps(result.as_json(), indent=1))
     print(f"written: {cfg.plan.out}", flush=True)
 
