@@ -204,6 +204,35 @@ def test_sizes_and_the_gpus_memory_as_cuda_reports_it() -> None:
     assert "role 2/4 (ranks 16-31): step 1/2" in out.getvalue()
 
 
+def test_attention_with_dropout_is_planned_as_cudas_fused_kernels_hold_it() -> None:
+    """On this CPU, SDPA with dropout falls back to the math kernel (T x T scores, causal and
+    dropout masks); the planned GPU's flash / memory-efficient kernels keep none of them: the
+    plan's SDPA with dropout runs a fused kernel, as it does without."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer.planning.attention import CudaAttention
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 2, 64, 16)
+    with Ops() as cpu:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=0.1)
+    with CudaAttention(), Ops() as planned:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=0.1)
+    assert "aten.tril.default" in cpu.seen  # the CPU's math fallback: a T x T mask
+    assert "aten.tril.default" not in planned.seen
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in planned.seen
+
+
 def test_a_layout_that_does_not_fit_says_so_and_search_finds_ones_that_do(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

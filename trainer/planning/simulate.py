@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.distributed import DistInfo
 from engine.parallel.dims import ParallelDims
 from trainer.config.schema import Config
+from trainer.planning.attention import CudaAttention
 from trainer.planning.progress import Progress
 from trainer.planning.values import RealIntegers, real_or_fake
 from trainer.run.assemble import Assembly, assemble, check_layout
@@ -232,7 +233,8 @@ def simulate_rank(
                     counter.bytes.clear()
                     book["sent_bytes"] = 0
                 steps_window = window if step == STEPS - 1 else window[: first_window(dims)]
-                with RealIntegers(), peaks.step(parts.wrapped, ctx.optimizer), counter:
+                tracked = peaks.step(parts.wrapped, ctx.optimizer)
+                with RealIntegers(), CudaAttention(), tracked, counter:
                     step_fn(ctx, steps_window)
             progress.peaks = None
             memory = report(peaks, parts.model, ctx.optimizer, parts.parallel)
