@@ -4,16 +4,23 @@ runs measured by the same tracker (`train.memory_report=true`).
 For `gpt_tiny` and a small `hf_llama`, under one process, DDP, FSDP2, `dist.tp=2`,
 `dist.pp=2` and `dist.cp=2` (2 ranks), each real run's first two steps are measured on real
 tensors; the plan of the same overrides, simulated on fake tensors in this process, must give
-every rank's parameter, gradient and optimizer bytes exactly and its peak within 10%. Then
-the whole-world properties: FSDP's shards are the model's bytes over the world, the
-parameter count is the analytic one, a layout that does not fit says so, the search finds
-layouts that do, and impossible layouts are refused as training refuses them.
+every rank's parameter, gradient and optimizer bytes exactly and its peak within 10%. The
+one-process and `dist.cp=2` runs are at a real sequence length, 2048 tokens, where attention
+dominates activations (a plan that kept a T x T mask the real run never builds was 2.1x).
+Then the whole-world properties: FSDP's shards are the model's bytes over the world, the
+parameter count is the analytic one, a stage of many blocks extrapolated from 2 and 3 is
+the full simulation within 1%, a layout that does not fit says so, the search finds layouts
+that do and prints them ranked, impossible layouts are refused as training refuses them,
+and what the console shows (every dimension, sizes in MiB under 1 GiB, no 0.0 ms lines,
+CUDA's figure for the GPU's memory, a progress line while it works).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +43,24 @@ LAYOUTS = {
     "cp": (2, ["dist.cp=2"]),
 }
 MODELS = {"gpt": TINY, "llama": LLAMA}
+# The one-process and context-parallel runs at a real sequence length (micro-batch 1).
+LONG = {
+    "gpt": ["model.block_size=2048", "train.micro_batch_size=1"],
+    "llama": [
+        "model.config.max_position_embeddings=2048",
+        "data.block_size=2048",
+        "train.micro_batch_size=1",
+    ],
+}
+LONG_LAYOUTS = ("one", "cp")
+
+
+def overrides(model: str, layout: str) -> list[str]:
+    """The run's overrides: the model's, the layout's, 2048 tokens where the layout is long."""
+    long = LONG[model] if layout in LONG_LAYOUTS else []
+    return [*MODELS[model], *LAYOUTS[layout][1], *long]
+
+
 EXACT = ("parameters_bytes", "gradients_bytes", "optimizer_bytes")
 
 
@@ -51,11 +76,11 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
     rank's memory_report.json entry."""
     root = tmp_path_factory.mktemp("measured")
     cmds = {}
-    for model, base in MODELS.items():
-        for layout, (nproc, extra) in LAYOUTS.items():
+    for model in MODELS:
+        for layout, (nproc, _) in LAYOUTS.items():
             run_dir = root / f"{model}_{layout}"
-            args = [*base, *extra, "train.memory_report=true", f"hydra.run.dir={run_dir}"]
-            cmds[f"{model}_{layout}"] = command(nproc, args)
+            args = [*overrides(model, layout), "train.memory_report=true"]
+            cmds[f"{model}_{layout}"] = command(nproc, [*args, f"hydra.run.dir={run_dir}"])
     results = launch_all(cmds, 600.0, TMPDIR=str(root))
     out = {}
     for name, proc in results.items():
@@ -82,8 +107,8 @@ def test_plan_predicts_the_measured_memory(
     """The simulated rank of each role has the real rank's parameter, gradient and
     optimizer-state bytes exactly and its peak within 10% (the same tracker, fake vs real
     tensors)."""
-    nproc, extra = LAYOUTS[layout]
-    planned = plan([*MODELS[model], *extra, f"plan.world={nproc}"], tmp_path)
+    nproc, _ = LAYOUTS[layout]
+    planned = plan([*overrides(model, layout), f"plan.world={nproc}"], tmp_path)
     real = {r["rank"]: r for r in measured[f"{model}_{layout}"]}
     for role in planned["roles"]:
         for rank in role["ranks"]:
@@ -118,11 +143,102 @@ def test_fsdp_shards_are_the_models_bytes_over_the_world(tmp_path: Path) -> None
     assert abs(role["parameters_bytes"] - 4 * count / 16) <= 0.01 * 4 * count / 16
 
 
+# Pipeline x FSDP over 4 GPUs, an 8-block GPT: 4 blocks per stage.
+DEEP = ["model=gpt_tiny", "model.n_layer=8", "model.block_size=256", *STEPS]
+DEEP += ["train.micro_batch_size=1", "train.global_batch_size=4", "plan.world=4"]
+DEEP += ["dist.pp=2", "dist.strategy=fsdp"]
+
+
+def test_a_stage_extrapolated_from_two_and_three_blocks_is_the_full_simulation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every figure of every role of the plan, simulated with 2 and 3 blocks per stage
+    and extrapolated to 4, is the full simulation's within 1% (parameter, gradient and
+    optimizer bytes exactly; each collective's bytes too). Its console: the header names
+    every dimension, sizes under 1 GiB are in MiB, no 0.0 ms line, and a progress line
+    says which role and which module it simulates."""
+    from trainer.planning import progress
+
+    monkeypatch.setattr(progress, "EVERY", 0.2)
+    fast = plan(DEEP, tmp_path)
+    shown = capsys.readouterr().out
+    full = plan([*DEEP, "plan.full=true"], tmp_path)
+    assert fast["how"].startswith("extrapolated from 2 and 3"), fast["how"]
+    assert full["how"] == "simulated"
+    assert fast["parameters"] == full["parameters"]
+    for a, b in zip(fast["roles"], full["roles"], strict=True):
+        for key in EXACT:
+            assert a[key] == b[key], (a["ranks"], key)
+        for key in ("peak_bytes", "activations_bytes"):
+            assert abs(a[key] / b[key] - 1) <= 0.01, (a["ranks"], key, a[key], b[key])
+        assert a["comm_bytes_per_step"] == b["comm_bytes_per_step"]
+    assert abs(fast["estimate"]["step_time_s"] / full["estimate"]["step_time_s"] - 1) <= 0.01
+    lines = shown.splitlines()
+    header = lines[next(i for i, ln in enumerate(lines) if "|" in ln) - 1]
+    assert "pipeline 2 (1f1b) x FSDP 2 on 4 x h100 (79.19 GiB)" in header
+    rows = [ln for ln in lines if ln.strip().startswith(("0-1 |", "2-3 |"))]
+    assert len(rows) == 2 and all("GiB" not in row and "MiB" in row for row in rows), rows
+    assert "0.0 ms" not in shown
+    ticks = [ln for ln in lines if ln.startswith("plan: ") and " s  " in ln]
+    assert any("role 1/2 (ranks 0-1), 2 blocks per stage: step" in ln for ln in ticks), ticks
+    assert any(", forward " in ln or ", backward " in ln for ln in ticks), ticks
+
+
+def test_sizes_and_the_gpus_memory_as_cuda_reports_it() -> None:
+    """GiB from 1 GiB up, MiB below; an H100 80GB is 85,029,158,912 bytes, an H200 150,011,
+    101,184 (torch.cuda.get_device_properties), not 80e9 / 141e9; a progress line carries
+    what the planner does, on its timer."""
+    from trainer.planning.gpus import GPUS
+    from trainer.planning.progress import Progress
+    from trainer.planning.table import size
+
+    assert size(34.18 * 2**30) == "34.18 GiB"
+    assert size(2**30 - 2**20) == "1023.0 MiB"
+    assert size(921.6 * 2**20) == "921.6 MiB"
+    assert GPUS["h100"].memory_bytes == 85_029_158_912
+    assert GPUS["h200"].memory_bytes == 150_011_101_184
+    out = io.StringIO()
+    with Progress(every=0.05, out=out) as progress:
+        progress.what = "role 2/4 (ranks 16-31): step 1/2"
+        time.sleep(0.3)
+    assert "role 2/4 (ranks 16-31): step 1/2" in out.getvalue()
+
+
+def test_attention_with_dropout_is_planned_as_cudas_fused_kernels_hold_it() -> None:
+    """On this CPU, SDPA with dropout falls back to the math kernel (T x T scores, causal and
+    dropout masks); the planned GPU's flash / memory-efficient kernels keep none of them: the
+    plan's SDPA with dropout runs a fused kernel, as it does without."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer.planning.attention import CudaAttention
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 2, 64, 16)
+    with Ops() as cpu:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=0.1)
+    with CudaAttention(), Ops() as planned:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=0.1)
+    assert "aten.tril.default" in cpu.seen  # the CPU's math fallback: a T x T mask
+    assert "aten.tril.default" not in planned.seen
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in planned.seen
+
+
 def test_a_layout_that_does_not_fit_says_so_and_search_finds_ones_that_do(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """On a GPU too small for DDP's replicated state, the plan says it does not fit; with
-    plan.search=true it lists layouts that do (fitting ones first, some simulated)."""
+    plan.search=true it lists layouts that do (fitting ones first, some simulated), and
+    prints them ranked as a table: overrides, fits, peak, step time."""
     probe = plan([*TINY, "plan.world=4", "dist.strategy=ddp"], tmp_path)
     ddp_peak = probe["roles"][0]["peak_bytes"]
     small = [f"plan.memory_bytes={int(ddp_peak * 0.8)}", "plan.headroom=0"]
@@ -133,6 +249,16 @@ def test_a_layout_that_does_not_fit_says_so_and_search_finds_ones_that_do(
     assert fitting and planned["layouts"][0]["fits"]
     assert any(lay["how"] == "simulated" for lay in fitting)
     assert all(lay["peak_bytes"] <= int(ddp_peak * 0.8) for lay in fitting)
+    shown = capsys.readouterr().out.splitlines()
+    start = [i for i, ln in enumerate(shown) if ln.startswith("layouts: ")][-1]
+    assert f"{len(planned['layouts'])} valid, {len(fitting)} fit" in shown[start]
+    assert [c.strip() for c in shown[start + 1].split("|")] == [
+        *("#", "fits", "peak", "step", "how", "overrides")
+    ]
+    best = planned["layouts"][0]
+    first = [cell.strip() for cell in shown[start + 2].split("|")]
+    assert first[:2] == ["1", "yes"] and first[4] == best["how"], first
+    assert first[3] == f"{best['step_time_s']:.3f} s" and first[5] == " ".join(best["overrides"])
 
 
 @pytest.mark.launches

@@ -11,26 +11,52 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.errors import ConfigError, UserError
-from trainer.planning.simulate import plan_run, table
-from trainer.run.assemble import CONFIG_DIR
+from trainer.planning.progress import Progress
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trainer.config.cli import check_overrides, exit_with, to_config
-
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        check_overrides(argv, CONFIG_DIR)
-        cfg, _ = to_config(_compose(argv))
-        result = plan_run(cfg)
-        if cfg.plan.search:
-            from trainer.planning.search import search
+    # Progress first: torch, transformers and the config take seconds before any simulation.
+    error: UserError | ConfigError | None = None
+    with Progress() as progress:
+        progress.what = "importing torch and composing the config"
+        try:
+            result, cfg = _plan(argv, progress)
+        except (UserError, ConfigError) as exc:
+            error = exc
+    if error is not None:
+        from trainer.config.cli import exit_with
 
-            result.layouts = search(cfg, result)
-    except (UserError, ConfigError) as exc:
-        exit_with(exc)
+        exit_with(error)
         return
-    print(table(result), flush=True)
+    _show(result, cfg)
+
+
+def _plan(argv: list[str], progress: Progress) -> tuple[Any, Any]:
+    from trainer.config.cli import check_overrides, to_config
+    from trainer.planning.plan import plan_run
+    from trainer.planning.table import table
+    from trainer.run.assemble import CONFIG_DIR
+
+    check_overrides(argv, CONFIG_DIR)
+    cfg, _ = to_config(_compose(argv))
+    result = plan_run(cfg, progress)
+    if cfg.plan.search:
+        from trainer.planning.search import search
+
+        print(table(result), flush=True)
+        result.layouts = search(cfg, result, progress)
+    return result, cfg
+
+
+def _show(result: Any, cfg: Any) -> None:
+    from trainer.planning.table import search_table, table
+
+    if result.layouts is None:
+        print(table(result), flush=True)
+    else:
+        capacity = result.gpu_memory_bytes * (1 - cfg.plan.headroom)
+        print(search_table(result.layouts, capacity), flush=True)
     Path(cfg.plan.out).write_text(json.dumps(result.as_json(), indent=1))
     print(f"written: {cfg.plan.out}", flush=True)
 
@@ -39,6 +65,7 @@ def _compose(argv: list[str]) -> Any:
     from hydra import compose, initialize_config_dir
 
     from trainer.config.schema import register_configs
+    from trainer.run.assemble import CONFIG_DIR
     from trainer.run.identity import register_resolvers
 
     register_configs()

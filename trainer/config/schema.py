@@ -365,6 +365,9 @@ class PlanCfg:
     # Memory kept free for what no tensor tracker sees (CUDA context, NCCL, fragmentation).
     headroom: float = 0.1
     gpus_per_node: int = 8
+    # Simulate every block; by default a stage of more than 3 alike blocks is simulated with
+    # 2 and 3 and extrapolated (trainer/planning/extrapolate.py: within 1% of the full run).
+    full: bool = False
 
     def __post_init__(self) -> None:
         from trainer.planning.gpus import GPUS

@@ -6,7 +6,7 @@ that fits) is first estimated from the planned layout's measured breakdown, scal
 each degree divides (model state by the ranks sharing it, activations by the tokens and the
 layers a rank holds, times the micro-batches a pipeline keeps in flight). That screening is an
 estimate; the `SIMULATED` fastest layouts it finds fitting are then simulated like the plan
-itself (trainer/planning/simulate.py), and their measured peak decides. Layouts a model cannot
+itself (trainer/planning/plan.py), and their measured peak decides. Layouts a model cannot
 run (heads that do not divide, no pipeline stages or context-parallel hook) are left out, as
 the simulation's refusal says.
 """
@@ -25,6 +25,8 @@ from engine.parallel.dims import ParallelDims
 from trainer.config.errors import UserError
 from trainer.config.schema import Config, DistCfg
 from trainer.planning.gpus import GPUS
+from trainer.planning.plan import plan_run
+from trainer.planning.progress import Progress
 
 SIMULATED = 3  # how many screened layouts are simulated in full
 AC_KEEPS = 0.15  # screening: the share of a block's activations checkpointing keeps (inputs)
@@ -144,10 +146,9 @@ def _state_share(dims: ParallelDims) -> float:
     return share * (dims.dp * dims.cp if dims.strategy == "fsdp" else 1)
 
 
-def search(cfg: Config, plan: Any) -> list[dict[str, Any]]:
+def search(cfg: Config, plan: Any, progress: Progress | None = None) -> list[dict[str, Any]]:
     """The valid layouts, fitting first, each group fastest first."""
-    from trainer.planning.simulate import plan_run
-
+    progress = progress or Progress(every=float("inf"))
     pc = cfg.plan
     gpu = GPUS[pc.gpu]
     capacity = (pc.memory_bytes or gpu.memory_bytes) * (1 - pc.headroom)
@@ -164,11 +165,14 @@ def search(cfg: Config, plan: Any) -> list[dict[str, Any]]:
     for layout in screened:
         if simulated == SIMULATED or layout.peak_bytes > capacity:
             break
+        progress.prefix = f"search {simulated + 1}/{SIMULATED} ({' '.join(layout.overrides())}), "
         try:
-            result = plan_run(with_layout(cfg, layout, global_batch))
+            result = plan_run(with_layout(cfg, layout, global_batch), progress)
         except (UserError, LayoutError):
             layout.peak_bytes = float("inf")  # the model cannot run it: refused
             continue
+        finally:
+            progress.prefix = ""
         layout.peak_bytes = max(r.memory.peak_bytes for r in result.roles)
         layout.step_time_s = result.estimate.step_time_s
         layout.simulated = True

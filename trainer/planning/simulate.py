@@ -1,5 +1,4 @@
-"""The planner behind `python -m trainer.plan`: the real run built for a simulated world of W
-GPUs on this machine, and whether it fits, before anyone rents the GPUs.
+"""One rank of a simulated world: the real run built on fake tensors, two real steps measured.
 
 For one representative rank of each distinct role (each pipeline stage; the ranks of a
 stage's data-, tensor- and context-parallel coordinates hold the same shapes), the planner
@@ -13,20 +12,15 @@ their bytes are counted by collective and mesh dimension. A pipeline stage recei
 previous stage's simulated rank sent (its shapes). Nothing is allocated; the data is read for
 one worst-case batch.
 
-The report per role: the peak split into parameters, gradients, optimizer state, activations,
-temporaries and buffers, and whether it fits the GPU with `plan.headroom` kept free; bytes
-communicated per step; and an estimate (labelled so) of step time, tokens/s and MFU from the
-model's FLOPs, the GPU's data-sheet peak and the efficiency assumptions below; and what
-`train.micro_batch_size=auto` would choose. Printed as a table, written as `plan.json`.
-docs/plan.md says how to read it.
+The integer tensors of the batch stay real (trainer/planning/values.py), so the model takes
+the branches its real run takes. trainer/planning/plan.py puts the roles together.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,17 +30,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.distributed import DistInfo
 from engine.parallel.dims import ParallelDims
 from trainer.config.schema import Config
-from trainer.planning.gpus import GPU, GPUS
+from trainer.planning.attention import CudaAttention
+from trainer.planning.progress import Progress
+from trainer.planning.values import RealIntegers, real_or_fake
 from trainer.run.assemble import Assembly, assemble, check_layout
 from trainer.run.batch_plan import BatchPlan
 from trainer.run.build import build_context, build_step, run_shape
 from trainer.run.memory import MemoryReport, StepPeaks, report
 
-# Efficiency assumptions of the time estimate (docs/plan.md): the fraction of the data-sheet
-# peak FLOP/s a well-tuned transformer step reaches, and of link bandwidth a collective gets.
-COMPUTE_EFFICIENCY = 0.5
-LINK_EFFICIENCY = 0.7
 STEPS = 2  # the first builds the optimizer's state; the second is a steady step
+
+
+def first_window(dims: ParallelDims) -> int:
+    """Micro-batches of the first step, which only has to build the optimizer's state (its
+    peak is below the second's, which holds that state throughout): one, or a round of the
+    interleaved pipeline schedule, which needs a multiple of `pp`."""
+    return dims.pp if dims.pp_schedule == "interleaved_1f1b" and dims.pp > 1 else 1
 
 
 # ---- the simulated world -----------------------------------------------------------------
@@ -176,15 +175,16 @@ class RolePlan:
 
 def worst_window(parts: Assembly, plan: BatchPlan, mode: Any) -> list[Any]:
     """The window of the longest sample (of the first 256) repeated: the most memory any
-    micro-batch of this size needs (as `micro_batch_size=auto` probes), as fake tensors."""
+    micro-batch of this size needs (as `micro_batch_size=auto` probes): its integer tensors
+    real (values.py), its floating-point ones fake."""
     from torch.utils.data import default_collate
 
     from trainer.run.auto_batch import worst_case_sample
 
     collate = parts.data.collate_fn or default_collate
     batch = collate([worst_case_sample(parts.data.train)] * plan.micro)
-    fake = _map(batch, mode.from_tensor)
-    return [fake] * plan.accum
+    simulated = _map(batch, lambda t: real_or_fake(t, mode))
+    return [simulated] * plan.accum
 
 
 def _map(x: Any, fn: Any) -> Any:
@@ -203,31 +203,45 @@ def simulate_rank(
     rank: int,
     book: dict[Any, Any],
     groups: dict[str, str | None] | None = None,
+    progress: Progress | None = None,
+    blocks: int | None = None,
 ) -> tuple[MemoryReport, dict[str, int], Assembly, BatchPlan]:
-    """Rank `rank` of the simulated world: the real run built on fake tensors, two steps."""
+    """Rank `rank` of the simulated world: the real run built on fake tensors, two steps.
+    With `blocks` (blocks per stage) the report has every op's moment (extrapolate.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    progress = progress or Progress(every=float("inf"))
+    role = progress.what
     world = dims.world or 1
     info = DistInfo(rank, world, rank % 8, torch.device("cpu"))
     plan = BatchPlan.from_config(cfg.train, dims.dp)  # auto: the whole per-rank batch
     with fake_world(rank, world), meshes_outside_fake_tensors() as meshes:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
+        progress.what = f"{role}: building the model and reading the data"
         parts = assemble(cfg, info, dims, building=mode, simulated=book)
-        window = worst_window(parts, plan, mode)  # read as real tensors, then faked
+        window = worst_window(parts, plan, mode)  # integers real, floats faked
         with mode:
             ctx = build_context(cfg, parts, info)
             step_fn = build_step(cfg.step)
             check_layout(parts.parallel, run_shape(cfg, step_fn, ctx, plan))
             ctx.callbacks.setup(ctx)
             peaks, counter = StepPeaks(), CommCounter(meshes, {} if groups is None else groups)
-            for _ in range(STEPS):
-                with peaks.step(parts.wrapped, ctx.optimizer), counter:
-                    step_fn(ctx, window)
+            progress.peaks, peaks.blocks = peaks, blocks
+            for step in range(STEPS):
+                progress.what = f"{role}: step {step + 1}/{STEPS}"
+                if step == STEPS - 1:  # the steady step's traffic only
+                    counter.bytes.clear()
+                    book["sent_bytes"] = 0
+                steps_window = window if step == STEPS - 1 else window[: first_window(dims)]
+                tracked = peaks.step(parts.wrapped, ctx.optimizer)
+                with RealIntegers(), CudaAttention(), tracked, counter:
+                    step_fn(ctx, steps_window)
+            progress.peaks = None
             memory = report(peaks, parts.model, ctx.optimizer, parts.parallel)
-    comm = {k: v // STEPS for k, v in counter.bytes.items()}
+    comm = dict(counter.bytes)
     sent = book.pop("sent_bytes", 0)  # a pipeline stage's sends to its neighbours
     if sent:
-        comm["send/pp"] = sent // STEPS
+        comm["send/pp"] = sent
     for key, value in memory.untracked.items():  # DDP's buckets are all-reduced over dp
         if key == "ddp_buckets":
             comm["allreduce/dp (DDP buckets)"] = value
@@ -240,168 +254,3 @@ def roles(dims: ParallelDims) -> list[list[int]]:
     world = dims.world or 1
     per_stage = world // dims.pp
     return [list(range(s * per_stage, (s + 1) * per_stage)) for s in range(dims.pp)]
-
-
-# ---- the estimate ----------------------------------------------------------------------
-@dataclass
-class Estimate:
-    step_time_s: float
-    tokens_per_s: float
-    mfu: float
-    compute_s: float
-    comm_s: dict[str, float] = field(default_factory=dict)
-
-
-def estimate(
-    cfg: Config, dims: ParallelDims, parts: Assembly, plan: BatchPlan, comm: dict[str, int],
-    gpu: GPU, gpus_per_node: int,
-) -> Estimate:  # fmt: skip
-    """Step time from FLOPs and bytes under the stated assumptions: compute at
-    COMPUTE_EFFICIENCY of the peak, split evenly over every rank, a pipeline's bubble on top;
-    collectives at LINK_EFFICIENCY of the link their group spans (within a node: NVLink);
-    data-parallel traffic overlapped with compute, the rest exposed."""
-    world = dims.world or 1
-    seq = parts.data.seq_len or 1
-    tokens = plan.global_batch * seq
-    flops = parts.flops_per_token * tokens
-    if parts.model_extras.activation_checkpointing:
-        flops *= 4 / 3  # the forward once more
-    peak = gpu.bf16_flops if cfg.train.precision in ("bf16", "fp16") else gpu.fp32_flops
-    compute = flops / (world * peak * COMPUTE_EFFICIENCY)
-    if dims.pp > 1:  # 1F1B/GPipe bubble: (pp - 1) idle micro-batch slots per window
-        compute *= (plan.accum + (dims.pp - 1) / dims.pp_virtual) / plan.accum
-    inner = {"tp": dims.tp, "cp": dims.cp * dims.tp, "dp": dims.dp * dims.cp * dims.tp}
-    times: dict[str, float] = {}
-    for key, nbytes in comm.items():
-        dim = key.split("/")[1].split(" ")[0]
-        span = inner.get(dim, world)
-        link = gpu.node_link if span <= gpus_per_node else gpu.net_link
-        times[key] = nbytes / (link * LINK_EFFICIENCY)
-    overlapped = sum(v for k, v in times.items() if "/dp" in k)
-    exposed = sum(v for k, v in times.items() if "/dp" not in k)
-    step = max(compute, overlapped) + exposed
-    return Estimate(step, tokens / step, flops / (step * world * peak), compute, times)
-
-
-def auto_micro(memory: MemoryReport, plan: BatchPlan, capacity: float) -> int | None:
-    """The divisor of the per-rank batch `micro_batch_size=auto` would choose, activations
-    and temporaries taken as proportional to the micro-batch (an estimate)."""
-    per_sample = (memory.activations_bytes + memory.temporaries_bytes) / plan.micro
-    fixed = memory.peak_bytes - per_sample * plan.micro
-    fitting = [d for d in _divisors(plan.per_rank) if fixed + per_sample * d <= capacity]
-    return fitting[-1] if fitting else None
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-# ---- the command -------------------------------------------------------------------------
-@dataclass
-class Plan:
-    world: int
-    gpu: str
-    gpu_memory_bytes: int
-    parameters: int
-    roles: list[RolePlan]
-    estimate: Estimate
-    layout: str
-    seconds: float
-    micro: int  # the planned micro-batch, accumulation and global batch
-    accum: int
-    global_batch: int
-    layouts: list[dict[str, Any]] | None = None
-
-    def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "world": self.world,
-            "gpu": self.gpu,
-            "gpu_memory_bytes": self.gpu_memory_bytes,
-            "parameters": self.parameters,
-            "layout": self.layout,
-            "roles": [
-                {
-                    "ranks": r.ranks,
-                    **{k: v for k, v in r.memory.as_dict().items() if k != "untracked"},
-                    "untracked_bytes": r.memory.untracked,
-                    "fits": r.fits,
-                    "comm_bytes_per_step": r.comm_bytes,
-                    "micro_batch_size_auto": r.micro_auto,
-                }
-                for r in self.roles
-            ],
-            "estimate": {
-                "step_time_s": self.estimate.step_time_s,
-                "tokens_per_s": self.estimate.tokens_per_s,
-                "mfu": self.estimate.mfu,
-                "compute_s": self.estimate.compute_s,
-                "comm_s": self.estimate.comm_s,
-                "assumptions": {
-                    "compute_efficiency": COMPUTE_EFFICIENCY,
-                    "link_efficiency": LINK_EFFICIENCY,
-                },
-            },
-            "planned_in_s": self.seconds,
-        }
-        if self.layouts is not None:
-            out["layouts"] = self.layouts
-        return out
-
-
-def plan_run(cfg: Config) -> Plan:
-    """Every role of `cfg`'s layout in a world of `plan.world` GPUs, simulated in turn."""
-    started = time.perf_counter()
-    pc = cfg.plan
-    gpu = GPUS[pc.gpu]
-    dims = cfg.dist.dims(pc.world)
-    gpu_memory = pc.memory_bytes or gpu.memory_bytes
-    capacity = gpu_memory * (1 - pc.headroom)
-    book: dict[Any, Any] = {}  # what pipeline stages sent, for the next stage's rank
-    groups: dict[str, str | None] = {}  # process-group names -> mesh dimensions
-    planned: list[RolePlan] = []
-    comm_total: dict[str, int] = {}
-    parts = plan = None
-    for ranks in roles(dims):
-        memory, comm, parts, plan = simulate_rank(cfg, dims, ranks[0], book, groups)
-        role = RolePlan(ranks, memory, comm, memory.peak_bytes <= capacity)
-        role.micro_auto = auto_micro(memory, plan, capacity)
-        planned.append(role)
-        for k, v in comm.items():
-            comm_total[k] = max(comm_total.get(k, 0), v)
-    assert parts is not None and plan is not None
-    est = estimate(cfg, dims, parts, plan, comm_total, gpu, pc.gpus_per_node)
-    layout = parts.parallel.describe() or (
-        f"data parallel ({cfg.dist.strategy})" if dims.dp > 1 else "one GPU"
-    )
-    return Plan(
-        pc.world, pc.gpu, gpu_memory, parts.n_params, planned, est, layout,
-        time.perf_counter() - started, plan.micro, plan.accum, plan.global_batch,
-    )  # fmt: skip
-
-
-def table(p: Plan) -> str:
-    """The plan as the console shows it."""
-    gib = 2**30
-    lines = [
-        f"plan: {p.layout} on {p.world} x {p.gpu} ({p.gpu_memory_bytes / 1e9:.0f} GB), "
-        f"{p.parameters:,} parameters, planned in {p.seconds:.0f} s",
-        f"{'ranks':>12} | {'peak GiB':>9} | {'params':>7} | {'grads':>7} | {'optim':>7} | "
-        f"{'activ':>7} | {'temps':>7} | fits | auto micro",
-    ]
-    for r in p.roles:
-        m = r.memory
-        span = f"{r.ranks[0]}-{r.ranks[-1]}" if len(r.ranks) > 1 else str(r.ranks[0])
-        lines.append(
-            f"{span:>12} | {m.peak_bytes / gib:9.2f} | {m.parameters_bytes / gib:7.2f} | "
-            f"{m.gradients_bytes / gib:7.2f} | {m.optimizer_bytes / gib:7.2f} | "
-            f"{m.activations_bytes / gib:7.2f} | {m.temporaries_bytes / gib:7.2f} | "
-            f"{'yes' if r.fits else 'NO':>4} | {r.micro_auto if r.micro_auto else '-'}"
-        )
-    e = p.estimate
-    lines.append(
-        f"estimate (docs/plan.md's assumptions): step {e.step_time_s:.3f} s, "
-        f"{e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}"
-    )
-    for key, seconds in sorted(e.comm_s.items()):
-        lines.append(f"  {key}: {seconds * 1000:.1f} ms per step")
-    return "\n".join(lines)
