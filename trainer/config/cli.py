@@ -254,14 +254,22 @@ def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInf
         result = body(config, plain, info)
     except UserError as exc:
         # Config, batch arithmetic and divergence errors hit every rank alike: rank 0 speaks.
-        # Others (a data file missing on one node) name their rank.
+        # Others (a data file missing on one node) name their rank. A `quiet` error was
+        # printed where it arose, on the rank chosen to say it (`printed`): a hung rank is
+        # named by the first rank that waited for it (trainer/run/hang.py).
         shared = info is None or not info.distributed or getattr(exc, "all_ranks", False)
-        if not shared:
+        quiet = getattr(exc, "quiet", False)
+        if quiet:
+            printed = getattr(exc, "printed", False)
+        elif not shared:
             print(f"error (rank {info.rank}): {exc}", file=sys.stderr, flush=True)
-        elif _rank() == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            printed = True
+        else:
+            printed = _rank() == 0
+            if printed:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
         leave_process_group(clean=False)
-        exit_user_error(printed=not shared or _rank() == 0)
+        exit_user_error(printed=printed)
     except Exception as exc:
         rank = info.rank if info is not None and info.distributed else None
         if rank is not None and is_peer_failure(exc):

@@ -297,7 +297,8 @@ class PipelineParallel(MeshSplit):
         self.links.flush()
         self.bubble[0] += self.links.waited
         self.bubble[1] += time.perf_counter() - started
-        self.sync_gradients([p for p in ctx.model.parameters() if p.requires_grad])
+        with ctx.clock.collective("gradient sync after the window"):
+            self.sync_gradients([p for p in ctx.model.parameters() if p.requires_grad])
         return loss_sum if self.reports else torch.zeros_like(loss_sum)
 
     def _forward(
