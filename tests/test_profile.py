@@ -178,6 +178,7 @@ def test_profiled_window_is_one_timeline(runs: Runs) -> None:
     report = (runs.dirs["profiled"] / "report.html").read_text()
     assert report.count('class="phase" data-rank="1"') > 0
     assert report.count('class="phase" data-rank="0"') > 0
+    assert not re.search(r"\b(?:https?|ftp|file):|//[\w.-]+\.\w", report)  # self-contained
 
 
 def test_clocks_of_another_host_are_aligned(runs: Runs, tmp_path: Path) -> None:

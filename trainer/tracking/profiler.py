@@ -238,8 +238,8 @@ class TorchProfiler(NoProfiler):
         missing = sorted(set(self.ranks) - set(traces))
         self.lines = [
             f"  profile: steps {self.first}-{self.last} of rank(s) "
-            f"{_ranks(sorted(traces))}: {merged} (one process per rank; opens in "
-            "https://ui.perfetto.dev)"
+            f"{_ranks(sorted(traces))}: {merged} (one process per rank; open it in "
+            "Perfetto, ui.perfetto.dev)"
             + (f"; no trace from rank(s) {_ranks(missing)}" if missing else ""),
             *operator_table(self.folder, sorted(traces)),
         ]

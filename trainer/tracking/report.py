@@ -55,17 +55,9 @@ MAIN_CHARTS = (
         "Seconds per step, fastest rank",
         ("time/data_min_s", "time/compute_min_s", "time/sync_min_s", "time/optimizer_min_s"),
     ),
-    ("Checkpoints and evaluations: seconds, slowest rank", ("time/checkpoint_s", "time/eval_s")),
-    (
-        "Checkpoints and evaluations: seconds, median and fastest rank",
-        (
-            "time/checkpoint_median_s",
-            "time/eval_median_s",
-            "time/checkpoint_min_s",
-            "time/eval_min_s",
-        ),
-    ),
 )
+# (Checkpoint and evaluation times, `time/checkpoint_s` and `time/eval_s`, are only in the
+# records that follow them: charts of their own when they vary.)
 MAIN_METRICS = {m for _, metrics in MAIN_CHARTS for m in metrics}
 # Shown as marks instead (steps where the count grew), or not a curve at all: which rank was
 # slowest in each phase is the per-rank table's.
@@ -426,7 +418,7 @@ def where_time_goes(runs: list[RunData]) -> list[str]:
             out.append(rank_table(run))
         if run.timeline is not None:
             out.append(
-                f"<p>The profiled steps ({TIMELINE_FILE}; open it in https://ui.perfetto.dev "
+                f"<p>The profiled steps ({TIMELINE_FILE}: open it in Perfetto, ui.perfetto.dev, "
                 "for every operator):</p>"
             )
             out.append(timeline_svg(run.timeline) + phase_legend())
