@@ -82,6 +82,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return runs
 
 
+@pytest.fixture(scope="module")
+def timeline(runs: Runs) -> dict[str, Any]:
+    """The profiled run's merged timeline, loaded once."""
+    return load_trace(runs.dirs["profiled"] / "profile" / "timeline.json.gz")
+
+
 def straggler_lines(proc: Any) -> list[str]:
     """Rank 0's console lines naming a slowest rank (only rank 0 prints them)."""
     return [line for line in proc.stdout.splitlines() if line.startswith("slowest rank")]
@@ -141,7 +147,7 @@ def test_profiling_changes_no_loss(runs: Runs) -> None:
     assert all(r["train/tokens_per_s"] > 0 for r in on if r["step"] not in flagged)
 
 
-def test_profiled_window_is_one_timeline(runs: Runs) -> None:
+def test_profiled_window_is_one_timeline(runs: Runs, timeline: dict[str, Any]) -> None:
     """Each rank wrote its gzipped trace; the merged timeline holds both as processes `rank 0`
     and `rank 1`, each with the spans of steps 3 and 4, their phases and micro-batches; flow
     ids are unique; the summary has the top operators of each rank."""
@@ -149,8 +155,7 @@ def test_profiled_window_is_one_timeline(runs: Runs) -> None:
     for rank in (0, 1):
         with gzip.open(folder / f"rank{rank}.trace.json.gz", "rt") as f:
             assert json.load(f)["traceEvents"]
-    merged = load_trace(folder / "timeline.json.gz")
-    events = merged["traceEvents"]
+    events = timeline["traceEvents"]
     names = {
         e["pid"]: e["args"]["name"]
         for e in events
@@ -168,7 +173,7 @@ def test_profiled_window_is_one_timeline(runs: Runs) -> None:
         }
         assert {"step 3", "step 4", "data", "compute", "optimizer"} <= spans, spans
         assert {"micro-batch 1/2", "micro-batch 2/2", "sync (gradient sync)"} <= spans, spans
-    lanes = phase_lanes(folder / "timeline.json.gz")
+    lanes = phase_lanes(timeline)
     assert [name for name, _, _ in lanes[0]["steps"]] == ["step 3", "step 4"]
     summary = (runs.dirs["profiled"] / "summary.txt").read_text()
     assert "profile: steps 3-4 of rank(s) 0,1" in summary
@@ -181,7 +186,9 @@ def test_profiled_window_is_one_timeline(runs: Runs) -> None:
     assert not re.search(r"\b(?:https?|ftp|file):|//[\w.-]+\.\w", report)  # self-contained
 
 
-def test_clocks_of_another_host_are_aligned(runs: Runs, tmp_path: Path) -> None:
+def test_clocks_of_another_host_are_aligned(
+    runs: Runs, timeline: dict[str, Any], tmp_path: Path
+) -> None:
     """Rank 1's trace moved to a host whose clock runs 5 s ahead is put back on rank 0's
     clock: the collective both left together ends at the same moment again (to within the
     jitter of leaving it, far under the 5 s)."""
@@ -193,7 +200,7 @@ def test_clocks_of_another_host_are_aligned(runs: Runs, tmp_path: Path) -> None:
     moved.write_text(json.dumps(skewed))
     traces = {0: folder / "rank0.trace.json.gz", 1: moved}
     lanes = phase_lanes(merge_traces(traces, tmp_path / "timeline.json.gz"))
-    truth = phase_lanes(folder / "timeline.json.gz")  # the run's own: one host, one clock
+    truth = phase_lanes(timeline)  # the run's own: one host, one clock
     assert len(lanes[1]["steps"]) == len(truth[1]["steps"]) == 2
     for (_, start, _), (_, want, _) in zip(lanes[1]["steps"], truth[1]["steps"]):
         assert abs(start - want) < 50_000  # µs

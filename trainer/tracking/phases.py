@@ -97,7 +97,9 @@ class PhaseTable:
                 keys[f"time/{phase}_median_s"] = statistics.median(values)
                 keys[f"time/{phase}_min_s"] = min(values)
             if not occasional:
-                self.slowest_in[rank][phase] += 1
+                clear = clearly_slowest(values)
+                if clear is not None:
+                    self.slowest_in[clear][phase] += 1
                 self._watch(phase, values)
         for r, row in enumerate(per_rank):
             self.seconds[r] = [a + b for a, b in zip(self.seconds[r], row)]
@@ -127,7 +129,8 @@ class PhaseTable:
 
     def table(self) -> dict[str, Any]:
         """What `time_by_rank.json` holds: each rank's mean seconds per step in every step
-        phase, its checkpoint and evaluation totals, and in how many records it was slowest."""
+        phase, its checkpoint and evaluation totals, and in how many records it was the
+        slowest by a clear margin (`clearly_slowest`)."""
         ranks = []
         for r, row in enumerate(self.seconds):
             steps = max(self.steps[r], 1)

@@ -269,10 +269,11 @@ def operator_table(folder: Path, ranks: list[int], per_rank: int = 3) -> list[st
             continue
         unit = ops.get("time", unit)
         for i, op in enumerate(ops["operators"][:per_rank]):
+            name = op["name"] if len(op["name"]) <= 48 else op["name"][:47] + "…"
             rows.append(
                 (
                     str(rank) if i == 0 else "",
-                    op["name"],
+                    name,
                     f"{op['self_s'] * 1e3:.1f} ms",
                     f"{op['share']:.0%}",
                 )
