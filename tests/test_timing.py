@@ -147,7 +147,7 @@ def test_a_broken_streak_is_not_named() -> None:
 def test_one_process_records_phase_times(tmp_path: Path) -> None:
     """A real run on one process: every training record has the four phases' time and rank
     (rank 0), and no median or minimum (one rank has none to give)."""
-    on = train_in_process([*TINY, "train.max_steps=3"], tmp_path / "on")
+    on = train_in_process([*TINY, "train.max_steps=2"], tmp_path / "on")
     train = [r for r in on if "train/loss" in r]
     for record in train:
         for phase in STEP_PHASES:
