@@ -64,7 +64,7 @@ def count_window(ctx: StepContext, window: Sequence[Batch]) -> torch.Tensor:
     """Loss items of the whole window over all data-parallel ranks: one all-reduce, before
     any forward. (Pipeline stages of one replica read the same window: counted once.)"""
     local = torch.stack([item_count(ctx.task, b) for b in window]).sum()
-    with ctx.clock.collective("the window's item count"):
+    with ctx.clock.collective("window item count"):
         return all_reduce_sum(
             local.to(ctx.dist.device, torch.int64), ctx.dist, ctx.parallel.dp_group
         )

@@ -174,7 +174,7 @@ class CollectiveWatch:
         self._moved_at = time.monotonic()
         self._last_fingerprint: Any = None
         self._declared = threading.Lock()
-        self._done = False
+        self._named = False  # this rank has declared a verdict: the thread stays quiet
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
         self._thread = threading.Thread(target=self._run, name="collective-watch", daemon=True)
@@ -229,7 +229,7 @@ class CollectiveWatch:
                 self._publish()
                 if self.store.check(["verdict"]):
                     self._obey(json.loads(self.store.get("verdict")))
-                elif self._stalled():
+                elif self._stalled() and not self._named:
                     self._declare_from_thread()
             except Exception:  # the store went away with the job: nothing left to watch
                 if self._stop.is_set():
@@ -338,6 +338,7 @@ class CollectiveWatch:
         told (`verdict` in the store) and end, which ends the job. Every arrived rank dumps.
         Returns the paragraph and whether this rank said it."""
         with self._declared:
+            self._named = True
             mine = json.dumps(
                 {**verdict.__dict__, "by": self.info.rank, "time": time.time()}, default=str
             )
