@@ -22,6 +22,7 @@ from engine.numerics.precision import Precision
 from engine.parallel.base import Parallelism
 from engine.parallel.dims import parallelism_of
 from engine.tasks import TaskOutputError
+from engine.timing import PhaseClock
 
 Batch = Any
 
@@ -163,12 +164,16 @@ class StepContext:
     # How `model` is spread over ranks (engine/parallel/); left out, it is read off the
     # model's wrapper (DDP, FSDP2, or none).
     parallel: Parallelism = None  # type: ignore[assignment]
+    # Where this rank's time goes (engine/timing.py): the step switches its phases.
+    clock: PhaseClock = None  # type: ignore[assignment]
     # What the data-parallel wrapper divides synchronized gradients by (DDP averages).
     grad_sync_divisor: int = field(init=False)
 
     def __post_init__(self) -> None:
         if self.parallel is None:
             self.parallel = parallelism_of(self.model, self.dist)
+        if self.clock is None:
+            self.clock = PhaseClock(self.dist.device)
         self.grad_sync_divisor = self.parallel.sync_divisor
 
     def trainable_parameters(self) -> list[nn.Parameter]:

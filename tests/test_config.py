@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import math
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,19 @@ def check_adapter(cfg: Config) -> None:
     check_model(cfg)  # forward and backward through the adapters
 
 
+def check_profile(cfg: Config) -> None:
+    """The run's profiler, for a world of two ranks (rank 0: the one that merges)."""
+    from engine.timing import PhaseClock
+    from trainer.tracking.profiler import NoProfiler, TorchProfiler, build_profiler
+
+    with tempfile.TemporaryDirectory() as tmp:
+        info = DistInfo(0, 2, 0, CPU)
+        profiler = build_profiler(cfg.profile, Path(tmp), info, PhaseClock(CPU))
+        kind = TorchProfiler if cfg.profile.kind == "torch" else NoProfiler
+        assert type(profiler) is kind
+        assert profiler.begin(1) == 0.0 and not profiler.recording  # before the window
+
+
 BUILDERS: dict[str, Callable[[Config], None]] = {
     "model": check_model,
     "task": check_task,
@@ -242,6 +256,7 @@ BUILDERS: dict[str, Callable[[Config], None]] = {
     "callbacks": check_callbacks,
     "experiment": check_experiment,
     "adapter": check_adapter,
+    "profile": check_profile,
 }
 # Groups whose checks build a model: use the small one unless the group picks the model itself.
 NEEDS_SMALL_MODEL = {"optim", "scheduler", "step", "callbacks", "logger", "task", "adapter"}
@@ -342,6 +357,8 @@ CONTRACT_KEYS = [
     "adapter.target_modules",
     "adapter.modules_to_save",
     "adapter.use_dora",
+    "profile.steps",
+    "profile.ranks",
 ]
 
 

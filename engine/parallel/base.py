@@ -104,6 +104,7 @@ class WindowContext(Protocol):
     parallel: Parallelism
     sync_every_micro_batch: bool
     grad_sync_divisor: int
+    clock: Any  # engine/timing.py's PhaseClock: the window's phases and profiler spans
 
     def trainable_parameters(self) -> list[nn.Parameter]: ...
 
@@ -403,14 +404,16 @@ class ParallelBase:
         last = len(window) - 1
         for i, batch in enumerate(window):
             sync = i == last or ctx.sync_every_micro_batch
-            with guard.gradient_sync(ctx, sync):
-                micro_sum = guard.micro_batch(
-                    i, len(window), lambda batch=batch: micro_backward(ctx, batch, count)
-                )
-            ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
+            with ctx.clock.span(f"micro-batch {i + 1}/{len(window)}"):
+                with guard.gradient_sync(ctx, sync):
+                    micro_sum = guard.micro_batch(
+                        i, len(window), lambda b=batch, s=sync: micro_backward(ctx, b, count, s)
+                    )
+                ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
             loss_sum = micro_sum if loss_sum is None else loss_sum + micro_sum
         guard.after_window(ctx)
-        self.sync_gradients(ctx.trainable_parameters())
+        with ctx.clock.collective("gradient sync after the window"):
+            self.sync_gradients(ctx.trainable_parameters())
         assert loss_sum is not None  # a window holds at least one micro-batch
         return loss_sum if self.reports else torch.zeros_like(loss_sum)
 
@@ -598,14 +601,21 @@ class MeshSplit(ParallelBase):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
 
-def micro_backward(ctx: WindowContext, batch: Batch, count: torch.Tensor) -> torch.Tensor:
+def micro_backward(
+    ctx: WindowContext, batch: Batch, count: torch.Tensor, synced: bool = False
+) -> torch.Tensor:
     """Forward + backward of one micro-batch, scaled by the window's global `count` (clamped
-    to at least 1); returns its loss sum, detached (the graph goes with this frame)."""
+    to at least 1); returns its loss sum, detached (the graph goes with this frame).
+    `synced`: its gradients are communicated inside backward (the wait is timed as `sync`)."""
     with ctx.precision.autocast():
         micro_sum = ctx.task.loss_sum(ctx.model, batch)
     # Scale in the loss's own precision (at least fp32): float64 runs stay float64.
     micro_sum = micro_sum.float() if micro_sum.dtype in _HALF else micro_sum
+    if synced:
+        ctx.clock.wait_after_backward(micro_sum)
     ctx.precision.backward(micro_sum * (ctx.grad_sync_divisor / count.to(micro_sum.dtype)))
+    if synced:
+        ctx.clock.after_backward()
     return micro_sum.detach()
 
 

@@ -64,7 +64,10 @@ def count_window(ctx: StepContext, window: Sequence[Batch]) -> torch.Tensor:
     """Loss items of the whole window over all data-parallel ranks: one all-reduce, before
     any forward. (Pipeline stages of one replica read the same window: counted once.)"""
     local = torch.stack([item_count(ctx.task, b) for b in window]).sum()
-    return all_reduce_sum(local.to(ctx.dist.device, torch.int64), ctx.dist, ctx.parallel.dp_group)
+    with ctx.clock.collective("window item count"):
+        return all_reduce_sum(
+            local.to(ctx.dist.device, torch.int64), ctx.dist, ctx.parallel.dp_group
+        )
 
 
 def clip_gradients(ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +117,7 @@ def finish_step(ctx: StepContext, loss_sum: torch.Tensor, global_count: torch.Te
 def apply_update(ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The first half of `finish_step`: unscale, clip and update (or skip); the gradient
     norm, the non-finite flag and the learning rate used."""
+    ctx.clock.switch("optimizer")
     # Tensor parallel: DTensor shards and whole parameters side by side in one optimizer.
     with ctx.parallel.optimizer_context():
         ctx.precision.unscale_(ctx.optimizer)

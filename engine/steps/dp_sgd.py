@@ -221,7 +221,8 @@ class DPSGDStep:
         # One collective for the whole gradient and the sample count.
         flat = torch.cat([*(g.flatten() for g in grads), grads[0].new_full((1,), samples)])
         if ctx.dist.distributed:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            with ctx.clock.collective("gradient all-reduce"):
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         pieces = flat.split([g.numel() for g in grads] + [1])
         torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(pieces, grads)])
         self._add_noise(ctx, grads)

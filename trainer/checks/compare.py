@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The naming rule (README, "Records"): a metric that measures the machine, not the trajectory,
-# ends a segment of its name (between slashes) with a unit of time, rate or memory, or is a
-# utilization. `train/pp_peak_mem_mb/stage0`, `train/tokens_per_s`, `train/pp_bubble` are;
-# `train/loss_scale` is not. A new metric named by the rule is left out without a change here.
-MACHINE_SUFFIXES = ("_s", "_ms", "_per_s", "_mb", "_gb", "_bytes", "mfu", "bubble")
+# ends a segment of its name (between slashes) with a unit of time, rate or memory, is a
+# utilization, or names the rank that measured it (`_rank`: the slowest rank of a phase).
+# `train/pp_peak_mem_mb/stage0`, `train/tokens_per_s`, `train/pp_bubble`, `time/data_rank`
+# are; `train/loss_scale` is not. A new metric named by the rule is left out without a change
+# here.
+MACHINE_SUFFIXES = ("_s", "_ms", "_per_s", "_mb", "_gb", "_bytes", "mfu", "bubble", "_rank")
 NOT_METRICS = {"step", "non_finite"}
 EXIT_DIFFERENT, EXIT_BAD_INPUT = 1, 2
 
@@ -124,7 +126,8 @@ def difference(metric: str, a: Series, b: Series, atol: float, rtol: float) -> D
 
 
 def measures_machine(metric: str) -> bool:
-    """True for a timing, throughput, memory or utilization metric (`MACHINE_SUFFIXES`)."""
+    """True for a timing, throughput, memory or utilization metric, or the rank that measured
+    one (`MACHINE_SUFFIXES`)."""
     return any(part.endswith(MACHINE_SUFFIXES) for part in metric.split("/"))
 
 

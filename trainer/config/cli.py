@@ -283,14 +283,21 @@ def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInf
 def user_error(exc: UserError, info: DistInfo | None) -> NoReturn:
     """Print a user error once (or per rank, for one that names its rank) and exit 2."""
     # Config, batch arithmetic and divergence errors hit every rank alike: rank 0 speaks.
-    # Others (a data file missing on one node) name their rank.
+    # Others (a data file missing on one node) name their rank. A `quiet` error was printed
+    # where it arose, on the rank chosen to say it (`printed`): a hung rank is named by the
+    # first rank that waited for it (trainer/run/hang.py).
     shared = info is None or not info.distributed or getattr(exc, "all_ranks", False)
-    if not shared:
+    if getattr(exc, "quiet", False):
+        printed = getattr(exc, "printed", False)
+    elif not shared:
         print(f"error (rank {info.rank}): {exc}", file=sys.stderr, flush=True)
-    elif _rank() == 0:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        printed = True
+    else:
+        printed = _rank() == 0
+        if printed:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
     leave_process_group(clean=False)
-    exit_user_error(printed=not shared or _rank() == 0)
+    exit_user_error(printed=printed)
 
 
 def leave_process_group(clean: bool) -> None:

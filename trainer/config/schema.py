@@ -354,6 +354,41 @@ class AdapterCfg:
 
 
 @dataclass
+class ProfileCfg:
+    """`profile=torch` (configs/profile/): torch.profiler over optimizer steps `steps` (first
+    and last, inclusive) on `ranks` (null: every rank); each rank writes its own trace to
+    RUN_DIR/profile/ and rank 0 merges them into timeline.json.gz (trainer/tracking/profiler.py).
+    `profile=none` (the default) profiles nothing; phase times are recorded either way."""
+
+    kind: str = "none"  # none | torch: what the selected file of configs/profile/ sets
+    steps: list[int] = field(default_factory=lambda: [3, 4])
+    ranks: list[int] | None = None
+    # CUDA: record the allocator's history (Python stacks, the last `memory_entries` events)
+    # and dump a snapshot on out-of-memory (and after the profiled steps) to RUN_DIR/profile/.
+    memory: bool = False
+    memory_entries: int = 100_000
+
+    def __post_init__(self) -> None:
+        require(
+            self.kind in ("none", "torch"),
+            "profile",
+            f"must be none or torch (profile=torch), got {self.kind!r}",
+        )
+        steps = list(self.steps)
+        require(
+            len(steps) == 2 and all(type(s) is int for s in steps) and 1 <= steps[0] <= steps[1],
+            "profile.steps",
+            f"must be [FIRST, LAST]: optimizer steps, 1 <= FIRST <= LAST, got {steps!r}",
+        )
+        require(
+            self.ranks is None or all(type(r) is int and r >= 0 for r in self.ranks),
+            "profile.ranks",
+            f"must be null (every rank) or a list of ranks, got {self.ranks!r}",
+        )
+        _positive(self.memory_entries, "profile.memory_entries")
+
+
+@dataclass
 class PlanCfg:
     """`python -m trainer.plan` (trainer/planning/): the simulated world and its GPUs."""
 
@@ -411,6 +446,7 @@ class Config:
     callbacks: dict[str, Any] = field(default_factory=dict)
     # adapter=lora: LoRA adapters on a frozen base (trainer/models/lora.py).
     adapter: AdapterCfg = field(default_factory=AdapterCfg)
+    profile: ProfileCfg = field(default_factory=ProfileCfg)
     # python -m trainer.plan only (training ignores it).
     plan: PlanCfg = field(default_factory=PlanCfg)
 

@@ -33,6 +33,7 @@ from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import StopRequest
 from trainer.run.state import ResumeSettings, RunState, TrainingProgress, build_checkpointer, resume
 from trainer.run.window import window_step
+from trainer.tracking.profiler import build_profiler
 from trainer.tracking.records import TrainMeter
 from trainer.tracking.sinks import Banner, build_sinks
 
@@ -165,7 +166,7 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
     )
     attach_privacy(step_fn, ctx, batches, parts.data_extras)
     ctx.callbacks.setup(ctx)  # before a checkpoint is restored into their state
-    meter = TrainMeter(info, parts.flops_per_token)
+    meter = TrainMeter(info, parts.flops_per_token, run_dir)
     progress = TrainingProgress(ctx, plan.global_batch, cfg.train.max_steps)
     state = build_state(cfg, config, ctx, parts, progress=progress, meter=meter, step=step_fn)
     checkpointer = build_checkpointer(
@@ -216,6 +217,7 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
         step_window=measured(auto_window or plain_step_window, cfg, run_dir),
         decode=parts.data.decode,
         data_description=parts.data.description or str(cfg.data.get("_target_")),
+        profiler=build_profiler(cfg.profile, run_dir, info, ctx.clock),
     )
 
 

@@ -29,6 +29,7 @@ from trainer.run.optim import horizon_dependent
 from trainer.run.preemption import StopRequest
 from trainer.run.state import Resumed, RunState, TrainingProgress
 from trainer.run.sum_check import check_loss_is_sum
+from trainer.tracking.profiler import NoProfiler
 from trainer.tracking.records import EvalProgress, RecordSink, TrainMeter, peak_memory_mb
 
 
@@ -117,6 +118,8 @@ class Run:
     decode: Callable[[list[int]], str] | None = None
     data_description: str = ""  # where the data came from (a reused token cache, say)
     latest: dict[str, Any] = field(default_factory=dict)  # the last train and val loss
+    # profile=torch (trainer/tracking/profiler.py): traces optimizer steps, flags them.
+    profiler: Any = field(default_factory=NoProfiler)
     last_saved_step: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -142,11 +145,16 @@ def fit(run: Run) -> str:
     train, eval_cfg, ckpt = run.settings.train, run.settings.eval, run.settings.checkpoint
     run.meter.restart_clock()
     first_step, started = run.step, time.perf_counter()
+    clock = run.ctx.clock  # where each rank's time goes: data, compute, sync, optimizer
     windows = run.batches.windows(run.step)  # loader workers prefetch the next windows
     try:
         while run.step < train.max_steps:
-            window = next_window(windows, run.batches, run.settings.data_target, run.step + 1)
             stepping = run.step + 1  # the step this window makes (the engine counts it)
+            run.meter.exclude(run.profiler.begin(stepping))  # the profiler's own time
+            step_started = time.perf_counter()
+            clock.begin_step(stepping)
+            window = next_window(windows, run.batches, run.settings.data_target, stepping)
+            clock.switch("compute")
             try:
                 if run.step == first_step:
                     check_task(run, window)
@@ -159,17 +167,22 @@ def fit(run: Run) -> str:
             except Exception as exc:  # in the user's model or task: traceback, headed
                 annotate_step(exc, run.settings.components, stepping)
                 raise
-            run.meter.update(result)
+            clock.end_step()
+            profiled = time.perf_counter() - step_started if run.profiler.recording else None
+            run.meter.update(result, profiled)
             if run.step == first_step + 1:
                 report_first_step(run, started)
 
             if run.step % train.log_every == 0 or run.step == train.max_steps:
-                write(run, run.meter.record(run.step, result, extra_train_metrics(run)))
+                extra = extra_train_metrics(run)
+                write(run, run.meter.record(run.step, result, extra, clock))
                 check_divergence(run)
             if _due(run.step, eval_cfg.every_steps) and run.step < train.max_steps:
-                evaluate(run)
+                with clock.within("eval"):
+                    evaluate(run)
             if _due(run.step, ckpt.every_steps):
-                save(run)
+                with clock.within("checkpoint"):
+                    save(run)
             if run.stop.agreed():
                 print(f"stop requested: saving step {run.step} and exiting", file=sys.stderr)
                 save(run, final=True)
@@ -185,9 +198,11 @@ def fit(run: Run) -> str:
                         f"validation batches{sample}",
                         flush=True,
                     )
-                evaluate(run)
+                with clock.within("eval"):
+                    evaluate(run)
             if ckpt.every_steps:
-                save(run, final=True)
+                with clock.within("checkpoint"):
+                    save(run, final=True)
     finally:
         windows.close()
     settle(run)
@@ -306,6 +321,7 @@ def summary(run: Run, outcome: str, seconds: float) -> str:
     if run.settings.train.memory_report and report.is_file():
         lines.append(f"  memory report {report}")
     lines += run.ctx.callbacks.summaries(run.batches.plan.global_batch)
+    lines += run.profiler.summary()
     lines += [note for sink in run.sinks if (note := sink.closing_note())]
     return "\n".join(lines)
 

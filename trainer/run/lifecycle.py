@@ -23,37 +23,57 @@ def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> 
 
     from trainer.run.build import build_run
     from trainer.run.fit import RunEnded, fit, summary
+    from trainer.run.hang import is_timeout, start_watch
     from trainer.run.lock import run_dir_lock
     from trainer.tracking.report import write_run_report
 
     started = time.perf_counter()
-    with run_dir_lock(run_dir, info):
-        run = build_run(cfg, plain, run_dir, info)
-        outcome = None
-        try:
-            outcome = fit(run)
-        except RunEnded as exc:  # diverged, or a checkpoint could not be written
-            outcome = exc.outcome
-            raise
-        except BaseException:
-            # A save in flight still commits: a sharded one needs the process group, which is
-            # torn down after this. Only this rank's own write is waited for: the other ranks
-            # may not be here.
-            run.checkpointer.wait()
-            raise
-        finally:
-            torch.autograd.set_detect_anomaly(False)  # process-wide; don't leak into later runs
-            closing = None
-            if info.is_main:
-                if outcome is not None:
-                    closing = summary(run, outcome, time.perf_counter() - started)
-                # Before the trackers close: MLflow uploads both as artifacts.
-                write_run_report(run_dir, closing)
-            for sink in run.sinks:
-                sink.close()
-            run.stop.close()
-            if closing is not None:
-                print(closing, flush=True)
+    # Names the rank(s) a timed-out collective waited for (trainer/run/hang.py).
+    watch = start_watch(info, run_dir, cfg.dist.timeout_s)
+    try:
+        with run_dir_lock(run_dir, info):
+            run = build_run(cfg, plain, run_dir, info)
+            if watch is not None:
+                watch.follow(run.ctx.clock, lambda: run.checkpointer.committed)
+            outcome, hung = None, False
+            try:
+                outcome = fit(run)
+            except RunEnded as exc:  # diverged, or a checkpoint could not be written
+                outcome = exc.outcome
+                raise
+            except BaseException as exc:
+                run.profiler.on_error(exc)
+                hung = is_timeout(exc)
+                if not hung:
+                    # A save in flight still commits: a sharded one needs the process group,
+                    # which is torn down after this. Only this rank's own write is waited for:
+                    # the other ranks may not be here.
+                    run.checkpointer.wait()
+                raise
+            finally:
+                torch.autograd.set_detect_anomaly(False)  # process-wide; don't leak into later runs
+                # Rank 0 merges the profiled ranks' traces (briefly after an error: they may
+                # never come).
+                run.profiler.close(wait_s=60.0 if outcome is not None else 5.0)
+                closing = None
+                if info.is_main:
+                    if outcome is not None:
+                        closing = summary(run, outcome, time.perf_counter() - started)
+                    # Before the trackers close: MLflow uploads both as artifacts.
+                    write_run_report(run_dir, closing)
+                for sink in run.sinks:
+                    sink.close()
+                run.stop.close(collect=not hung)  # a hung peer would never finish it
+                if closing is not None:
+                    print(closing, flush=True)
+    except Exception as exc:
+        named = watch.explain(exc) if watch is not None else None
+        if named is not None:
+            raise named from None
+        raise
+    finally:
+        if watch is not None:
+            watch.stop()
 
 
 def remove_if_unused(run_dir: Path) -> None:

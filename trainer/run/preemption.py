@@ -134,6 +134,9 @@ class StopRequest:
         self._pending = None
         return bool(flag.item())
 
-    def close(self) -> None:
-        self._collect()  # every rank started the same collectives: finish the last one
+    def close(self, collect: bool = True) -> None:
+        """`collect`: finish the last flag all-reduce (every rank started the same ones);
+        False when a peer hung and never will."""
+        if collect:
+            self._collect()
         signal.signal(signal.SIGTERM, self._previous)

@@ -191,3 +191,75 @@ def _series(ln: Line, px: Callable[[float], float], py: Callable[[float], float]
             for x, y in singles
         ),
     ]
+
+
+# ---- the profiled steps as a timeline: one lane per rank, one colour per phase ----
+
+PHASE_COLORS = {
+    "data": "#E69F00",
+    "compute": "#0072B2",
+    "sync": "#999999",
+    "optimizer": "#009E73",
+    "checkpoint": "#CC79A7",
+    "eval": "#56B4E9",
+}
+MAX_LANES = 16
+LANE, LABEL, AXIS = 22, 84, 34
+Span = tuple[str, float, float]  # (name, start µs, end µs)
+
+
+def timeline_svg(lanes: dict[int, dict[str, list[Span]]], width: int = 1120) -> str:
+    """Each rank's phase spans over the profiled steps (from the merged timeline), on one
+    time axis: where each rank's time went, and who waited for whom."""
+    ranks = sorted(lanes)[:MAX_LANES]
+    spans = [s for r in ranks for key in ("phases", "steps") for s in lanes[r][key]]
+    if not spans:
+        return ""
+    t0, t1 = min(s[1] for s in spans), max(s[2] for s in spans)
+    t1 = t1 if t1 > t0 else t0 + 1.0
+    plot = width - LABEL - RIGHT
+    height = TOP + AXIS + LANE * len(ranks) + 10
+
+    def px(t: float) -> float:
+        return LABEL + (t - t0) / (t1 - t0) * plot
+
+    out = [
+        f'<svg class="timeline" viewBox="0 0 {width} {height}" width="{width}" '
+        f'height="{height}" role="img" aria-label="timeline of the profiled steps">'
+    ]
+    for ms in _ticks(0.0, (t1 - t0) / 1000.0):
+        x = px(t0 + ms * 1000.0)
+        out.append(
+            f'<line x1="{x:.1f}" y1="{TOP + AXIS - 6}" x2="{x:.1f}" y2="{height - 10}" '
+            'class="grid"/>'
+        )
+        out.append(_text(x, TOP + AXIS - 10, f"{_fmt(ms)} ms", "middle"))
+    for name, start, _ in lanes[ranks[0]]["steps"]:
+        x = px(start)
+        out.append(
+            f'<line x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{height - 10}" class="threshold"/>'
+        )
+        out.append(_text(x + 3, TOP + 10, name, "start"))
+    for row, rank in enumerate(ranks):
+        y = TOP + AXIS + row * LANE
+        out.append(_text(LABEL - 6, y + LANE / 2 + 4, f"rank {rank}", "end"))
+        for name, start, end in lanes[rank]["phases"]:
+            phase = name.split(" ", 1)[0]
+            x0, x1 = px(start), px(end)
+            out.append(
+                f'<rect class="phase" data-rank="{rank}" data-phase="{phase}" x="{x0:.2f}" '
+                f'y="{y + 2}" width="{max(x1 - x0, 0.3):.2f}" height="{LANE - 4}" '
+                f'fill="{PHASE_COLORS.get(phase, "#000")}"><title>rank {rank}: '
+                f"{html.escape(name)} {(end - start) / 1000:.2f} ms</title></rect>"
+            )
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def phase_legend() -> str:
+    items = "".join(
+        f'<span><svg width="14" height="10"><rect width="14" height="10" fill="{color}"/></svg>'
+        f" {name}</span>"
+        for name, color in PHASE_COLORS.items()
+    )
+    return f'<div class="legend">{items}</div>'

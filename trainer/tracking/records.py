@@ -18,6 +18,8 @@ import torch
 
 from engine.distributed import DistInfo, all_reduce_sum
 from engine.step import StepResult
+from engine.timing import PhaseClock, PhaseTimes
+from trainer.tracking.phases import PhaseTable
 
 
 class RecordSink:
@@ -121,9 +123,12 @@ class Progress(RecordSink):
         eta = elapsed / done * (self.max_steps - step) if done else float("nan")
         frac = step / self.max_steps
         bar = "#" * int(20 * frac) + "-" * (20 - int(20 * frac))
+        # A record of profiled steps only has no throughput (trainer/tracking/profiler.py).
+        rate = record.get("train/tokens_per_s")
+        speed = f"{rate:,.0f} {self.rate}" if rate is not None else "profiled"
         text = (
             f"[{bar}] {step}/{self.max_steps} | loss {record['train/loss']:.4f} | "
-            f"lr {record['train/lr']:.2e} | {record['train/tokens_per_s']:,.0f} {self.rate} | "
+            f"lr {record['train/lr']:.2e} | {speed} | "
             + (f"eps {record['train/epsilon']:.3g} | " if "train/epsilon" in record else "")
             + f"eta {_duration(eta)}"
         )
@@ -220,9 +225,12 @@ class TrainMeter:
     Args:
         dist: where this rank runs.
         flops_per_token: model FLOPs per trained token (forward + backward), for MFU on GPUs.
+        run_dir: where the per-rank phase table goes (trainer/tracking/phases.py).
     """
 
-    def __init__(self, dist: DistInfo, flops_per_token: float | None = None) -> None:
+    def __init__(
+        self, dist: DistInfo, flops_per_token: float | None = None, run_dir: Path | None = None
+    ) -> None:
         self.dist = dist
         self.flops_per_token = flops_per_token
         self.peak_flops = device_peak_flops(dist.device)
@@ -230,37 +238,81 @@ class TrainMeter:
         self.consecutive_skips = torch.zeros((), device=dist.device)
         self.window_items = torch.zeros((), dtype=torch.int64, device=dist.device)
         self.window_steps = 0
+        self.profiled_steps = 0  # steps under the profiler since the last record
+        self.excluded_s = 0.0  # their time (and the profiler's own), out of the throughput
         self.last_time = time.perf_counter()
+        self.phases = PhaseTable(dist, run_dir)
 
-    def update(self, result: StepResult) -> None:
+    def update(self, result: StepResult, profiled_s: float | None = None) -> None:
+        """Count a step's result; `profiled_s`: the step ran under the profiler and took that
+        long, so neither its items nor its time count towards throughput and MFU."""
         self.skipped += result.skipped
         self.consecutive_skips = (self.consecutive_skips + result.skipped) * result.skipped
+        if profiled_s is not None:
+            self.profiled_steps += 1
+            self.exclude(profiled_s)
+            return
         self.window_items += result.global_count
         self.window_steps += 1
 
-    def record(self, step: int, result: StepResult, extra: dict[str, Any]) -> dict[str, Any]:
-        """The record for `step` (1-based), whose result is `result`. Syncs with the device."""
-        loss_sum = all_reduce_sum(result.loss_sum, self.dist).item()
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` spent since the last record (profiling) out of the throughput."""
+        self.excluded_s += seconds
+
+    def record(
+        self,
+        step: int,
+        result: StepResult,
+        extra: dict[str, Any],
+        clock: PhaseClock | None = None,
+    ) -> dict[str, Any]:
+        """The record for `step` (1-based), whose result is `result`. Syncs with the device.
+        With `clock`, every rank's phase times ride in the loss all-reduce (collective)."""
+        loss_sum, per_rank = self._reduce(result.loss_sum, clock)
         count = result.global_count.item()
         items = self.window_items.item()
         now = time.perf_counter()  # after the syncs above: the device has finished the steps
-        elapsed = max(now - self.last_time, 1e-9)
-        record = {
+        elapsed = max(now - self.last_time - self.excluded_s, 1e-9)
+        record: dict[str, Any] = {
             "step": step,
             "train/loss": loss_sum / max(1, count),
             "train/grad_norm": result.grad_norm.item(),
             "train/lr": result.lr,
-            "train/tokens_per_s": items / elapsed,
-            "train/step_time_ms": 1000 * elapsed / max(1, self.window_steps),
-            "train/skipped_steps": int(self.skipped.item()),
-            "train/peak_mem_mb": peak_memory_mb(self.dist.device),
         }
-        if self.flops_per_token and self.peak_flops:
+        if self.window_steps:  # not only profiled steps since the last record
+            record["train/tokens_per_s"] = items / elapsed
+            record["train/step_time_ms"] = 1000 * elapsed / self.window_steps
+        record["train/skipped_steps"] = int(self.skipped.item())
+        record["train/peak_mem_mb"] = peak_memory_mb(self.dist.device)
+        if self.flops_per_token and self.peak_flops and self.window_steps:
             per_rank = items / elapsed / self.dist.world_size
             record["train/mfu"] = self.flops_per_token * per_rank / self.peak_flops
+        if self.profiled_steps:
+            record["time/profiled"] = True  # flagged: some steps ran under the profiler
+        if per_rank is not None:
+            record.update(self.phases.record(per_rank))
         record.update(extra)
         self.restart_clock()
         return record
+
+    def _reduce(
+        self, loss_sum: torch.Tensor, clock: PhaseClock | None
+    ) -> tuple[float, list[list[float]] | None]:
+        """The loss summed over ranks and, with phase timing, every rank's `PhaseTimes`: one
+        all-reduce of [loss, rank 0's times, rank 1's times, ...], each rank filling its own
+        slot (the loss keeps its dtype, so its sum is the same as alone)."""
+        times = clock.collect() if clock is not None else None
+        if times is None:
+            return all_reduce_sum(loss_sum, self.dist).item(), None
+        self.phases.gather_hosts()
+        width, rank, world = PhaseTimes.width(), self.dist.rank, self.dist.world_size
+        dtype = torch.promote_types(loss_sum.dtype, torch.float32)
+        packed = torch.zeros(1 + world * width, dtype=dtype)
+        packed[1 + rank * width : 1 + (rank + 1) * width] = torch.tensor(times.as_list())
+        packed = packed.to(self.dist.device)
+        packed[0] = loss_sum
+        values = all_reduce_sum(packed, self.dist).tolist()
+        return values[0], [values[1 + r * width : 1 + (r + 1) * width] for r in range(world)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"skipped": self.skipped.cpu(), "consecutive_skips": self.consecutive_skips.cpu()}
@@ -272,5 +324,6 @@ class TrainMeter:
     def restart_clock(self) -> None:
         """Exclude time spent outside training steps (evaluation, checkpoints) from tokens/s."""
         self.window_items.zero_()
-        self.window_steps = 0
+        self.window_steps = self.profiled_steps = 0
+        self.excluded_s = 0.0
         self.last_time = time.perf_counter()

@@ -21,7 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checks.compare import CompareError, compare, metrics_file, report, series_of
-from trainer.tracking.plots import COLORS, DASHES, Chart, Line, svg
+from trainer.tracking.phases import TABLE_FILE
+from trainer.tracking.plots import COLORS, DASHES, Chart, Line, phase_legend, svg, timeline_svg
+from trainer.tracking.timeline import phase_lanes
+
+TIMELINE_FILE = Path("profile") / "timeline.json.gz"
 
 EXIT_BAD_INPUT = 2
 SUMMARY_FILE = "summary.txt"
@@ -34,10 +38,32 @@ MAIN_CHARTS = (
     ("Throughput: loss items per second", ("train/tokens_per_s",)),
     ("MFU", ("train/mfu",)),
     ("Peak memory (MB)", ("train/peak_mem_mb",)),
+    (
+        "Where a step's time goes: seconds per step, slowest rank",
+        ("time/data_s", "time/compute_s", "time/sync_s", "time/optimizer_s"),
+    ),
+    (
+        "Seconds per step, median rank",
+        (
+            "time/data_median_s",
+            "time/compute_median_s",
+            "time/sync_median_s",
+            "time/optimizer_median_s",
+        ),
+    ),
+    (
+        "Seconds per step, fastest rank",
+        ("time/data_min_s", "time/compute_min_s", "time/sync_min_s", "time/optimizer_min_s"),
+    ),
 )
+# (Checkpoint and evaluation times, `time/checkpoint_s` and `time/eval_s`, are only in the
+# records that follow them: charts of their own when they vary.)
 MAIN_METRICS = {m for _, metrics in MAIN_CHARTS for m in metrics}
-# Shown as marks instead (steps where the count grew), or not a curve at all.
-NOT_CHARTED = {"train/skipped_steps"}
+# Shown as marks instead (steps where the count grew), or not a curve at all: which rank was
+# slowest in each phase is the per-rank table's.
+NOT_CHARTED = {"train/skipped_steps"} | {
+    f"time/{p}_rank" for p in ("data", "compute", "sync", "optimizer", "checkpoint", "eval")
+}
 MAX_OTHER_CHARTS = 24
 
 
@@ -56,6 +82,8 @@ class RunData:
     config_text: str
     summary: str | None  # summary.txt: the run's own closing lines
     unreadable: int  # lines of metrics.jsonl that are not records (one being written)
+    ranks: dict[str, Any] | None = None  # time_by_rank.json: each rank's phase times
+    timeline: dict[int, dict[str, Any]] | None = None  # profile/timeline.json.gz's phases
 
 
 def read_records(file: Path) -> tuple[list[dict[str, Any]], int]:
@@ -102,7 +130,30 @@ def load_run(path: Path, label: str) -> RunData:
         config = flatten(loaded) if isinstance(loaded, dict) else {}
     summary_file = run_dir / SUMMARY_FILE
     summary = summary_file.read_text(encoding="utf-8") if summary_file.is_file() else None
-    return RunData(run_dir, label, series_of(records), config, config_text, summary, bad)
+    run = RunData(run_dir, label, series_of(records), config, config_text, summary, bad)
+    run.ranks, run.timeline = read_ranks(run_dir), read_timeline(run_dir)
+    return run
+
+
+def read_ranks(run_dir: Path) -> dict[str, Any] | None:
+    """The run's per-rank phase table (None when absent or being replaced)."""
+    try:
+        table = json.loads((run_dir / TABLE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return table if isinstance(table, dict) and table.get("ranks") else None
+
+
+def read_timeline(run_dir: Path) -> dict[int, dict[str, Any]] | None:
+    """Each rank's phase spans in the run's merged profile (None without a profile)."""
+    path = run_dir / TIMELINE_FILE
+    if not path.is_file():
+        return None
+    try:
+        return phase_lanes(path) or None
+    except (OSError, ValueError, EOFError) as exc:
+        print(f"WARNING: {path} not shown ({exc})", file=sys.stderr)
+        return None
 
 
 def labels(paths: list[Path]) -> list[str]:
@@ -226,6 +277,7 @@ svg.chart { background: #fff; font-size: 11px; }
 svg .frame { fill: none; stroke: #999; } svg .grid { stroke: #eee; }
 svg .series { fill: none; stroke-width: 1.5; } svg .mark { stroke-width: 2; }
 svg .threshold { stroke: #999; stroke-dasharray: 3 3; } svg .tick, svg .axis { fill: #555; }
+svg.timeline { background: #fff; font-size: 11px; }
 .legend span { margin-right: 14px; white-space: nowrap; }
 """
 
@@ -301,6 +353,7 @@ def render(runs: list[RunData], preface: tuple[str, str] | None = None) -> str:
     if flat:
         values = ", ".join(f"{m} = {constant(runs, m):g}" for m in flat)
         out.append(f"<p>Constant in every record: {esc(values)}.</p>")
+    out += where_time_goes(runs)
     out.append("<h2>End of run</h2>")
     for run in runs:
         text = run.summary or "no summary yet: the run is still going, or it stopped early"
@@ -312,6 +365,64 @@ def render(runs: list[RunData], preface: tuple[str, str] | None = None) -> str:
             )
     out.append("</body></html>")
     return "\n".join(out) + "\n"
+
+
+def rank_table(run: RunData) -> str:
+    """Each rank's mean seconds per step in each phase (the slowest in bold), its
+    checkpoint and evaluation totals, and in how many records it was the slowest."""
+    table = run.ranks or {}
+    phases = ("data", "compute", "sync", "optimizer")
+    rows = table.get("ranks", [])
+    worst = {p: max((r["mean_s"].get(p, 0.0) for r in rows), default=0.0) for p in phases}
+    head = "".join(f"<th>{p} (s/step)</th>" for p in phases)
+    out = [
+        f"<table><tr><th>rank</th><th>host</th>{head}<th>checkpoints (s)</th>"
+        "<th>evaluations (s)</th><th>clearly the slowest in (records)</th></tr>"
+    ]
+    for row in rows:
+        cells = []
+        for p in phases:
+            value = row["mean_s"].get(p, 0.0)
+            text = f"{value:.4f}"
+            cells.append(
+                f"<td><b>{text}</b></td>" if value == worst[p] and value else f"<td>{text}</td>"
+            )
+        slowest = ", ".join(f"{p} {n}" for p, n in row.get("slowest_records", {}).items() if n)
+        totals = row.get("total_s", {})
+        out.append(
+            f"<tr><td>{row['rank']}</td><td>{html.escape(str(row.get('host')))}</td>"
+            + "".join(cells)
+            + f"<td>{totals.get('checkpoint', 0.0):.2f}</td><td>{totals.get('eval', 0.0):.2f}</td>"
+            + f"<td>{html.escape(slowest or '-')}</td></tr>"
+        )
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def where_time_goes(runs: list[RunData]) -> list[str]:
+    """Each run's per-rank table and, when it was profiled, the timeline of its profiled
+    steps (one lane per rank)."""
+    esc = html.escape
+    out = []
+    for run in runs:
+        if run.ranks is None and run.timeline is None:
+            continue
+        out.append(f"<h2>Where the time goes: {esc(run.label)}</h2>")
+        if run.ranks is not None:
+            records, steps = run.ranks.get("records", 0), run.ranks.get("steps", 0)
+            out.append(
+                f"<p>Mean seconds per optimizer step of each rank over {records} records "
+                f"({steps} steps) of the last launch ({TABLE_FILE}). <i>sync</i> is time spent "
+                "waiting inside collectives: the ranks that wait longest are the fast ones.</p>"
+            )
+            out.append(rank_table(run))
+        if run.timeline is not None:
+            out.append(
+                f"<p>The profiled steps ({TIMELINE_FILE}: open it in Perfetto, ui.perfetto.dev, "
+                "for every operator):</p>"
+            )
+            out.append(timeline_svg(run.timeline) + phase_legend())
+    return out
 
 
 def build_report(

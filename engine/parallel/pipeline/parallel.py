@@ -288,16 +288,19 @@ class PipelineParallel(MeshSplit):
         for i, a in enumerate(todo):
             if self.fsdp and a.kind == "B" and last_backward[a.stage] == i:
                 self.stages[a.stage].set_requires_gradient_sync(True)
-            if a.kind == "F":
-                micro_sum = self._forward(ctx, a, window[a.micro], count, inputs, outputs)
-                if micro_sum is not None:
-                    loss_sum = loss_sum + micro_sum.to(loss_sum.dtype).detach()
-            else:
-                self._backward(ctx, a, inputs, outputs)
+            what = "forward" if a.kind == "F" else "backward"
+            with ctx.clock.span(f"micro-batch {a.micro + 1}/{len(window)} {what}"):
+                if a.kind == "F":
+                    micro_sum = self._forward(ctx, a, window[a.micro], count, inputs, outputs)
+                    if micro_sum is not None:
+                        loss_sum = loss_sum + micro_sum.to(loss_sum.dtype).detach()
+                else:
+                    self._backward(ctx, a, inputs, outputs)
         self.links.flush()
         self.bubble[0] += self.links.waited
         self.bubble[1] += time.perf_counter() - started
-        self.sync_gradients([p for p in ctx.model.parameters() if p.requires_grad])
+        with ctx.clock.collective("gradient sync after the window"):
+            self.sync_gradients([p for p in ctx.model.parameters() if p.requires_grad])
         return loss_sum if self.reports else torch.zeros_like(loss_sum)
 
     def _forward(

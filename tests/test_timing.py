@@ -1,0 +1,178 @@
+"""Phase timing in one process: the clock's phases are exclusive and add up to the time they
+span, the wait after the last gradient is its own phase, the slowest rank is named only by a
+clear margin, and profiling settings are checked. Multi-rank behaviour: tests/test_profile.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine.distributed import DistInfo
+from engine.timing import PHASES, STEP_PHASES, PhaseClock, PhaseTimes
+from tests.conftest import TINY, compose_config, train_in_process
+from trainer.config.cli import to_config
+from trainer.config.errors import ConfigError, UserError
+from trainer.tracking.phases import TABLE_FILE, PhaseTable, clearly_slowest
+from trainer.tracking.profiler import build_profiler
+
+CPU = torch.device("cpu")
+
+
+def test_phases_are_exclusive_and_add_up() -> None:
+    """Each phase gets at least the time slept in it, a collective nested in compute is
+    `sync` and not compute, and the phases add up to no more than the wall time spanned."""
+    clock = PhaseClock(CPU, enabled=True)
+    outer = time.perf_counter()
+    clock.begin_step(1)
+    time.sleep(0.02)
+    clock.switch("compute")
+    time.sleep(0.01)
+    with clock.collective("a count"):
+        assert clock.waiting_in == "a count" and clock.phase == "sync"
+        time.sleep(0.03)
+    assert clock.phase == "compute" and clock.waiting_in is None and clock.seq == 1
+    time.sleep(0.01)
+    clock.switch("optimizer")
+    time.sleep(0.005)
+    clock.end_step()
+    time.sleep(0.02)  # outside the step: not counted
+    with clock.within("eval"):
+        time.sleep(0.01)
+    wall = time.perf_counter() - outer
+    times = clock.collect()
+    assert times is not None and times.steps == 1
+    seconds = dict(zip(PHASES, times.seconds))
+    for phase, slept in [("data", 0.02), ("compute", 0.02), ("sync", 0.03), ("optimizer", 0.005)]:
+        assert seconds[phase] >= slept, (phase, seconds)
+    assert seconds["eval"] >= 0.01 and seconds["checkpoint"] == 0.0
+    assert sum(seconds.values()) <= wall - 0.02
+    again = clock.collect()
+    assert again is not None and sum(again.seconds) == 0.0 and again.steps == 0
+
+
+def test_wait_after_backward_starts_once_every_gradient_is_computed() -> None:
+    """The callback queued by `wait_after_backward` runs after the last gradient of the graph
+    is accumulated (every parameter's hook sees the clock still in compute) and before
+    backward returns; `after_backward` resumes compute."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    clock = PhaseClock(CPU, enabled=True)
+    clock.switch("compute")
+    seen: list[tuple[str | None, int]] = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _: seen.append((clock.phase, clock.seq)))
+    loss = model(torch.randn(4, 8)).sum()
+    clock.wait_after_backward(loss, "gradient sync")
+    loss.backward()
+    assert seen == [("compute", 0)] * 4
+    assert clock.phase == "sync" and clock.waiting_in == "gradient sync" and clock.seq == 1
+    clock.after_backward()
+    assert clock.phase == "compute" and clock.waiting_in is None
+
+
+def test_timing_off_measures_nothing_but_keeps_the_position(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUMULUS_PHASE_TIMING", "0")
+    clock = PhaseClock(CPU)
+    clock.begin_step(3)
+    with clock.collective("x"):
+        pass
+    assert clock.collect() is None
+    assert (clock.step, clock.seq, clock.phase) == (3, 1, "data")
+
+
+def rows(data: list[float], compute: list[float], sync: float = 0.0) -> list[list[float]]:
+    """Per-rank `PhaseTimes.as_list()` of one step."""
+    out = []
+    for d, c in zip(data, compute):
+        seconds = dict.fromkeys(PHASES, 0.0) | {"data": d, "compute": c, "sync": sync}
+        out.append(PhaseTimes([seconds[p] for p in PHASES], 1).as_list())
+    return out
+
+
+def test_slowest_rank_by_a_clear_margin() -> None:
+    assert clearly_slowest([0.01, 0.24]) == 1
+    assert clearly_slowest([0.10, 0.12]) is None  # within the margin
+    assert clearly_slowest([0.001, 0.005]) is None  # a few ms: noise, not a rank
+    assert clearly_slowest([0.05, 0.05, 0.3, 0.05]) == 2
+    assert clearly_slowest([0.3]) is None
+
+
+def test_straggler_line_after_a_streak(tmp_path: Path) -> None:
+    """Rank 2 slowest in data in three records in a row: one line naming it, its host and
+    the input; the keys name the slowest rank with its time, the median and the fastest;
+    `sync` (where the fast ranks wait) is never blamed; the table is written."""
+    stream = io.StringIO()
+    table = PhaseTable(DistInfo(0, 4, 0, CPU), tmp_path, stream)
+    table.hosts = ["a", "b", "c", "d"]
+    slow_data = rows([0.01, 0.01, 0.3, 0.01], [0.1] * 4, sync=0.5)
+    keys = table.record(slow_data)
+    assert keys["time/data_s"] == 0.3 and keys["time/data_rank"] == 2
+    assert keys["time/data_median_s"] == 0.01 and keys["time/data_min_s"] == 0.01
+    assert keys["time/compute_rank"] == 0  # a tie: the lowest rank
+    assert "time/eval_s" not in keys  # no evaluation since the last record
+    table.record(slow_data)
+    assert stream.getvalue() == ""
+    table.record(slow_data)
+    table.record(slow_data)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    assert (
+        lines[0].startswith("slowest rank 2 (c): data 0.30 s vs median 0.01 s")
+        and "input" in lines[0]
+    )
+    saved = json.loads((tmp_path / TABLE_FILE).read_text())
+    assert saved["records"] == 4
+    assert saved["ranks"][2]["slowest_records"]["data"] == 4  # clearly, each time
+    assert saved["ranks"][0]["slowest_records"]["compute"] == 0  # a tie is not clear
+    assert saved["ranks"][2]["mean_s"]["data"] == pytest.approx(0.3)
+
+
+def test_a_broken_streak_is_not_named() -> None:
+    stream = io.StringIO()
+    table = PhaseTable(DistInfo(0, 2, 0, CPU), None, stream)
+    for slow in (1, 1, 0, 1, 1, 0):
+        compute = [0.5 if r == slow else 0.05 for r in range(2)]
+        table.record(rows([0.0, 0.0], compute))
+    assert stream.getvalue() == ""
+
+
+def test_one_process_records_phase_times(tmp_path: Path) -> None:
+    """A real run on one process: every training record has the four phases' time and rank
+    (rank 0), and no median or minimum (one rank has none to give)."""
+    on = train_in_process([*TINY, "train.max_steps=2"], tmp_path / "on")
+    train = [r for r in on if "train/loss" in r]
+    for record in train:
+        for phase in STEP_PHASES:
+            assert record[f"time/{phase}_rank"] == 0
+            assert record[f"time/{phase}_s"] >= 0.0
+        assert not any(k.endswith("_median_s") for k in record)
+    assert (tmp_path / "on" / TABLE_FILE).is_file()
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("profile.steps=[4,3]", "profile.steps"),
+        ("profile.steps=[0,2]", "profile.steps"),
+        ("profile.steps=[2]", "profile.steps"),
+        ("profile.ranks=[-1]", "profile.ranks"),
+        ("profile.kind=nsys", "profile"),
+    ],
+)
+def test_bad_profile_settings_name_their_key(override: str, key: str) -> None:
+    with pytest.raises(UserError, match=key.replace(".", r"\.")):
+        to_config(compose_config(["profile=torch", override]))
+
+
+def test_profiled_rank_outside_the_world_is_refused(tmp_path: Path) -> None:
+    cfg, _ = to_config(compose_config(["profile=torch", "profile.ranks=[0,2]"]))
+    with pytest.raises(ConfigError, match=r"profile\.ranks.*rank\(s\) 2 do not exist"):
+        build_profiler(cfg.profile, tmp_path, DistInfo(0, 2, 0, CPU), PhaseClock(CPU))
