@@ -174,6 +174,12 @@ def test_two_ranks_step_is_the_whole_batch_gradient(
     assert encoder <= 1e-5, f"{run}: encoder update off by {encoder:.2e} (relative)"
     assert temperature <= 1e-5, f"{run}: temperature update off by {temperature:.2e}"
     assert abs(first_loss(two_ranks[run]) - reference["loss"]) <= 1e-5 * reference["loss"]
+    # The step's phases are timed as step=accumulate's are: its gather and gradient sync as
+    # `sync` (time/*: the slowest rank's seconds, and which rank that was).
+    (record,) = [r for r in read_metrics(two_ranks[run]) if "train/loss" in r]
+    for phase in ("data", "compute", "sync", "optimizer"):
+        assert record[f"time/{phase}_s"] >= 0 and record[f"time/{phase}_rank"] in (0, 1), record
+    assert record["time/sync_s"] > 0, record
 
 
 def test_temperature_gradient_is_counted_once(

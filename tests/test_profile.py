@@ -235,7 +235,12 @@ def test_hung_rank_is_named_and_the_job_ends(runs: Runs) -> None:
 @pytest.mark.launches
 def test_checkpoint_before_the_hang_evaluates(runs: Runs) -> None:
     # `trust=[tests]`: its saved config names the test's own callback.
-    args = [f"checkpoint={runs.dirs['hang']}", "eval.max_batches=2", "trust=[tests]"]
+    args = [
+        f"checkpoint={runs.dirs['hang']}",
+        "eval.max_batches=2",
+        "trust=[tests]",
+        "saved_paths=true",
+    ]
     proc = run_cli(args, module="trainer.evaluate")
     assert proc.returncode == 0, explain(proc)
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])

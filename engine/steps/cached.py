@@ -202,7 +202,8 @@ class WindowLoss:
     def __call__(self, reps: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
         mine = reps.detach().requires_grad_()
-        whole, offset = gather_rows(mine, ctx.parallel.dp_group)  # (window, ...)
+        with ctx.clock.collective("representations gathered"):
+            whole, offset = gather_rows(mine, ctx.parallel.dp_group)  # (window, ...)
         # The loss's graph ends at a leaf copy of the gathered rows: each chunk's graph is
         # freed by its own backward, and the gather's backward (a collective) runs once.
         cut = whole.detach().requires_grad_()
@@ -221,8 +222,9 @@ class WindowLoss:
                 ctx.precision.backward(part / self.count.to(part.dtype))
             loss_sum = loss_sum + part.detach()
         grad = cut.grad if cut.grad is not None else torch.zeros_like(cut)
-        whole.backward(grad)  # summed over ranks: this rank's rows of the whole gradient
-        sync_loss_parameters(ctx)
+        with ctx.clock.collective("representation gradients summed"):
+            whole.backward(grad)  # summed over ranks: this rank's rows of the whole gradient
+            sync_loss_parameters(ctx)
         assert mine.grad is not None
         self.grads = mine.grad * ctx.grad_sync_divisor
         self.loss_sum = loss_sum
@@ -259,8 +261,9 @@ def backward_window(
     last = len(window) - 1
     for i, batch in enumerate(window):
         sync = i == last or ctx.sync_every_micro_batch
-        with guard.gradient_sync(ctx, sync):
-            guard.micro_batch(i, len(window), replay(ctx, task, batch, replays[i], parts[i]))
+        with guard.gradient_sync(ctx, sync), ctx.clock.span(f"micro-batch {i + 1}/{len(window)}"):
+            run = replay(ctx, task, batch, replays[i], parts[i], synced=sync)
+            guard.micro_batch(i, len(window), run)
         ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
     guard.after_window(ctx)
     ctx.parallel.sync_gradients(ctx.trainable_parameters())
@@ -274,7 +277,11 @@ def replay(
     batch: Batch,
     state: RandomState,
     grad: torch.Tensor,
+    synced: bool = False,
 ) -> Callable[[], torch.Tensor]:
+    """Pass 2 of one micro-batch; `synced`: its gradients are communicated inside backward
+    (the wait is timed as `sync`, engine/timing.py)."""
+
     def run() -> torch.Tensor:
         state.restore()
         reps = represent(ctx, task, batch)
@@ -284,7 +291,11 @@ def replay(
                 f"whose first pass gave {tuple(grad.shape)}: it must depend on the model, the "
                 "batch and the random state only"
             )
+        if synced:
+            ctx.clock.wait_after_backward(reps)
         reps.backward(grad.to(reps.dtype))
+        if synced:
+            ctx.clock.after_backward()
         return reps.detach().sum()
 
     return run
