@@ -548,3 +548,23 @@ def test_plan_counts_optimizer_state_for_the_adapters_alone(
     assert role["gradients_bytes"] == 4 * per_rank
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     assert frozen > 2 * per_rank  # the premise: counting the base would show
+
+
+def test_flops_leave_out_the_frozen_base_weight_gradients(small_text: Path) -> None:
+    """MFU's FLOPs per token for an adapter run: a frozen weight costs its forward and input
+    gradient (4 per parameter), not the weight gradient (2 more) a trained one costs."""
+    from omegaconf import OmegaConf
+
+    from engine.distributed import DistInfo
+    from tests.conftest import compose_config
+    from trainer.run.assemble import assemble
+
+    def parts(*extra: str) -> Any:
+        cfg = OmegaConf.to_object(compose_config([*SMALL, f"data.path={small_text}", *extra]))
+        return assemble(cfg, DistInfo())
+
+    full, lora = parts(), parts("adapter=lora")
+    frozen = sum(p.numel() for p in lora.model.parameters() if not p.requires_grad)
+    added = sum(p.numel() for p in lora.model.parameters() if p.requires_grad)
+    assert frozen == sum(p.numel() for p in full.model.parameters())
+    assert lora.flops_per_token == pytest.approx(full.flops_per_token + 6 * added - 2 * frozen)
