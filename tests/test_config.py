@@ -264,6 +264,12 @@ def test_config_composes_and_instantiates(group: str, name: str, tmp_path: Path)
         docs = tmp_path / "docs.jsonl"
         docs.write_text("".join(f'{{"text": "document number {i}"}}\n' for i in range(200)))
         overrides.append(f"data.path={docs}")
+    elif cfg.data.get("_target_") == "trainer.data.chat.chat_data":  # conversations + tokenizer
+        from tests.chat_support import conversations, make_tokenizer, write_jsonl
+
+        make_tokenizer(tmp_path / "tok")
+        chat = write_jsonl(tmp_path / "chat.jsonl", conversations(40, max_turns=1))
+        overrides += [f"data.path={chat}", f"data.tokenizer={tmp_path / 'tok'}"]
     elif cfg.data.get("path") == "required":  # a preset on a token .bin dataset the user provides
         for split, n in (("train", 20000), ("val", 3000)):  # > block_size + 1 tokens each
             np.arange(n, dtype="<u2").tofile(tmp_path / f"{split}.bin")
