@@ -13,6 +13,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from engine.callbacks import Callback
+
 TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
@@ -117,3 +119,49 @@ def pretrained(root: Path, template: str | None = TEMPLATE) -> tuple[Path, Any]:
     tok = make_tokenizer(out, template)
     make_llama(out, len(tok))
     return out, tok
+
+
+def long_prompts(n: int, seed: int = 1) -> list[dict[str, Any]]:
+    """Rows whose supervised tokens all sit in the last quarter of the conversation: a long
+    system and user prompt, a one-word answer. Under dist.cp=2 a rank holds chunks 1 and 2
+    of 4 of each, so none of their supervised tokens."""
+    rng = random.Random(seed)
+    return [
+        {
+            "messages": [
+                {"role": "system", "content": sentence(rng, 14, 16)},
+                {"role": "user", "content": sentence(rng, 14, 16)},
+                {"role": "assistant", "content": rng.choice(["yes", "no", "ok"])},
+            ]
+        }
+        for _ in range(n)
+    ]
+
+
+class DumpAllGrads(Callback):
+    """A callback: the gradients the optimizer is about to apply at optimizer step `step`
+    (1-based), written by rank 0 as {name: tensor}. Every rank calls it (FSDP2 gradients are
+    gathered whole: a collective)."""
+
+    def __init__(self, path: str, step: int = 1) -> None:
+        self.path, self.step = Path(path), step
+
+    def on_before_optimizer_step(self, ctx: Any) -> None:
+        if ctx.step + 1 != self.step:
+            return
+        import torch
+
+        from engine.distributed import unwrap
+
+        grads = {}
+        for name, p in unwrap(ctx.model).named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad
+            if hasattr(g, "full_tensor"):
+                g = g.full_tensor()
+            grads[name] = g.detach().clone().cpu()
+        if ctx.dist.rank == 0:
+            tmp = self.path.with_suffix(".tmp")
+            torch.save(grads, tmp)
+            tmp.replace(self.path)

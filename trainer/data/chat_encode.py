@@ -110,6 +110,7 @@ class ChatEncoder:
 
 def encode_one(encoder: ChatEncoder, record: dict[str, Any], where: str = "row") -> tuple:
     """(token ids, mask) of one row, as the shards hold them (for checks and previews)."""
-    encoder.start()
+    if encoder._renderer is None:
+        encoder.start()
     out = encoder.encode([record], [where], None)
     return out.tokens, out.extras["mask"]
