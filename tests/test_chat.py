@@ -9,6 +9,7 @@ The multi-rank exactness runs are in tests/test_chat_exact.py.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -120,6 +121,38 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(model_dir: tuple[Path
     text = str(err.value)
     assert text.startswith("data.chat_template:") and "chat.jsonl:7" in text, text
     assert "prefix-preserving" in text and "{% generation %}" in text and "\n" not in text
+
+
+def test_jsonl_parquet_and_save_to_disk_give_the_same_tokens_and_masks(
+    model_dir: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """The same rows (messages, and prompt/completion rows beside them) from the three
+    formats: one set of tokens and masks, those of each row encoded alone."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainer.data.chat import _source
+    from trainer.data.shards import open_shards
+
+    path, _ = model_dir
+    rows: list[dict[str, Any]] = [dict(r) for r in conversations(10, seed=6)]
+    rows += [{"prompt": "2+2?", "completion": "4"}, {"prompt": "über", "completion": "café"}]
+    files = {"jsonl": write_jsonl(tmp_path / "c.jsonl", rows), "parquet": tmp_path / "c.parquet"}
+    columns = {k: [r.get(k) for r in rows] for k in ("messages", "prompt", "completion")}
+    pq.write_table(pa.table(columns), files["parquet"])  # missing fields are nulls
+    datasets.Dataset.from_dict(columns).save_to_disk(str(tmp_path / "saved"))
+    files["saved"] = tmp_path / "saved"
+    encoder = ChatEncoder(str(path), TEMPLATE, "data.chat_template", None)
+    want = [encode_one(encoder, row) for row in rows]
+
+    for name, file in files.items():
+        store = open_shards(_source(str(file)), None, str(tmp_path / name), 1, True, encoder)
+        got = [
+            (store.read(a, b).tolist(), store.read_extra("mask", a, b).tolist())
+            for a, b in itertools.pairwise(store.doc_offsets.tolist())
+        ]
+        assert got == [(i.tolist(), m.tolist()) for i, m in want], name
 
 
 # --------------------------------------------------------------------------- bad rows
@@ -371,6 +404,21 @@ def test_a_micro_batch_without_supervised_tokens_adds_nothing(
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
 
 
+def test_the_chunked_loss_reads_packed_rows_as_the_plain_loss(
+    model_dir: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """Large vocabularies take the chunked loss (from the last hidden state): on packed rows it
+    is the plain loss, position ids and all."""
+    rows, collate = packed_rows(model_dir, tmp_path)
+    batch = collate([rows[0], rows[1], rows[2]])
+    model = build("llama", "sdpa", model_dir[0], 0)
+    chunked = CausalLMTask(chunk_size=16, chunked_vocab_threshold=1)
+    assert chunked.chunked(model)
+    with torch.no_grad():
+        want = CausalLMTask(chunk_size=None).loss_sum(model, batch)
+        torch.testing.assert_close(chunked.loss_sum(model, batch), want, rtol=1e-6, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- issue #45 §5
 
 
@@ -418,33 +466,51 @@ def test_data_uses_the_pretrained_directorys_tokenizer(
         build_data(to_config(compose_config(args))[0].data)
 
 
+@pytest.mark.parametrize("data", ["hf", "chat"])
 def test_export_writes_the_transformers_class_and_the_tokenizer_unchanged(
-    model_dir: tuple[Path, Any], tmp_path: Path
+    data: str, model_dir: tuple[Path, Any], tmp_path: Path
 ) -> None:
     """The export of a fine-tuned pretrained Llama: `LlamaForCausalLM` (not cumulus's
-    subclass), the source tokenizer as it was (template, special tokens), the same ids from
-    apply_chat_template, and the trained weights."""
+    subclass), the trained weights, and the tokenizer as it was (special tokens, template),
+    so that apply_chat_template gives the ids training used. data=hf names the tokenizer
+    directory; data=chat renders with data.chat_template=FILE, which the export carries."""
     from scripts.export_hf import main as export
 
     path, tok = model_dir
     rows = conversations(40, seed=8, max_turns=1)
-    data = write_jsonl(tmp_path / "chat.jsonl", rows)
-    run = tmp_path / "run"
-    args = ["model=hf_llama", f"model.pretrained={path}", "data=chat", f"data.path={data}"]
-    args += [f"data.max_length={MAX_LENGTH}", "logger=none", "train.max_steps=2"]
+    args = ["model=hf_llama", f"model.pretrained={path}", "logger=none", "train.max_steps=2"]
     args += ["train.micro_batch_size=2", "train.grad_accum_steps=1", "eval.every_steps=0"]
     args += ["checkpoint.every_steps=2", "scheduler.warmup_steps=0", "data.tokenize_workers=1"]
+    template = tmp_path / "plain.jinja"
+    template.write_text(PLAIN)
+    if data == "hf":
+        texts = [{"text": tok.apply_chat_template(r["messages"], tokenize=False)} for r in rows]
+        file = write_jsonl(tmp_path / "docs.jsonl", texts)
+        args += ["data=hf", f"data.path={file}", f"data.tokenizer={path}", "data.block_size=64"]
+    else:
+        file = write_jsonl(tmp_path / "chat.jsonl", rows)
+        args += ["data=chat", f"data.path={file}", f"data.chat_template={template}"]
+        args += [f"data.max_length={MAX_LENGTH}"]
+    run = tmp_path / "run"
     train_in_process(args, run)
     out = tmp_path / "exported"
     export([f"checkpoint={run}", f"out={out}"])
-    config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     got = transformers.AutoTokenizer.from_pretrained(out)
-    for name in ("eos_token", "pad_token", "bos_token", "chat_template", "all_special_tokens"):
-        assert getattr(got, name) == getattr(tok, name), name
-    assert (out / "chat_template.jinja").read_text() == (path / "chat_template.jinja").read_text()
+    for name in (
+        "eos_token",
+        "pad_token",
+        "bos_token",
+        "all_special_tokens",
+        "added_tokens_decoder",
+    ):
+        assert str(getattr(got, name)) == str(getattr(tok, name)), name
+    assert got.chat_template == (PLAIN if data == "chat" else tok.chat_template)
     messages = rows[0]["messages"]
-    assert got.apply_chat_template(messages) == tok.apply_chat_template(messages)
+    ids = got.apply_chat_template(messages, return_dict=False)
+    assert ids == tok.apply_chat_template(messages, return_dict=False)
+    trained = ChatEncoder(str(path), PLAIN, "x", None)
+    assert ids == encode_one(trained, rows[0])[0].tolist(), "the ids training used"
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == "LlamaForCausalLM"
     state = torch.load(run / "checkpoints/step_00000002/state.pt", weights_only=True)["model"]
