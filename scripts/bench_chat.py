@@ -206,12 +206,12 @@ def exactness(root: Path) -> list[str]:
                 f"| cumulus data=chat, fp32 | 1 process | {on(packed)} | {accum} | "
                 f"{relative_error(got, want):.1e} |"
             )
-    for name, extra in (
-        ("2 ranks DDP", ["dist.strategy=ddp"]),
-        ("2 ranks FSDP2", ["dist.strategy=fsdp"]),
-        ("dist.cp=2", ["dist.cp=2"]),
+    for key, name, extra in (
+        ("ddp", "2 ranks DDP", ["dist.strategy=ddp"]),
+        ("fsdp", "2 ranks FSDP2", ["dist.strategy=fsdp"]),
+        ("cp", "dist.cp=2", ["dist.cp=2"]),
     ):
-        got = cumulus_gradient(model_dir, data, val, True, 4, runs / name.replace(" ", "_"), extra)
+        got = cumulus_gradient(model_dir, data, val, True, 4, runs / key, extra)
         err = relative_error(got, want)
         table.append(f"| cumulus data=chat, fp32 | {name} | on | 4 | {err:.1e} |")
     return table
@@ -327,6 +327,19 @@ def run_child(kind: str, data: Path, tok_dir: Path, extra: str = "") -> dict[str
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def preview_seconds(data: Path, tok_dir: Path, cache: Path, workers: int) -> float:
+    """Wall seconds of `python -m trainer.preview` (the whole command, imports included)."""
+    cmd = [sys.executable, "-m", "trainer.preview", "data=chat", f"data.path={data}"]
+    cmd += [f"data.tokenizer={tok_dir}", f"data.max_length={PREP_LENGTH}", "preview.samples=3"]
+    cmd += [f"data.tokenize_workers={workers}", f"data.cache_dir={cache}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return time.perf_counter() - start
+
+
 def preparation(root: Path, n: int, rounds: int) -> list[str]:
     from tests.chat_support import write_jsonl
 
@@ -367,6 +380,21 @@ def preparation(root: Path, n: int, rounds: int) -> list[str]:
         f"| cumulus data=chat, {3 * n:,} conversations | {bigger['wall_s']:.1f} | "
         f"{bigger['cpu_s']:.1f} | {bigger['rss_mb']:.0f} | {bigger['rows']:,.0f} | |"
     )
+    small = write_jsonl(root / "chat5k.jsonl", rows[:5000])
+    cold = preview_seconds(small, tok_dir, root / "cache5k", 1)
+    warm = preview_seconds(small, tok_dir, root / "cache5k", 1)
+    cold_all = preview_seconds(data, tok_dir, root / "cache50k", 0)
+    warm_all = preview_seconds(data, tok_dir, root / "cache50k", 0)
+    table += [
+        "",
+        "`python -m trainer.preview` (the whole command, imports included), one process "
+        "(`data.tokenize_workers=1`, then 0: in the process itself):",
+        "",
+        "| conversations | first run (tokenizing) s | cached s |",
+        "|---|---|---|",
+        f"| 5,000 | {cold:.1f} | {warm:.1f} |",
+        f"| {n:,} | {cold_all:.1f} | {warm_all:.1f} |",
+    ]
     return table
 
 

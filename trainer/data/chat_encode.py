@@ -19,12 +19,12 @@ import numpy as np
 from trainer.data.chat_render import (
     Renderer,
     default_train_on,
+    directory_identity,
     load_tokenizer,
     token_mask,
-    tokenizer_identity,
 )
 from trainer.data.chat_rows import conversation
-from trainer.data.shards import Encoded
+from trainer.data.encoding import Encoded
 
 VERSION = "chat/1"
 
@@ -55,7 +55,7 @@ class ChatEncoder:
 
         return {
             "encoder": VERSION,
-            "tokenizer": tokenizer_identity(self.tokenizer),
+            "tokenizer": directory_identity(self.tokenizer),
             "template": "sha256:" + hashlib.sha256(self.template.encode()).hexdigest(),
             "train_on": self.train_on,
         }

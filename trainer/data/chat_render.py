@@ -30,7 +30,7 @@ import numpy as np
 
 from trainer.config.errors import UserError
 from trainer.data.chat_rows import Conversation
-from trainer.data.shards import BadRecord
+from trainer.data.encoding import BadRecord
 
 TRAIN_ON = ("assistant", "last_assistant", "completion", "all")
 MARKERS = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -75,7 +75,7 @@ def load_tokenizer(path: str | Path, key: str = "data.tokenizer") -> Any:
     return tok
 
 
-def tokenizer_identity(path: str | Path) -> str:
+def directory_identity(path: str | Path) -> str:
     """A digest of the files that decide a tokenizer's ids and its rendering (not weights)."""
     p = Path(path).expanduser()
     files = [p] if p.is_file() else sorted(f for f in p.iterdir() if TOKENIZER_FILES.match(f.name))

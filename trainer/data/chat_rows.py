@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.data.shards import BadRecord
+from trainer.data.encoding import BadRecord
 
 COLUMNS = ("messages", "prompt", "completion")
 ROLES = ("system", "user", "assistant", "tool")
