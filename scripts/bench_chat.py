@@ -273,14 +273,41 @@ def bpe_tokenizer(out: Path, rows: list[dict[str, Any]]) -> Path:
     return out
 
 
-def _usage() -> tuple[float, float]:
-    """(CPU seconds of this process and its waited-for children, peak RSS MB of either)."""
+class PeakRss:
+    """The peak resident memory of the largest process among this one and its descendants
+    (tokenizer workers, `datasets` map workers), sampled every 0.2 s. Not `ru_maxrss`: Linux
+    keeps it across exec, so a child started by a large parent reports the parent's size."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import psutil
+
+        self.me, self.peak, self.stop = psutil.Process(), 0.0, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.stop.wait(0.2):
+            for proc in [self.me, *self.me.children(recursive=True)]:
+                try:
+                    self.peak = max(self.peak, proc.memory_info().rss / 2**20)
+                except Exception:  # a worker that just exited
+                    continue
+
+    def mb(self) -> float:
+        self.stop.set()
+        self.thread.join()
+        return self.peak
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its waited-for children."""
     me, kids = (
         resource.getrusage(resource.RUSAGE_SELF),
         resource.getrusage(resource.RUSAGE_CHILDREN),
     )
-    cpu = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-    return cpu, max(me.ru_maxrss, kids.ru_maxrss) / 1024
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def child_trl(data: Path, tok_dir: Path, num_proc: int | None) -> dict[str, float]:
@@ -300,22 +327,24 @@ def child_trl(data: Path, tok_dir: Path, num_proc: int | None) -> dict[str, floa
         assistant_only_loss=True, packing=True, max_length=PREP_LENGTH,
         dataset_num_proc=num_proc, disable_tqdm=True,
     )  # fmt: skip
-    cpu0, start = _usage()[0], time.perf_counter()
+    rss, cpu0, start = PeakRss(), _cpu(), time.perf_counter()
     ds = datasets.Dataset.from_json(str(data), cache_dir=cache)
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
     wall = time.perf_counter() - start
-    cpu, rss = _usage()
-    return {"wall_s": wall, "cpu_s": cpu - cpu0, "rss_mb": rss, "rows": len(trainer.train_dataset)}
+    rows = len(trainer.train_dataset)
+    return {"wall_s": wall, "cpu_s": _cpu() - cpu0, "rss_mb": rss.mb(), "rows": rows}
 
 
 def child_cumulus(data: Path, tok_dir: Path) -> dict[str, float]:
     from trainer.data.chat import chat_data
 
-    cpu0, start = _usage()[0], time.perf_counter()
-    splits = chat_data(str(data), tokenizer=str(tok_dir), max_length=PREP_LENGTH, cache=False)
+    rss, cpu0, start = PeakRss(), _cpu(), time.perf_counter()
+    # truncation=cut: TRL keeps the first max_length tokens of a longer conversation too.
+    splits = chat_data(
+        str(data), tokenizer=str(tok_dir), max_length=PREP_LENGTH, truncation="cut", cache=False
+    )
     wall = time.perf_counter() - start
-    cpu, rss = _usage()
-    return {"wall_s": wall, "cpu_s": cpu - cpu0, "rss_mb": rss, "rows": len(splits.train)}
+    return {"wall_s": wall, "cpu_s": _cpu() - cpu0, "rss_mb": rss.mb(), "rows": len(splits.train)}
 
 
 def run_child(kind: str, data: Path, tok_dir: Path, extra: str = "") -> dict[str, float]:
@@ -346,12 +375,14 @@ def preparation(root: Path, n: int, rounds: int) -> list[str]:
     rows = big_conversations(n)
     data = write_jsonl(root / "chat50k.jsonl", rows)
     tok_dir = bpe_tokenizer(root / "tok", rows)
+    small = write_jsonl(root / "chat5k.jsonl", rows[:5000])
+    del rows
     results: dict[str, list[dict[str, float]]] = {"trl": [], "trl2": [], "cumulus": []}
     for _ in range(rounds):  # interleaved: the machine's load moves
         results["trl"].append(run_child("trl", data, tok_dir))
         results["cumulus"].append(run_child("cumulus", data, tok_dir))
     results["trl2"].append(run_child("trl", data, tok_dir, "2"))
-    big = write_jsonl(root / "chat150k.jsonl", big_conversations(3 * n, seed=1))
+    big = write_jsonl(root / "chat150k.jsonl", big_conversations(3 * n, seed=1))  # freed
     bigger = run_child("cumulus", big, tok_dir)
     trl_wall = statistics.median(r["wall_s"] for r in results["trl"])
     table = [
@@ -365,7 +396,7 @@ def preparation(root: Path, n: int, rounds: int) -> list[str]:
     names = {
         "trl": "TRL SFTTrainer (dataset_num_proc=None: 1 process)",
         "trl2": "TRL SFTTrainer (dataset_num_proc=2)",
-        "cumulus": "cumulus data=chat (tokenize_workers: the 2 cores)",
+        "cumulus": "cumulus data=chat, truncation=cut (tokenize_workers: the 2 cores)",
     }
     for key, name in names.items():
         rs = results[key]
@@ -380,7 +411,6 @@ def preparation(root: Path, n: int, rounds: int) -> list[str]:
         f"| cumulus data=chat, {3 * n:,} conversations | {bigger['wall_s']:.1f} | "
         f"{bigger['cpu_s']:.1f} | {bigger['rss_mb']:.0f} | {bigger['rows']:,.0f} | |"
     )
-    small = write_jsonl(root / "chat5k.jsonl", rows[:5000])
     cold = preview_seconds(small, tok_dir, root / "cache5k", 1)
     warm = preview_seconds(small, tok_dir, root / "cache5k", 1)
     cold_all = preview_seconds(data, tok_dir, root / "cache50k", 0)
