@@ -99,6 +99,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         dump = [f"+callbacks.dump._target_={DUMP}", f"+callbacks.dump.path={root / name}.pt"]
         return train([*args, *ONE_STEP, *dump, *extra], root / name, nproc)
 
+    # The in-tree GPT on the same rows (its own initial weights: seeded as the trainer seeds).
+    gpt = [*packed[2:], "model=gpt_tiny", "model.vocab_size=320", f"model.block_size={MAX_LENGTH}"]
+    gpt.append(f"data.tokenizer={model}")
     whole = [*packed, *batch(r_packed, r_packed)]
     cmds = {
         "packed": one_step("packed", whole, 1, *FOUR_STEPS),
@@ -108,6 +111,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "fsdp": one_step("fsdp", [*packed, *batch(r_packed, 1, 2), "dist.strategy=fsdp"], 2),
         "cp": one_step("cp", [*packed, *batch(r_packed, 1), "dist.cp=2"], 2),
         "cp_prompts": one_step("cp_prompts", [*prompts, *batch(r_prompts, 1), "dist.cp=2"], 2),
+        "gpt_cp": one_step("gpt_cp", [*gpt, *batch(r_packed, 1), "dist.cp=2"], 2),
     }
     procs = launch_all(cmds, TIMEOUT)
     rerun = launch(cmds["killed"], TIMEOUT)
@@ -151,6 +155,21 @@ def reference(
     return {n: p.grad for n, p in model.named_parameters()}
 
 
+def gpt_reference(convs: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+    """The same float64 gradient for the in-tree GPT of the `gpt_cp` run, each conversation
+    alone through its plain causal forward."""
+    from trainer.models.gpt import GPT
+
+    torch.manual_seed(1337)  # the trainer's seed, right before it builds the model
+    model = GPT(vocab_size=320, block_size=MAX_LENGTH, n_layer=2, n_head=2, n_embd=32).double()
+    total = sum(sum(m[1:]) for _, m in convs)
+    for ids, mask in convs:
+        logits = model(torch.tensor(ids)[None])[0, :-1]
+        targets = torch.tensor(ids[1:]).masked_fill(torch.tensor(mask[1:]) == 0, -100)
+        (F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / total).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
 def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     assert set(got) == set(want), sorted(set(got) ^ set(want))
     diff = sum(float((got[n].double() - want[n]).pow(2).sum()) for n in want)
@@ -163,7 +182,12 @@ def references(runs: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
     root, model, tok = runs["root"], runs["model"], runs["tok"]
     a, b = kept(tok, root / "a.jsonl"), kept(tok, root / "b.jsonl")
     assert 15 <= len(a) < 24, "premise: most conversations train, some are too long"
-    return {"a": reference(model, a), "b": reference(model, b), "bug": reference(model, a, True)}
+    return {
+        "a": reference(model, a),
+        "b": reference(model, b),
+        "bug": reference(model, a, True),
+        "gpt": gpt_reference(a),
+    }
 
 
 # --------------------------------------------------------------------------- the tests
@@ -181,6 +205,18 @@ def test_one_step_has_the_float64_full_batch_gradient(
     assert error <= TOL, (name, error)
     # The tolerance means something: the per-conversation mean is far outside it.
     assert relative_error(references["bug"], references["a"]) > 100 * TOL
+
+
+@pytest.mark.multiproc
+def test_the_in_tree_gpt_under_context_parallelism(
+    runs: dict[str, Any], references: dict[str, dict[str, torch.Tensor]]
+) -> None:
+    """gpt_tiny, packed conversations split over 2 context-parallel ranks: the documents of
+    the whole sequence gathered once per forward, attention masked by document."""
+    proc = runs["procs"]["gpt_cp"]
+    assert proc.returncode == 0, explain(proc)
+    got = torch.load(runs["root"] / "gpt_cp.pt", weights_only=True)
+    assert relative_error(got, references["gpt"]) <= TOL
 
 
 @pytest.mark.multiproc
