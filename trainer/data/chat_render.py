@@ -31,6 +31,7 @@ import numpy as np
 from trainer.config.errors import UserError
 from trainer.data.chat_rows import Conversation
 from trainer.data.encoding import BadRecord
+from trainer.data.tokenize import EXTRA
 
 TRAIN_ON = ("assistant", "last_assistant", "completion", "all")
 MARKERS = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -49,9 +50,13 @@ class TemplateRefused(BadRecord):
 def load_tokenizer(path: str | Path, key: str = "data.tokenizer") -> Any:
     """A transformers fast tokenizer from a tokenizer directory (`AutoTokenizer`, never running
     code from it) or a bare tokenizer.json; one paragraph when it cannot be read."""
-    from trainer.models.hf import require_transformers
-
-    transformers = require_transformers()
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(
+            f"{key}: data=chat renders with transformers' chat templates, which is not "
+            f"installed; install the extra: pip install 'cumulus[{EXTRA}]'"
+        ) from None
     p = Path(path).expanduser()
     try:
         if p.is_dir():
