@@ -189,16 +189,18 @@ def run_tokenizer(data: dict[str, Any]) -> tuple[Any, str]:
     """(a transformers tokenizer for the run's data or None, what it is). Loaded before
     anything is written: a bad tokenizer leaves no half-written export.
 
-    A tokenizer directory (`data.tokenizer=DIR`, or the `model.pretrained` directory's) is
-    loaded and saved as it is: its special tokens, added tokens and chat template come out
-    unchanged; with `data.chat_template=FILE` that template, which training rendered with,
-    is the export's."""
+    A transformers tokenizer directory (`data.tokenizer=DIR`, or the `model.pretrained`
+    directory's, with its tokenizer_config.json) is loaded and saved as it is: its special
+    tokens, added tokens and chat template come out unchanged; with
+    `data.chat_template=FILE` that template, which training rendered with, is the export's.
+    A bare tokenizer.json (or a directory of one alone) gets its end-of-text token as eos.
+    """
     transformers = _transformers()  # first: without the extra, one line naming it
     from trainer.data.tokenize import tokenizer_source
 
     source = tokenizer_source(data.get("tokenizer"), data.get("pretrained"))
     template = data.get("chat_template")
-    if source and Path(source).expanduser().is_dir():
+    if source and (Path(source).expanduser() / "tokenizer_config.json").is_file():
         from trainer.data.chat_render import load_tokenizer as load_directory
 
         tok = load_directory(source, "data.tokenizer")
