@@ -61,7 +61,7 @@ USAGE = (
 )
 OWN = ("checkpoint", "out", "merge")
 # What an export reads of the saved config: the model, and the tokenizer beside it.
-USES = ("model", "data.tokenizer", "data.chat_template")
+USES = ("model", "data.tokenizer", "data.pretrained", "data.chat_template")
 
 
 def export(path: Path, cfg: Config, info: DistInfo, out: Path, merge: bool = False) -> None:

@@ -303,6 +303,12 @@ def test_config_composes_and_instantiates(group: str, name: str, tmp_path: Path)
 
         overrides.append(f"data.path={write_pairs(tmp_path / 'pairs.jsonl', 40)}")
         overrides.append(f"data.tokenizer={write_tokenizer(tmp_path / 'tokenizer')}")
+    elif cfg.data.get("_target_") == "trainer.data.chat.chat_data":  # conversations + tokenizer
+        from tests.chat_support import conversations, make_tokenizer, write_jsonl
+
+        make_tokenizer(tmp_path / "tok")
+        chat = write_jsonl(tmp_path / "chat.jsonl", conversations(40, max_turns=1))
+        overrides += [f"data.path={chat}", f"data.tokenizer={tmp_path / 'tok'}"]
     elif cfg.data.get("path") == "required":  # a preset on a token .bin dataset the user provides
         for split, n in (("train", 20000), ("val", 3000)):  # > block_size + 1 tokens each
             np.arange(n, dtype="<u2").tofile(tmp_path / f"{split}.bin")

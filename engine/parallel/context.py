@@ -70,6 +70,17 @@ class SequenceShard:
         second = torch.arange((2 * self.size - 1 - self.rank) * c, (2 * self.size - self.rank) * c)
         return torch.cat([first, second.to(device)])
 
+    # ---- packed documents ----
+    def documents(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T_local) position ids of this rank's tokens, restarting at 0 where a packed
+        document starts -> (B, T) the document of every token of the whole sequence (all
+        ranks'), for `attend(documents=...)`. One all-gather of the positions per forward."""
+        parts = [torch.empty_like(position_ids) for _ in range(self.size)]
+        dist.all_gather(parts, position_ids.contiguous(), group=self.group)
+        whole = self.to_global([p[:, None, :, None] for p in parts])[:, 0, :, 0]  # (B, T)
+        step = torch.diff(whole, dim=-1, prepend=whole[:, :1] - 1)
+        return (step != 1).cumsum(-1)
+
     # ---- attention over the whole sequence ----
     def attend(
         self,
@@ -78,10 +89,12 @@ class SequenceShard:
         v: torch.Tensor,
         dropout_p: float = 0.0,
         scale: float | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of this rank's queries (B, H, T_local, D) over every rank's keys
         and values (B, H_kv, T_local, D; H a multiple of H_kv): keys and values all-gathered
-        along the sequence, the mask from the tokens' global positions."""
+        along the sequence, the mask from the tokens' global positions. `documents` (B, T,
+        from `documents()`): packed documents, each attending only to itself."""
         k_all = _GatherSequence.apply(k, self)
         v_all = _GatherSequence.apply(v, self)
         if k_all.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group
@@ -90,7 +103,9 @@ class SequenceShard:
             v_all = v_all.repeat_interleave(repeat, dim=1)
         # Recomputed in backward: the (T_local x T) mask and scores of a masked attention would
         # otherwise be kept for backward, T^2 / cp memory where one process keeps O(T).
-        return checkpoint(self._masked, q, k_all, v_all, dropout_p, scale, use_reentrant=False)
+        return checkpoint(
+            self._masked, q, k_all, v_all, dropout_p, scale, documents, use_reentrant=False
+        )
 
     def _masked(
         self,
@@ -99,11 +114,16 @@ class SequenceShard:
         v: torch.Tensor,
         dropout_p: float,
         scale: float | None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of the local queries over the whole sequence, causal in global positions."""
+        """Attention of the local queries over the whole sequence, causal in global positions
+        (and within each packed document)."""
         q_pos = self.positions(q.shape[-2], q.device)
         k_pos = torch.arange(k.shape[-2], device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # (T_local, T): True where a query may attend
+        if documents is not None:
+            mine = self.own(documents[:, None, :, None])[:, 0, :, 0]  # (B, T_local)
+            mask = (mask & (mine[:, :, None] == documents[:, None, :]))[:, None]  # (B,1,Tl,T)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale
         )

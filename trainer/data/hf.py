@@ -17,7 +17,7 @@ from trainer.config.errors import UserError
 from trainer.data import DataSplits
 from trainer.data.shards import Source, TokenStore, TokenView, load_saved, open_shards
 from trainer.data.text import collate, decode_bytes, token_samples
-from trainer.data.tokenize import EXTRA, decoder, load_tokenizer
+from trainer.data.tokenize import EXTRA, decoder, load_tokenizer, pretrained_tokenizer
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -31,11 +31,11 @@ def is_dataset(path: Path) -> bool:
     return path.suffix in SUFFIXES
 
 
-def sources(path: Path, field: str) -> tuple[Source, Source | None]:
+def sources(path: Path, field: str, reader: str = "data=hf") -> tuple[Source, Source | None]:
     """(training source, the data's own validation split if it has one)."""
     if not path.exists():
         raise UserError(
-            f"data.path: {path} does not exist. data=hf reads a JSON Lines file (.jsonl), a "
+            f"data.path: {path} does not exist. {reader} reads a JSON Lines file (.jsonl), a "
             "Parquet file (.parquet) or a datasets save_to_disk directory, from local disk."
         )
     if path.is_dir():
@@ -65,7 +65,7 @@ def sources(path: Path, field: str) -> tuple[Source, Source | None]:
             ) from None
         return Source("parquet", (path,), field), None
     raise UserError(
-        f"data.path: {path} has suffix {path.suffix!r}; data=hf reads {', '.join(SUFFIXES)} "
+        f"data.path: {path} has suffix {path.suffix!r}; {reader} reads {', '.join(SUFFIXES)} "
         "files or a save_to_disk directory (for plain text use data=stdlib with data.path=)"
     )
 
@@ -82,12 +82,14 @@ def hf_data(
     cache: bool = True,
     tokenize_workers: int | None = None,
     cache_dir: str | None = None,
+    pretrained: str | None = None,
 ) -> DataSplits:
     """The `data._target_` of `data=hf`. Validation: `val_path`, else the data's own
     validation split, else every `val_every_nth`-th document. `tokenize_workers`: processes
     that tokenize (null: the cores available). `cache_dir`: where the token shards go (null:
     `.cumulus-cache/` next to the data, or `~/.cache/cumulus/shards` where that is read-only).
-    `cache=false` tokenizes again into a fresh directory."""
+    `cache=false` tokenizes again into a fresh directory. `pretrained`: the model's
+    directory, whose tokenizer is the default (`model.pretrained`)."""
     if not path or path == "required":
         raise ValueError("path: data=hf needs data.path= a .jsonl, .parquet or save_to_disk dir")
     if block_size <= 0:
@@ -96,6 +98,7 @@ def hf_data(
         raise ValueError("val_every_nth must be at least 2")
     if tokenize_workers is not None and tokenize_workers < 0:
         raise ValueError(f"tokenize_workers must be >= 0 or null, got {tokenize_workers}")
+    tokenizer = pretrained_tokenizer(tokenizer, pretrained)
     source = Path(path).expanduser()
     train_src, val_src = sources(source, text_field)
     if val_path is not None:

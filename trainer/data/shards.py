@@ -26,6 +26,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -39,12 +40,14 @@ from typing import Any
 import numpy as np
 
 from trainer.config.errors import UserError
+from trainer.data.encoding import BadRecord, Encoded, Encoder, TextEncoder
 
 FORMAT = "cumulus-shards/1"
 CHUNK_BYTES = 4 << 20  # source bytes per chunk: bounds memory per worker and per shard
 HOME_CACHE = Path("~/.cache/cumulus/shards")
 PROGRESS_EVERY_S = 5.0
 KINDS = ("jsonl", "json", "parquet", "saved", "text", "files")
+EXTRA_DTYPES = ("|u1", "<i4", "<i8")  # what an encoder's extra arrays may be stored as
 
 
 @dataclass(frozen=True)
@@ -52,15 +55,19 @@ class Source:
     """Documents to tokenize. `kind`: `jsonl` (a record per line), `json` (an array of
     records), `parquet`, `saved` (a `save_to_disk` directory; `split` names a DatasetDict
     split), `text` (one text file, one document, read in pieces) or `files` (text files, one
-    document each). `field`: the record field holding the text."""
+    document each). `field`: the record field holding the text; or `columns`: each record is
+    the dict of those of its fields it has (an encoder of structured rows, such as data=chat's
+    conversations, reads them)."""
 
     kind: str
     paths: tuple[Path, ...]
     field: str = "text"
     split: str | None = None
+    columns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "paths", tuple(Path(p) for p in self.paths))
+        object.__setattr__(self, "columns", tuple(self.columns))
 
     @property
     def name(self) -> str:
@@ -78,22 +85,19 @@ class Source:
         return out
 
 
-def _tokenizer_identity(tokenizer: Path | None) -> str:
-    if tokenizer is None:
-        return "bytes"
-    return "sha256:" + hashlib.sha256(tokenizer.read_bytes()).hexdigest()
-
-
-def _cache_key(source: Source, tokenizer: Path | None) -> dict[str, Any]:
-    return {
+def _cache_key(source: Source, encoder: Encoder) -> dict[str, Any]:
+    key = {
         "format": FORMAT,
         "kind": source.kind,
         "field": source.field,
         "split": source.split,
         "files": source.fingerprint(),
-        "tokenizer": _tokenizer_identity(tokenizer),
+        "tokenizer": encoder.identity(),
         "chunk_bytes": CHUNK_BYTES,
     }
+    if source.columns:
+        key["columns"] = list(source.columns)
+    return key
 
 
 # --- reading: chunks of documents, cut at the same places every run -------------------------
@@ -102,26 +106,57 @@ def _cache_key(source: Source, tokenizer: Path | None) -> dict[str, Any]:
 @dataclass
 class Chunk:
     """`payload`: a [start, end) byte range of JSON lines (read and parsed in the worker) or
-    texts; `ends[i]`: document i ends
-    here (text pieces of one file are documents that end only with the file)."""
+    values (texts, or records of `Source.columns`); `ends[i]`: document i ends here (text
+    pieces of one file are documents that end only with the file)."""
 
     kind: str  # "range" ([start, end) bytes of JSON lines) or "texts"
     payload: list[Any]
-    first: int  # 1-based line number of the first record (lines), for messages
+    # 1-based line number of the first record (lines), or number of the first value: messages
+    first: int
     nbytes: int
     ends: list[bool] | None = None
 
 
 def _missing(path: Path, field: str, where: str, fields: list[str]) -> UserError:
-    return UserError(
+    return BadRecord(
         f"data.text_field: {where} of {path} has no field {field!r}; its fields: "
         f"{', '.join(map(repr, fields)) or 'none'}. Set data.text_field= to the field that "
         "holds the text."
     )
 
 
-def _text(value: Any) -> str:
-    return "" if value is None else str(value)  # a null text is an empty document
+def _not_text(field: str, where: str, value: Any) -> BadRecord:
+    kind = type(value).__name__
+    return BadRecord(
+        f"data.text_field: {where} holds a {kind} in field {field!r} ({repr(value)[:60]}), not "
+        "text; data=hf trains on one text field per record and would read the Python text of "
+        f"the {kind}. Conversations (a list of role/content messages) are data=chat "
+        "(data=chat data.path=...); otherwise set data.text_field= to a field holding text."
+    )
+
+
+def _text(value: Any, field: str = "text", where: str = "a record") -> str:
+    if value is None:
+        return ""  # a null text is an empty document
+    if not isinstance(value, str):
+        raise _not_text(field, where, value)
+    return value
+
+
+def _value(record: Any, source: Source, path: Path, where: str) -> Any:
+    """What a record gives its encoder: the text of `source.field`, or with `source.columns`
+    the record itself (Parquet and save_to_disk read only those columns)."""
+    if source.columns:
+        if not isinstance(record, dict):
+            raise BadRecord(
+                f"data.path: {where} is a JSON {type(record).__name__}, not an object with "
+                f"fields {', '.join(source.columns)}"
+            )
+        return record
+    if not isinstance(record, dict) or source.field not in record:
+        fields = list(record) if isinstance(record, dict) else []
+        raise _missing(path, source.field, where.removesuffix(f" of {path}"), fields)
+    return _text(record[source.field], source.field, where)
 
 
 def _chunks_jsonl(path: Path) -> Iterator[Chunk]:
@@ -140,44 +175,80 @@ def _chunks_jsonl(path: Path) -> Iterator[Chunk]:
             first += block.count(b"\n")
 
 
-def _chunks_texts(texts: Iterator[str]) -> Iterator[Chunk]:
-    return _chunks_sized((t, len(t)) for t in texts)
+def _size(value: Any) -> int:
+    """About how many bytes of text a value holds (texts, records of strings)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_size(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_size(v) for v in value)
+    return 8
 
 
-def _chunks_sized(texts: Iterator[tuple[str, int]]) -> Iterator[Chunk]:
-    """(text, its size) pairs in chunks of about CHUNK_BYTES."""
-    batch: list[str] = []
-    size = 0
+def _chunks_texts(values: Iterator[Any]) -> Iterator[Chunk]:
+    return _chunks_sized((v, _size(v)) for v in values)
+
+
+def _chunks_sized(texts: Iterator[tuple[Any, int]]) -> Iterator[Chunk]:
+    """(value, its size) pairs in chunks of about CHUNK_BYTES."""
+    batch: list[Any] = []
+    size, first = 0, 1
     for t, n in texts:
         batch.append(t)
         size += n
         if size >= CHUNK_BYTES:
-            yield Chunk("texts", batch, 0, size)
+            yield Chunk("texts", batch, first, size)
+            first += len(batch)
             batch, size = [], 0
     if batch:
-        yield Chunk("texts", batch, 0, size)
+        yield Chunk("texts", batch, first, size)
 
 
-def _json_array(path: Path, field: str) -> Iterator[str]:
+def _json_array(path: Path, source: Source) -> Iterator[Any]:
     try:
         records = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise UserError(f"data.path: {path} is not JSON ({exc})") from None
+        raise BadRecord(f"data.path: {path} is not JSON ({exc})") from None
+    if not isinstance(records, list):
+        raise BadRecord(f"data.path: {path} holds a JSON {type(records).__name__}, not an array")
     for n, record in enumerate(records, 1):
-        if not isinstance(record, dict) or field not in record:
-            fields = list(record) if isinstance(record, dict) else []
-            raise _missing(path, field, f"record {n}", fields)
-        yield _text(record[field])
+        yield _value(
+            record, source, path, f"{path}: row {n}" if source.columns else f"record {n} of {path}"
+        )
 
 
-def _parquet_texts(path: Path, field: str) -> Iterator[str]:
+def _parquet_values(path: Path, source: Source) -> Iterator[Any]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(path)
-    if field not in pf.schema_arrow.names:
-        raise _missing(path, field, "the schema", pf.schema_arrow.names)
+    names = pf.schema_arrow.names
+    if source.columns:
+        columns = [c for c in source.columns if c in names]
+        yield from _column_records(
+            (b.to_pylist() for b in pf.iter_batches(batch_size=1024, columns=columns)),
+        )
+        return
+    field = source.field
+    if field not in names:
+        raise _missing(path, field, "the schema", names)
+    _check_text_column(pf.schema_arrow.field(field).type, field, path)
     for batch in pf.iter_batches(batch_size=1024, columns=[field]):
-        yield from (_text(t) for t in batch.column(0).to_pylist())
+        yield from (_text(t, field) for t in batch.column(0).to_pylist())
+
+
+def _column_records(batches: Iterator[list[dict[str, Any]]]) -> Iterator[dict[str, Any]]:
+    for rows in batches:
+        yield from rows
+
+
+def _check_text_column(kind: Any, field: str, path: Path) -> None:
+    """A column that is not text (a list of messages, numbers) is refused before any read."""
+    import pyarrow as pa
+
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+        example = [{"role": "user", "content": "..."}] if pa.types.is_list(kind) else kind
+        raise _not_text(field, f"column {field!r} of {path} (type {kind})", example)
 
 
 def load_saved(path: Path) -> Any:
@@ -197,15 +268,23 @@ def load_saved(path: Path) -> Any:
         ) from None
 
 
-def _saved_texts(path: Path, field: str, split: str | None) -> Iterator[str]:
+def _saved_values(path: Path, source: Source) -> Iterator[Any]:
     ds = load_saved(path)
-    if split is not None:
-        ds = ds[split]
+    if source.split is not None:
+        ds = ds[source.split]
+    if source.columns:
+        columns = [c for c in source.columns if c in ds.column_names]
+        table = ds.select_columns(columns).with_format("arrow")
+        for start in range(0, len(ds), 1024):
+            yield from table[start : start + 1024].to_pylist()
+        return
+    field = source.field
     if field not in ds.column_names:
         raise _missing(path, field, "the dataset", ds.column_names)
     table = ds.select_columns([field]).with_format("arrow")
+    _check_text_column(table.features.arrow_schema.field(field).type, field, path)
     for start in range(0, len(ds), 1024):
-        yield from (_text(t) for t in table[start : start + 1024][field].to_pylist())
+        yield from (_text(t, field) for t in table[start : start + 1024][field].to_pylist())
 
 
 def _chunks_text_file(path: Path) -> Iterator[Chunk]:
@@ -240,11 +319,11 @@ def chunks(source: Source) -> Iterator[Chunk]:
     if source.kind == "jsonl":
         return _chunks_jsonl(path)
     if source.kind == "json":
-        return _chunks_texts(_json_array(path, source.field))
+        return _chunks_texts(_json_array(path, source))
     if source.kind == "parquet":
-        return _chunks_texts(_parquet_texts(path, source.field))
+        return _chunks_texts(_parquet_values(path, source))
     if source.kind == "saved":
-        return _chunks_texts(_saved_texts(path, source.field, source.split))
+        return _chunks_texts(_saved_values(path, source))
     if source.kind == "text":
         return _chunks_text_file(path)
     if source.kind == "files":
@@ -266,64 +345,57 @@ def documents(source: Source) -> Iterator[list[str]]:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: str | None, path: str, field: str) -> None:
+def _init_worker(encoder: Encoder, path: str, source: Source) -> None:
     # Each worker is one core: the Rust library's own thread pool would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER.clear()
-    _WORKER.update(path=Path(path), field=field, tok=None, eos=None)
-    if tokenizer is not None:
-        from trainer.data.tokenize import eos_id, load_tokenizer
-
-        tok = load_tokenizer(tokenizer)
-        _WORKER.update(tok=tok, eos=eos_id(tok))
-
-
-def _texts_of(chunk: Chunk) -> list[str]:
-    return chunk_texts(chunk, _WORKER["path"], _WORKER["field"])
+    _WORKER.update(path=Path(path), source=source, encoder=encoder)
+    encoder.start()
 
 
 def chunk_texts(chunk: Chunk, path: Path, field: str) -> list[str]:
     """The documents of one chunk of the source at `path` (records' `field`)."""
+    return chunk_values(chunk, path, Source("jsonl", (path,), field))[0]
+
+
+def _where(chunk: Chunk, path: Path, i: int) -> str:
+    if chunk.kind == "range":
+        return f"{path}:{i}"
+    return f"{path}: row {i}" if chunk.first else str(path)
+
+
+def chunk_values(chunk: Chunk, path: Path, source: Source) -> tuple[list[Any], list[str]]:
+    """What the records of one chunk give the encoder (`_value`), and where each is: `FILE:LINE`
+    for JSON Lines, `FILE: row N` otherwise."""
     if chunk.kind == "texts":
-        return chunk.payload
+        where = [_where(chunk, path, chunk.first + i) for i in range(len(chunk.payload))]
+        return chunk.payload, where
     start, end = chunk.payload
     with open(path, "rb") as f:
         f.seek(start)
         lines = f.read(end - start).split(b"\n")
     if lines and not lines[-1]:
         lines.pop()
-    texts = []
+    values, wheres = [], []
     for n, line in enumerate(lines, chunk.first):
         if not line.strip():
             continue
+        where = f"{path}:{n}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise UserError(f"data.path: line {n} of {path} is not JSON ({exc})") from None
-        if not isinstance(record, dict) or field not in record:
-            fields = list(record) if isinstance(record, dict) else []
-            raise _missing(path, field, f"line {n}", fields)
-        texts.append(_text(record[field]))
-    return texts
+            raise BadRecord(f"data.path: line {n} of {path} is not JSON ({exc})") from None
+        values.append(
+            _value(record, source, path, where if source.columns else f"line {n} of {path}")
+        )
+        wheres.append(where)
+    return values, wheres
 
 
-def encode(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens int64, documents' lengths) of one chunk; documents end with the tokenizer's
-    end-of-text token, if it has one (bytes: no separator)."""
-    texts = _texts_of(chunk)
-    ends = chunk.ends or [True] * len(texts)
-    tok, eos = _WORKER["tok"], _WORKER["eos"]
-    if tok is None:
-        parts = [np.frombuffer(t.encode("utf-8", errors="replace"), np.uint8) for t in texts]
-    else:
-        tail = [eos] if eos is not None else []
-        parts = [
-            np.asarray(e.ids + (tail if end else []), dtype=np.int64)
-            for e, end in zip(tok.encode_batch(texts), ends)
-        ]
-    lengths = np.array([len(p) for p in parts], dtype=np.int64)
-    tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-    return tokens, lengths
+def encode(chunk: Chunk) -> Encoded:
+    """One chunk's documents through the worker's encoder."""
+    values, where = chunk_values(chunk, _WORKER["path"], _WORKER["source"])
+    return _WORKER["encoder"].encode(values, where, chunk.ends)
 
 
 def default_workers() -> int:
@@ -336,11 +408,18 @@ def default_workers() -> int:
 def write_shard(chunk: Chunk, i: int, out: Path, dtype: str) -> tuple[int, int, int]:
     """Tokenize chunk i and commit it as shard i (in the worker: only counts travel back).
     Returns (documents, tokens, largest id or -1)."""
-    tokens, lengths = encode(chunk)
+    encoded = encode(chunk)
+    tokens, lengths = encoded.tokens, encoded.lengths
     biggest = int(tokens.max()) if len(tokens) else -1
     if biggest >= 1 << (8 * np.dtype(dtype).itemsize):
         raise UserError(f"data.tokenizer: token id {biggest} does not fit {dtype}")
     _atomic_write(out / f"chunk-{i:06d}.bin", tokens.astype(dtype))
+    for name, (per, kind) in _WORKER["encoder"].extras.items():
+        values = np.asarray(encoded.extras[name])
+        want = len(tokens) if per == "token" else len(lengths)
+        if len(values) != want:
+            raise RuntimeError(f"encoder extra {name!r}: {len(values)} values, expected {want}")
+        _atomic_write(out / f"chunk-{i:06d}.{name}", values.astype(kind))
     _atomic_write(out / f"chunk-{i:06d}.docs", np.cumsum(lengths).astype("<i8"))
     return len(lengths), len(tokens), biggest
 
@@ -355,12 +434,15 @@ def _atomic_write(path: Path, data: bytes | np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _committed(out: Path, i: int, itemsize: int) -> tuple[int, int, int] | None:
-    """(documents, tokens, max id) of shard i if it is whole, else None."""
+def _committed(
+    out: Path, i: int, itemsize: int, extras: dict[str, tuple[str, str]] | None = None
+) -> tuple[int, int, int] | None:
+    """(documents, tokens, max id) of shard i if it is whole (its extras too), else None."""
     docs, bins = out / f"chunk-{i:06d}.docs", out / f"chunk-{i:06d}.bin"
     try:
         ends = np.fromfile(docs, dtype="<i8")
         size = bins.stat().st_size
+        sizes = {n: (out / f"chunk-{i:06d}.{n}").stat().st_size for n in extras or {}}
     except (OSError, ValueError):
         return None
     if docs.stat().st_size % 8 or (len(ends) and (np.any(np.diff(ends) < 0) or ends[0] < 0)):
@@ -368,6 +450,9 @@ def _committed(out: Path, i: int, itemsize: int) -> tuple[int, int, int] | None:
     n_tokens = int(ends[-1]) if len(ends) else 0
     if size != n_tokens * itemsize:
         return None
+    for name, (per, kind) in (extras or {}).items():
+        if sizes[name] != (n_tokens if per == "token" else len(ends)) * np.dtype(kind).itemsize:
+            return None
     return len(ends), n_tokens, -1
 
 
@@ -398,7 +483,7 @@ class _Progress:
         )
 
 
-def _prepare(out: Path, tokenizer: Path | None) -> tuple[int, np.dtype]:
+def _prepare(out: Path, encoder: Encoder) -> tuple[int, np.dtype]:
     """The shard folder, cleared of half-written files, its build logged; the vocabulary size
     and the token dtype that holds it."""
     out.mkdir(parents=True, exist_ok=True)
@@ -412,17 +497,13 @@ def _prepare(out: Path, tokenizer: Path | None) -> tuple[int, np.dtype]:
             f"{time.time():.3f} {os.uname().nodename} pid={os.getpid()} "
             f"rank={os.environ.get('RANK', '0')}\n"
         )
-    vocab = 256
-    if tokenizer is not None:
-        from trainer.data.tokenize import load_tokenizer
-
-        vocab = load_tokenizer(tokenizer).get_vocab_size()
+    vocab = encoder.vocab_size()
     return vocab, np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
 
 
-def _pool(workers: int, tokenizer: Path | None, source: Source) -> ProcessPoolExecutor | None:
+def _pool(workers: int, encoder: Encoder, source: Source) -> ProcessPoolExecutor | None:
     """Tokenizer worker processes (None: tokenize in this process, set up here)."""
-    init = (None if tokenizer is None else str(tokenizer), str(source.paths[0]), source.field)
+    init = (encoder, str(source.paths[0]), source)
     if workers == 1:
         _init_worker(*init)
         return None
@@ -437,7 +518,7 @@ def _pool(workers: int, tokenizer: Path | None, source: Source) -> ProcessPoolEx
 
 def build(
     source: Source,
-    tokenizer: Path | None,
+    encoder: Encoder,
     out: Path,
     key: dict[str, Any],
     workers: int,
@@ -445,7 +526,7 @@ def build(
 ) -> None:
     """Tokenize `source` into shards under `out` (the caller holds the lock). Shards already
     committed by an interrupted run are kept, not redone."""
-    vocab, dtype = _prepare(out, tokenizer)
+    vocab, dtype = _prepare(out, encoder)
     total = sum(size for _, size, _ in key["files"])
     progress = _Progress(source, total, quiet)
     counts: list[list[int]] = []  # per shard: documents, tokens
@@ -458,7 +539,7 @@ def build(
 
     pending: deque[tuple[int, Chunk, Any]] = deque()
     workers = max(1, workers)
-    pool = _pool(workers, tokenizer, source)
+    pool = _pool(workers, encoder, source)
 
     def drain(limit: int) -> None:
         while len(pending) > limit:
@@ -473,13 +554,13 @@ def build(
                     "from them."
                 ) from None
             except UserError as exc:  # raised in a worker: drop the remote traceback
-                raise UserError(str(exc)) from None
+                raise type(exc)(str(exc)) from None
             commit(i, n_docs, n_tokens, max_id)
             progress.add(n_docs, n_tokens, chunk.nbytes)
 
     try:
         for i, chunk in enumerate(chunks(source)):
-            done = _committed(out, i, dtype.itemsize)
+            done = _committed(out, i, dtype.itemsize, encoder.extras)
             if done is not None:  # committed by an interrupted run
                 drain(0)
                 tokens = np.memmap(out / f"chunk-{i:06d}.bin", dtype, "r") if done[1] else None
@@ -506,6 +587,7 @@ def build(
         "documents": sum(c[0] for c in counts),
         "tokens": sum(c[1] for c in counts),
         "shards": counts,
+        "extras": {name: list(spec) for name, spec in encoder.extras.items()},
         "key": key,
     }
     _atomic_write(out / "index.json", json.dumps(index, indent=1).encode())
@@ -561,12 +643,24 @@ def read_index(path: Path) -> dict[str, Any]:
         raise _refuse(path, "the shards' counts do not add up to documents and tokens")
     if not isinstance(index.get("key"), dict):
         raise _refuse(path, "no cache key")
+    extras = index.setdefault("extras", {})
+    if not isinstance(extras, dict) or not all(
+        isinstance(name, str)
+        and name.isidentifier()
+        and isinstance(spec, list)
+        and len(spec) == 2
+        and spec[0] in ("token", "doc")
+        and spec[1] in EXTRA_DTYPES
+        for name, spec in extras.items()
+    ):
+        raise _refuse(path, "extras is not a mapping of name to [token|doc, dtype]")
     return index
 
 
 class TokenStore:
     """The shards of one corpus, memory-mapped: `read(a, b)` gives tokens a..b-1 of the
-    concatenated documents; `doc_offsets` (documents + 1,) their boundaries."""
+    concatenated documents; `doc_offsets` (documents + 1,) their boundaries. An encoder's
+    extras: `read_extra(name, a, b)` (per token), `doc_extra(name)` (per document)."""
 
     def __init__(self, root: Path, index: dict[str, Any]) -> None:
         self.root = root
@@ -574,8 +668,10 @@ class TokenStore:
         self.dtype = np.dtype(index["dtype"])
         self.vocab_size = int(index["vocab_size"])
         self.max_id = int(index["max_id"])
+        self.extras = {name: (per, np.dtype(kind)) for name, (per, kind) in index["extras"].items()}
         counts = np.array([s[1] for s in index["shards"]], dtype=np.int64).reshape(-1)
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.n_docs = [int(s[0]) for s in index["shards"]]
         ends = []
         for i, (n_docs, n_tokens) in enumerate(index["shards"]):
             e = np.fromfile(root / f"chunk-{i:06d}.docs", dtype="<i8")
@@ -583,30 +679,35 @@ class TokenStore:
                 raise _Damaged(f"shard {i} documents")
             if (root / f"chunk-{i:06d}.bin").stat().st_size != n_tokens * self.dtype.itemsize:
                 raise _Damaged(f"shard {i} size")
+            for name, (per, kind) in self.extras.items():
+                size = (root / f"chunk-{i:06d}.{name}").stat().st_size
+                if size != (n_tokens if per == "token" else n_docs) * kind.itemsize:
+                    raise _Damaged(f"shard {i} {name}")
             ends.append(e + self.starts[i])
         self.doc_offsets = np.concatenate([[0], *ends]).astype(np.int64)
         if np.any(np.diff(self.doc_offsets) < 0):
             raise _Damaged("document offsets")
-        self._maps: list[np.ndarray] | None = None
+        self._maps: dict[str, list[np.ndarray]] = {}
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers reopen the maps
-        return {**self.__dict__, "_maps": None}
+        return {**self.__dict__, "_maps": {}}
 
-    def _open(self) -> list[np.ndarray]:
-        if self._maps is None:
-            self._maps = [
-                np.memmap(self.root / f"chunk-{i:06d}.bin", self.dtype, "r")
+    def _open(self, suffix: str = "bin") -> list[np.ndarray]:
+        if suffix not in self._maps:
+            dtype = self.dtype if suffix == "bin" else self.extras[suffix][1]
+            self._maps[suffix] = [
+                np.memmap(self.root / f"chunk-{i:06d}.{suffix}", dtype, "r")
                 if self.starts[i + 1] > self.starts[i]
-                else np.zeros(0, self.dtype)
+                else np.zeros(0, dtype)
                 for i in range(len(self.starts) - 1)
             ]
-        return self._maps
+        return self._maps[suffix]
 
-    def read(self, a: int, b: int) -> np.ndarray:
-        maps, parts = self._open(), []
+    def read(self, a: int, b: int, suffix: str = "bin") -> np.ndarray:
+        maps, parts = self._open(suffix), []
         i = int(np.searchsorted(self.starts, a, side="right")) - 1
         while a < b and i < len(maps):
             lo, hi = int(self.starts[i]), int(self.starts[i + 1])
@@ -614,7 +715,26 @@ class TokenStore:
                 parts.append(maps[i][a - lo : min(b, hi) - lo])
                 a = min(b, hi)
             i += 1
+        if not parts:
+            return np.zeros(0, maps[0].dtype if maps else self.dtype)
         return np.concatenate(parts) if len(parts) != 1 else np.asarray(parts[0])
+
+    def read_extra(self, name: str, a: int, b: int) -> np.ndarray:
+        """Values a..b-1 of the per-token extra `name`."""
+        if self.extras.get(name, ("",))[0] != "token":
+            raise KeyError(f"{self.root} has no per-token array {name!r}")
+        return self.read(a, b, name)
+
+    def doc_extra(self, name: str) -> np.ndarray:
+        """The per-document extra `name` of every document (in memory: one value each)."""
+        if self.extras.get(name, ("",))[0] != "doc":
+            raise KeyError(f"{self.root} has no per-document array {name!r}")
+        kind = self.extras[name][1]
+        parts = [
+            np.fromfile(self.root / f"chunk-{i:06d}.{name}", dtype=kind)
+            for i in range(len(self.n_docs))
+        ]
+        return np.concatenate(parts) if parts else np.zeros(0, kind)
 
 
 class _Damaged(Exception):
@@ -635,8 +755,8 @@ def cache_root(source: Source, cache_dir: str | Path | None) -> Path:
     return HOME_CACHE.expanduser()
 
 
-def shard_dir(source: Source, tokenizer: Path | None, cache_dir: str | Path | None) -> Path:
-    key = _cache_key(source, tokenizer)
+def shard_dir(source: Source, encoder: Encoder, cache_dir: str | Path | None) -> Path:
+    key = _cache_key(source, encoder)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     stem = source.paths[0].name.replace(".", "_") + (f"-{source.split}" if source.split else "")
     return cache_root(source, cache_dir) / f"{stem}-{digest}"
@@ -661,17 +781,20 @@ def open_shards(
     cache_dir: str | Path | None = None,
     workers: int | None = None,
     quiet: bool | None = None,
+    encoder: Encoder | None = None,
 ) -> TokenStore:
     """The source's tokens: built once (the first process to take the lock tokenizes, the
-    others wait for it), then memory-mapped."""
+    others wait for it), then memory-mapped. `encoder`: how records become tokens (default:
+    text through `tokenizer`, or bytes)."""
     from trainer.data.tokenize import tokenizer_file
 
-    file = tokenizer_file(tokenizer) if tokenizer else None
+    if encoder is None:
+        encoder = TextEncoder(tokenizer_file(tokenizer) if tokenizer else None)
     for p in source.paths:
         if not p.exists():
             raise UserError(f"data.path: {p} does not exist")
-    key = _cache_key(source, file)
-    out = shard_dir(source, file, cache_dir)
+    key = _cache_key(source, encoder)
+    out = shard_dir(source, encoder, cache_dir)
     store = _try_load(out, key)  # cached start: no lock, no read of the corpus
     if store is not None:
         store.reused = True
@@ -694,7 +817,13 @@ def open_shards(
             with contextlib.suppress(FileNotFoundError):
                 (out / "index.json").unlink()
             n = default_workers() if workers is None else workers
-            build(source, file, out, key, n, quiet=rank != 0 if quiet is None else quiet)
+            try:
+                build(source, encoder, out, key, n, quiet=rank != 0 if quiet is None else quiet)
+            except BadRecord:
+                # These files can never be completed (the key names them as they are): no
+                # shard of them is left behind.
+                shutil.rmtree(out, ignore_errors=True)
+                raise
             store = _try_load(out, key)
             if store is None:
                 raise UserError(f"data.cache_dir: shards just written under {out} do not read back")

@@ -281,10 +281,15 @@ def text_data(
     tokenizer: str | None = None,
     tokenize_workers: int | None = None,
     cache_dir: str | None = None,
+    pretrained: str | None = None,
 ) -> DataSplits:
     """The `data._target_` of `data=stdlib`: `TextCfg`'s fields as keyword arguments.
     `tokenizer`: a tokenizer.json (or tokenizer directory) for text files; with `.bin` token
-    files it only decodes the text samples."""
+    files it only decodes the text samples. `pretrained`: the model's directory, whose
+    tokenizer is the default (`model.pretrained`)."""
+    from trainer.data.tokenize import pretrained_tokenizer
+
+    tokenizer = pretrained_tokenizer(tokenizer, pretrained)
     cfg = TextCfg(
         path,
         glob,

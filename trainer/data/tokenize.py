@@ -59,3 +59,40 @@ def eos_id(tokenizer: Any) -> int | None:
 
 def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def pretrained_tokenizer(tokenizer: str | None, pretrained: str | None) -> str | None:
+    """`data.tokenizer`, else the tokenizer of the `model.pretrained` directory (its
+    tokenizer.json): a model is fed the ids it was trained on. A pretrained directory without
+    one, fed UTF-8 bytes, must have a vocabulary of 256 (a byte-level model), else the text
+    is refused in one paragraph."""
+    if tokenizer or not pretrained:
+        return tokenizer
+    path = Path(pretrained).expanduser()
+    if (path / "tokenizer.json").is_file():
+        return str(path)
+    import json
+
+    try:
+        vocab = json.loads((path / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        vocab = None  # the model's own loading says what is wrong with its directory
+    if isinstance(vocab, int) and vocab != 256:
+        raise UserError(
+            f"data.tokenizer: model.pretrained={pretrained} holds no tokenizer.json and "
+            "data.tokenizer is not set, so the text would be fed as UTF-8 bytes (ids 0-255) "
+            f"to a model whose vocabulary has {vocab} tokens. Set data.tokenizer= the "
+            "tokenizer the model was trained with (a tokenizer.json or a directory holding one)"
+        )
+    return None
+
+
+def tokenizer_source(tokenizer: str | None, pretrained: str | None) -> str | None:
+    """`data.tokenizer`, else the `model.pretrained` directory when it holds a tokenizer."""
+    if tokenizer:
+        return tokenizer
+    if pretrained:
+        p = Path(pretrained).expanduser()
+        if (p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file():
+            return str(p)
+    return None

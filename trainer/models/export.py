@@ -53,7 +53,9 @@ def export_line(model: nn.Module) -> str:
             f"export: scripts/export_hf.py cannot export a {type(model).__name__} (no Hugging "
             "Face architecture to map it to; it exports the in-tree GPT and transformers models)"
         )
-    kind = type(model).__name__ if hasattr(model, "save_pretrained") else "GPT2LMHeadModel"
+    kind = "GPT2LMHeadModel"
+    if hasattr(model, "save_pretrained"):
+        kind = getattr(type(model), "transformers_class", type(model)).__name__
     return f"export: scripts/export_hf.py writes it as transformers' {kind}"
 
 
@@ -184,19 +186,39 @@ def _byte_text(data: dict[str, Any]) -> bool:
 
 
 def run_tokenizer(data: dict[str, Any]) -> tuple[Any, str]:
-    """(a `PreTrainedTokenizerFast` for the run's data or None, what it is). Loaded before
-    anything is written: a bad tokenizer leaves no half-written export."""
+    """(a transformers tokenizer for the run's data or None, what it is). Loaded before
+    anything is written: a bad tokenizer leaves no half-written export.
+
+    A transformers tokenizer directory (`data.tokenizer=DIR`, or the `model.pretrained`
+    directory's, with its tokenizer_config.json) is loaded and saved as it is: its special
+    tokens, added tokens and chat template come out unchanged; with
+    `data.chat_template=FILE` that template, which training rendered with, is the export's.
+    A bare tokenizer.json (or a directory of one alone) gets its end-of-text token as eos.
+    """
     transformers = _transformers()  # first: without the extra, one line naming it
-    if data.get("tokenizer"):
+    from trainer.data.tokenize import tokenizer_source
+
+    source = tokenizer_source(data.get("tokenizer"), data.get("pretrained"))
+    template = data.get("chat_template")
+    if source and (Path(source).expanduser() / "tokenizer_config.json").is_file():
+        from trainer.data.chat_render import load_tokenizer as load_directory
+
+        tok = load_directory(source, "data.tokenizer")
+        if template:
+            tok.chat_template = Path(str(template)).expanduser().read_text(encoding="utf-8")
+        return tok, f"the run's tokenizer ({source})" + (f", template {template}" * bool(template))
+    if source:
         from trainer.data.tokenize import eos_id, load_tokenizer
 
-        tok = load_tokenizer(str(data["tokenizer"]))
+        tok = load_tokenizer(str(source))
         eos = eos_id(tok)
         name = None if eos is None else tok.id_to_token(eos)
-        what = f"the run's tokenizer ({data['tokenizer']})"
+        what = f"the run's tokenizer ({source})"
     elif _byte_text(data):
         tok, name, what = byte_tokenizer(), None, "a byte-level tokenizer (ids = UTF-8 bytes)"
     else:
         return None, "no tokenizer: the run's data were token ids with no data.tokenizer"
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=name)
+    if template:
+        fast.chat_template = Path(str(template)).expanduser().read_text(encoding="utf-8")
     return fast, what

@@ -76,7 +76,9 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.sequence: SequenceShard | None = None  # dist.cp: this rank's share of it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """`documents` (B, T): which document of a packed row each token belongs to (under
+        dist.cp, of the whole sequence); a token attends only to earlier tokens of its own."""
         hs = x.shape[-1] // self.n_head
         # Thirds and -1 heads, not C and n_head: under dist.tp this rank holds its heads only;
         # B and T from qkv's output: with sequence parallelism x is this rank's token shard.
@@ -85,12 +87,31 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.chunk(3, dim=2)
         q, k, v = (t.view(B, T, -1, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         dropout = self.dropout if self.training else 0.0
-        if self.sequence is None:
+        if self.sequence is not None:  # over the whole sequence, every rank's keys and values
+            y = self.sequence.attend(q, k, v, dropout_p=dropout, documents=documents)
+        elif documents is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        else:  # over the whole sequence, every rank's keys and values (dist.cp)
-            y = self.sequence.attend(q, k, v, dropout_p=dropout)
+        else:
+            mask = document_mask(documents)  # (B, 1, T, T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C)
         return self.resid_drop(self.proj(y))
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> (B, T): the index of the document each token belongs to in its row; a new
+    document starts wherever the position does not follow the previous one (at a 0), as
+    transformers reads packed rows."""
+    step = torch.diff(position_ids, dim=-1, prepend=position_ids[:, :1] - 1)
+    return (step != 1).cumsum(-1)
+
+
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (B, 1, T, T) bool: query t may attend key s <= t of its document."""
+    T = documents.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
+    return (same & causal)[:, None]
 
 
 class MLP(nn.Module):
@@ -112,8 +133,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), documents)
         return x + self.mlp(self.ln2(x))
 
 
@@ -231,18 +252,30 @@ class GPT(nn.Module):
 
     def forward(
         self,
-        idx: torch.Tensor,
+        input_ids: torch.Tensor,
         head_loss: HeadLoss | None = None,
         head_targets: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, vocab) for token ids `idx` (B, T); with `head_loss`, instead its
-        value on the final hidden states, the output layer and `head_targets` (B, T)."""
+        """Logits (B, T, vocab) for token ids `input_ids` (B, T); with `head_loss`, instead
+        its value on the final hidden states, the output layer and `head_targets` (B, T).
+
+        `position_ids` (B, T): packed documents (data=chat), each restarting at 0 where a
+        document starts; each token then attends only to its own document."""
         first, last = getattr(self, "stage_ends", (True, True))  # a pipeline stage: either end
-        x = idx  # on a stage after the first: the previous stage's hidden states
+        x = input_ids  # on a stage after the first: the previous stage's hidden states
+        documents = None
+        if position_ids is not None:
+            documents = (
+                document_ids(position_ids)
+                if self.sequence is None
+                else self.sequence.documents(position_ids)
+            )
         if first:
-            x = self.drop(self.tok_emb(idx) + self.pos_emb(self.positions(idx)))  # (B, T, C)
+            pos = self.positions(input_ids) if position_ids is None else position_ids
+            x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))  # (B, T, C)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, documents)
         if not last:
             return x
         x = self.ln_f(x)  # (B, T, C)

@@ -84,6 +84,7 @@ class PipelineStage(nn.Module):
         **kwargs: Any,
     ) -> torch.Tensor:
         key = "input_ids" if self.first else "inputs_embeds"
+        kwargs.setdefault("use_cache", False)  # a cache would join packed documents' attention
         hidden = self.base(**{key: input_ids}, attention_mask=attention_mask, **kwargs)[0]
         if not self.last:
             return hidden
@@ -171,6 +172,7 @@ class CumulusHooks:
 
     config: Any
     context_shard: Any  # dist.cp: the SequenceShard `context_parallel` was given
+    transformers_class: type  # the transformers class this one extends (`_with_hooks`)
 
     def pipeline_stage(self, blocks: Sequence[int], first: bool, last: bool) -> nn.Module:
         """`dist.pp`: a stage sharing this model's parameters: `GPT2Stage` for GPT-2, else
@@ -212,12 +214,14 @@ class CumulusHooks:
             **kwargs: Any,
         ) -> tuple[torch.Tensor, None]:
             del module, attention_mask, kwargs  # causal over global positions; right padding
-            out = shard.attend(query, key, value, dropout_p=dropout, scale=scaling)
+            documents = self.context_documents  # packed rows: set by the forward pre-hook
+            out = shard.attend(query, key, value, dropout, scaling, documents)
             return out.transpose(1, 2).contiguous(), None  # (B, T, heads, head_dim)
 
         AttentionInterface.register(CONTEXT_PARALLEL, attention)
         self.set_attn_implementation(CONTEXT_PARALLEL)  # type: ignore[attr-defined]
         self.context_shard = shard
+        self.context_documents = None
         limit = self.max_seq_len
         self.register_forward_pre_hook(  # type: ignore[attr-defined]
             functools.partial(_shard_positions, shard, limit), with_kwargs=True
@@ -230,6 +234,15 @@ class CumulusHooks:
             if isinstance(value, int):
                 return value
         return None
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        """transformers' `save_pretrained`, with the transformers class this one extends as
+        the architecture (it records `type(self).__name__`, a class transformers lacks)."""
+        out = super().save_pretrained(save_directory, *args, **kwargs)  # type: ignore[misc]
+        if kwargs.get("is_main_process", True):
+            self.config.architectures = [type(self).transformers_class.__name__]
+            self.config.save_pretrained(save_directory)
+        return out
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x the parameters that do matrix products + attention's 12 x layers x width x
@@ -280,8 +293,13 @@ def _shard_positions(
     shard: SequenceShard, limit: int | None, module: nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict]:
     """A forward pre-hook: the position ids of this rank's tokens in their sequences (past a
-    learned table's end, its last row: only padding sits there)."""
-    del module
+    learned table's end, its last row: only padding sits there). A batch of packed documents
+    brings its own (split with it), and the documents of the whole sequence are found once
+    per forward for the attention."""
+    given = kwargs.get("position_ids")
+    module.context_documents = None if given is None else shard.documents(given)
+    if given is not None:
+        return args, kwargs
     ref = kwargs.get("input_ids", args[0] if args else None)
     if ref is None:
         ref = kwargs["inputs_embeds"]
@@ -289,6 +307,11 @@ def _shard_positions(
     if limit is not None:
         pos = pos.clamp(max=limit - 1)
     return args, {**kwargs, "position_ids": pos.unsqueeze(0).expand(ref.shape[0], -1)}
+
+
+def _no_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    del module
+    return args, {"use_cache": False, **kwargs}
 
 
 def refuse_custom_code(path: Path) -> None:
@@ -346,7 +369,8 @@ def _with_hooks(cls: type) -> type:
     """`cls` with cumulus's hooks; a module-level name so pickling and FSDP see a real class."""
     model_type = getattr(getattr(cls, "config_class", None), "model_type", None)
     extra = (OutputHeadHooks,) if model_type in HEAD_FAMILIES else ()
-    sub = type(f"Cumulus{cls.__name__}", (*extra, CumulusHooks, cls), {"__module__": __name__})
+    body = {"__module__": __name__, "transformers_class": cls}
+    sub = type(f"Cumulus{cls.__name__}", (*extra, CumulusHooks, cls), body)
     globals()[sub.__name__] = sub
     return sub
 
@@ -398,6 +422,10 @@ def causal_lm(
         model = model_cls(hf_config)
     model.config.architectures = [cls.__name__]  # what save_pretrained records
     model.context_shard = None  # dist.cp: `context_parallel` sets it
+    # Training builds no cache, whatever the saved config says: with one, transformers no
+    # longer keeps packed documents (position ids restarting at 0) from attending to each
+    # other. generate() passes use_cache itself.
+    model.register_forward_pre_hook(_no_cache, with_kwargs=True)
     if not isinstance(getattr(model, "vocab_size", None), int):  # Llama sets it, GPT-2 not
         model.vocab_size = int(hf_config.vocab_size)  # what the trainer checks the data against
     return model

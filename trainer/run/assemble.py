@@ -125,8 +125,11 @@ def build_adapter(
     )
 
 
-def check_fits(model: nn.Module, data: DataSplits, spec: dict[str, Any]) -> None:
-    """Token ids and sequence lengths the data declares must fit what the model declares."""
+def check_fits(
+    model: nn.Module, data: DataSplits, spec: dict[str, Any], length_key: str = "data.block_size"
+) -> None:
+    """Token ids and sequence lengths the data declares must fit what the model declares
+    (`length_key`: the data's key of its sequence length)."""
     # Optional model attributes (the in-tree GPT and transformers models have them).
     vocab = getattr(model, "vocab_size", None)
     if isinstance(vocab, int) and data.vocab_size is not None and data.vocab_size > vocab:
@@ -142,7 +145,7 @@ def check_fits(model: nn.Module, data: DataSplits, spec: dict[str, Any]) -> None
     longest = getattr(model, "max_seq_len", None)
     if isinstance(longest, int) and data.seq_len is not None and data.seq_len > longest:
         raise ConfigError(
-            "data.block_size",
+            length_key,
             f"must be <= the model's longest sequence ({longest}: model.block_size, or a "
             f"transformers model's n_positions / max_position_embeddings), got {data.seq_len}",
         )
@@ -245,7 +248,8 @@ def assemble(
         adapter = build_adapter(cfg, model, info, shards, fake)
     data, data_extras = build_data(cfg.data)
     check_samples(data, cfg.data["_target_"])
-    check_fits(model, data, cfg.model)
+    length_key = "data.max_length" if "max_length" in cfg.data else "data.block_size"
+    check_fits(model, data, cfg.model, length_key)
     task = build_task(cfg.task)
     # Of the whole model, before pipeline stages prune it to their own parameters.
     flops = flops_per_token(model, data.seq_len)

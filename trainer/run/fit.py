@@ -370,10 +370,16 @@ def val_metrics(means: dict[str, float], count: int, task: Any) -> dict[str, Any
 
 
 def _prompt(batch: Any, length: int = 32) -> torch.Tensor | None:
-    """The token ids (1, T) that open a validation sample, from a causal-LM batch."""
+    """The token ids (1, T) that open a validation sample, from a causal-LM batch: a
+    conversation's up to its first supervised token (data=chat's `shift_labels`)."""
     ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0]
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
         return None
+    labels = batch.get("shift_labels") if isinstance(batch, dict) else None
+    if isinstance(labels, torch.Tensor) and labels.shape[:1] == ids.shape[:1]:
+        supervised = (labels[0] != -100).nonzero()
+        if len(supervised):
+            length = int(supervised[0, -1]) + 1  # position t predicts token t + 1
     return ids[:1, :length]
 
 

@@ -1,0 +1,73 @@
+"""`python -m trainer.preview [training overrides] [preview.samples=N]`: what data=chat trains
+on, before training (trainer/data/preview.py).
+
+Builds the run's data as training would (tokenizing it once, or reusing the token cache),
+prints the first N training samples (3 by default) as text with the supervised tokens between
+`{+` and `+}` and a line where a packed row moves from one conversation to the next, then one
+JSON line over the whole training split: `{"rows", "samples", "supervised_tokens", "tokens",
+"padding_fraction", "dropped"}`. Builds no model and writes nothing but the token cache.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from trainer.config.errors import ConfigError, UserError
+from trainer.run.assemble import CONFIG_DIR
+
+USAGE = "usage: python -m trainer.preview [training overrides] [preview.samples=N]"
+
+
+def parse(argv: list[str]) -> tuple[int, list[str]]:
+    """`preview.samples=N` and the training overrides."""
+    samples, rest = 3, []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.startswith("preview."):
+            if key != "preview.samples" or not value.isdigit():
+                raise ConfigError(
+                    key, f"trainer.preview takes preview.samples=N (N >= 0), got {arg!r}"
+                )
+            samples = int(value)
+        else:
+            rest.append(arg)
+    return samples, rest
+
+
+def main(argv: list[str] | None = None) -> None:
+    from trainer.config.cli import check_overrides, exit_with, to_config
+    from trainer.data.preview import json_line, preview
+    from trainer.run.assemble import build_data
+
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__ + "\n" + USAGE, flush=True)
+        return
+    try:
+        samples, overrides = parse(argv)
+        check_overrides(overrides, CONFIG_DIR)
+        cfg, _ = to_config(_compose(overrides))
+        data, _ = build_data(cfg.data)
+        text, stats = preview(data, cfg.seed, samples, cfg.data["_target_"])
+    except (UserError, ConfigError) as exc:
+        exit_with(exc)
+        return
+    print(text, flush=True)
+    print(json_line(stats), flush=True)
+
+
+def _compose(argv: list[str]) -> Any:
+    from hydra import compose, initialize_config_dir
+
+    from trainer.config.schema import register_configs
+    from trainer.run.identity import register_resolvers
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose("train", overrides=argv)
+
+
+if __name__ == "__main__":
+    main()
