@@ -494,7 +494,10 @@ def test_export_writes_the_transformers_class_and_the_tokenizer_unchanged(
     run = tmp_path / "run"
     train_in_process(args, run)
     out = tmp_path / "exported"
-    export([f"checkpoint={run}", f"out={out}"])
+    # The paths the export reads, named again (a checkpoint's own are data: saved_paths=true).
+    named = [a for a in args if a.startswith(("model.pretrained=", "data.tokenizer="))]
+    named += [a for a in args if a.startswith("data.chat_template=")]
+    export([f"checkpoint={run}", f"out={out}", *named])
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     got = transformers.AutoTokenizer.from_pretrained(out)
     for name in (

@@ -409,7 +409,8 @@ def test_paths_in_a_received_config_are_data(world: dict[str, Any], tmp_path: Pa
     )
     outside, mine = tmp_path / "outside_cache", tmp_path / "my_cache"
     data = yaml.safe_load((REPO / "configs" / "data" / "hf.yaml").read_text())
-    data.update(path=str(docs), cache_dir=str(outside), block_size=64)
+    # As cumulus saves a config: resolved (no interpolation left).
+    data.update(path=str(docs), cache_dir=str(outside), block_size=64, pretrained=None)
     ckpt = world["run"] / "checkpoints" / "step_00000004"
     crafted = craft(ckpt, tmp_path / "ckpt", place("data", data))
     llama = yaml.safe_load((REPO / "configs" / "model" / "hf_llama.yaml").read_text())

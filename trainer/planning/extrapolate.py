@@ -115,7 +115,9 @@ def memory(a: MemoryReport, b: MemoryReport, at: int) -> MemoryReport:
     own = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "buffers_bytes")
     ints = {name: line(getattr(a, name), getattr(b, name), at) for name in own}
     untracked = _lines(a.untracked, b.untracked, at)
-    moments = {k: _lines(a.moments[k], b.moments[k], at) for k in a.moments.keys() & b.moments}
+    # In the step's order (dicts keep it; a set's order follows the string hash seed): of
+    # moments that tie on the total, the first is the peak, as a real run's tracker keeps it.
+    moments = {k: _lines(a.moments[k], b.moments[k], at) for k in a.moments if k in b.moments}
     at_peak = max(moments.values(), key=lambda m: m["Total"], default=None)
     if at_peak is None:  # no moments measured: the peak's own line
         at_peak = _lines(a.at_peak, b.at_peak, at)

@@ -185,7 +185,13 @@ class CollectiveWatch:
         self.clock, self.newest_checkpoint = clock, newest_checkpoint
 
     def stop(self) -> None:
+        """End the thread and wait for it. A daemon thread still inside a call into the store's
+        C++ client when the interpreter finalizes is ended by pthread_exit as it takes the GIL
+        back, whose unwinding through pybind11's noexcept frames aborts the process
+        ("terminate called without an active exception", SIGABRT at the end of a run)."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(30.0, 3 * self.period_s))
 
     # ---- the rank's position ----
     def position(self) -> dict[str, Any]:
@@ -232,9 +238,8 @@ class CollectiveWatch:
                 elif self._stalled() and not self._named:
                     self._declare_from_thread()
             except Exception:  # the store went away with the job: nothing left to watch
-                if self._stop.is_set():
+                if self._stop.wait(self.period_s):
                     return
-                time.sleep(self.period_s)
 
     def _stalled(self) -> bool:
         """This rank has not moved for long enough that its collective must have failed: the
