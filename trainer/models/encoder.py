@@ -75,7 +75,8 @@ class MeanPooling:
 @functools.cache
 def _pooling(cls: type) -> type:
     """`cls` with mean pooling; a module-level name so pickling and FSDP see a real class."""
-    sub = type(f"CumulusEncoder{cls.__name__}", (MeanPooling, cls), {"__module__": __name__})
+    body = {"__module__": __name__, "transformers_class": cls}  # export_line names it
+    sub = type(f"CumulusEncoder{cls.__name__}", (MeanPooling, cls), body)
     globals()[sub.__name__] = sub
     return sub
 
