@@ -282,3 +282,12 @@ def test_impossible_layouts_are_refused_as_training_refuses_them(
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
     assert f"invalid config `{key}`" in line, line
     assert "Traceback" not in proc.stderr
+
+
+def test_a_non_fused_optimizer_is_planned(tmp_path: Path) -> None:
+    """`optim=sgd` (not fused) reads the step's overflow flag on the host, which fake tensors
+    do not have: the plan takes the step that updates, and its optimizer state is the
+    momentum buffer, one copy of the parameters."""
+    got = plan(["model=gpt_tiny", "optim=sgd", "plan.world=2", "plan.gpu=h100"], tmp_path)
+    (role,) = got["roles"]
+    assert role["fits"] and role["optimizer_bytes"] == role["parameters_bytes"] > 0

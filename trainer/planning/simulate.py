@@ -120,6 +120,11 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and _fake_scalar(args[0]):
+            # A non-fused optimizer's step reads the step's overflow flag (`found_inf.item()`,
+            # engine/numerics/precision.py): fake, it has no value; the plan is of a step
+            # that updates (no overflow). No other value is read during a planned step.
+            return 0.0 if args[0].dtype.is_floating_point else False
         if func in _FUSED_UPDATES:
             # In place and allocation-free on a GPU; on fake DTensors the update would be
             # materialized out of place (copies of every state), which no real run does.
@@ -143,6 +148,12 @@ _FUSED_UPDATES = {
     torch.ops.aten._fused_adam_.default,
     torch.ops.aten._fused_sgd_.default,
 }
+
+
+def _fake_scalar(x: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor) and x.numel() == 1
 
 
 def _group_name(x: Any) -> str | None:
