@@ -19,22 +19,12 @@ from typing import Any
 def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None) -> Any:
     """The composed config (a DictConfig), as `python -m trainer.train OVERRIDES` composes it.
     `config_dir` joins a folder of your own configs, like `hydra.searchpath=[file://DIR]`."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from trainer.run.assemble import compose_train
 
-    from trainer.config.cli import check_overrides
-    from trainer.config.schema import register_configs
-    from trainer.run.assemble import CONFIG_DIR
-    from trainer.run.identity import register_resolvers
-
-    register_configs()
-    register_resolvers()
     overrides = list(overrides)
     if config_dir is not None:
         overrides.append(f"hydra.searchpath=[file://{Path(config_dir).resolve()}]")
-    check_overrides(overrides, CONFIG_DIR)  # the command line's one-paragraph errors
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return hydra_compose("train", overrides=overrides)
+    return compose_train(overrides)
 
 
 def train(

@@ -33,13 +33,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _plan(argv: list[str], progress: Progress) -> tuple[Any, Any]:
-    from trainer.config.cli import check_overrides, to_config
+    from trainer.config.cli import to_config
     from trainer.planning.plan import plan_run
     from trainer.planning.table import table
-    from trainer.run.assemble import CONFIG_DIR
+    from trainer.run.assemble import compose_train
 
-    check_overrides(argv, CONFIG_DIR)
-    cfg, _ = to_config(_compose(argv))
+    cfg, _ = to_config(compose_train(argv))
     result = plan_run(cfg, progress)
     if cfg.plan.search:
         from trainer.planning.search import search
@@ -59,19 +58,6 @@ def _show(result: Any, cfg: Any) -> None:
         print(search_table(result.layouts, capacity), flush=True)
     Path(cfg.plan.out).write_text(json.dumps(result.as_json(), indent=1))
     print(f"written: {cfg.plan.out}", flush=True)
-
-
-def _compose(argv: list[str]) -> Any:
-    from hydra import compose, initialize_config_dir
-
-    from trainer.config.schema import register_configs
-    from trainer.run.assemble import CONFIG_DIR
-    from trainer.run.identity import register_resolvers
-
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return compose("train", overrides=argv)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,8 @@ JSON line over the whole training split: `{"rows", "samples", "supervised_tokens
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from trainer.config.errors import ConfigError, UserError
-from trainer.run.assemble import CONFIG_DIR
 
 USAGE = "usage: python -m trainer.preview [training overrides] [preview.samples=N]"
 
@@ -36,9 +34,9 @@ def parse(argv: list[str]) -> tuple[int, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trainer.config.cli import check_overrides, exit_with, to_config
+    from trainer.config.cli import exit_with, to_config
     from trainer.data.preview import json_line, preview
-    from trainer.run.assemble import build_data
+    from trainer.run.assemble import build_data, compose_train
 
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
@@ -46,8 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         samples, overrides = parse(argv)
-        check_overrides(overrides, CONFIG_DIR)
-        cfg, _ = to_config(_compose(overrides))
+        cfg, _ = to_config(compose_train(overrides))
         data, _ = build_data(cfg.data)
         text, stats = preview(data, cfg.seed, samples, cfg.data["_target_"])
     except (UserError, ConfigError) as exc:
@@ -55,18 +52,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(text, flush=True)
     print(json_line(stats), flush=True)
-
-
-def _compose(argv: list[str]) -> Any:
-    from hydra import compose, initialize_config_dir
-
-    from trainer.config.schema import register_configs
-    from trainer.run.identity import register_resolvers
-
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return compose("train", overrides=argv)
 
 
 if __name__ == "__main__":
