@@ -82,6 +82,10 @@ _OPTIONAL = (
     "transformers.models.gpt2.modeling_gpt2",
     "peft",  # adapter=lora (the `adapter` extra): ~0.4 s after transformers
 )
+# And the run's own modules: the commands import them when a run starts, not at import (so
+# that `--help` and a refused config stay fast); every rank would import them again. Every
+# module of these packages but the commands themselves (`trainer.X`, run as __main__).
+_PACKAGES = ("engine", "trainer")
 
 
 # Called before every launch with (command, launches several ranks?); conftest sets it to
@@ -581,6 +585,21 @@ class _Rank:
     extra_env: dict[str, str]
 
 
+def _run_modules() -> list[str]:
+    """The modules of `_PACKAGES`, less the command modules directly under `trainer`."""
+    import importlib
+    import pkgutil
+
+    names = []
+    for package in _PACKAGES:
+        path = importlib.import_module(package).__path__
+        for info in pkgutil.walk_packages(path, prefix=f"{package}."):
+            command = package == "trainer" and not info.ispkg and info.name.count(".") == 1
+            if not command:
+                names.append(info.name)
+    return names
+
+
 def _serve(sock_path: str) -> _Rank:
     """Import what every run imports, then fork one job leader per request. Returns only in
     a rank process, with what it must run."""
@@ -588,7 +607,7 @@ def _serve(sock_path: str) -> _Rank:
 
     for name in (*_ENTRY_POINTS, *_TORCH_LAZY):
         importlib.import_module(name)
-    for name in _OPTIONAL:
+    for name in (*_OPTIONAL, *_run_modules()):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     # `python -m trainer.train` runs the module as __main__ only: forget the entry points

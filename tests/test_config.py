@@ -630,3 +630,16 @@ def test_component_errors_from_the_constructor_name_the_argument() -> None:
     cfg = _compose([SMALL_MODEL, "model.n_head=3"])  # 32 is not divisible by 3
     with pytest.raises(ConfigError, match=r"`model\.n_embd`: n_embd must be divisible"):
         build_model(cfg.model, DistInfo())
+
+
+def test_no_shipped_config_sets_hydra_mode() -> None:
+    """`python -m trainer.train` lets the command line alone choose run or multirun
+    (trainer.config.cli.compose_once): true only while no config shipped here sets
+    `hydra.mode`, as none does today."""
+    setters = []
+    for path in sorted(CONFIG_DIR.rglob("*.yaml")):
+        node = yaml.safe_load(path.read_text()) or {}
+        hydra_node = node.get("hydra") if isinstance(node, dict) else None
+        if isinstance(hydra_node, dict) and "mode" in hydra_node:
+            setters.append(str(path.relative_to(CONFIG_DIR)))
+    assert not setters, f"these configs set hydra.mode; drop compose_once or them: {setters}"

@@ -10,7 +10,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from trainer.config.cli import check_overrides, exit_with, run_command
+from trainer.config.cli import check_overrides, compose_once, exit_with, run_command
 from trainer.config.errors import UserError
 from trainer.config.schema import register_configs
 from trainer.run.identity import register_resolvers
@@ -39,4 +39,5 @@ if __name__ == "__main__":
         check_overrides(sys.argv[1:], Path(__file__).resolve().parent.parent / "configs")
     except UserError as exc:
         exit_with(exc)
+    compose_once(sys.argv[1:])
     main()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import gc
 import os
 import signal
@@ -30,11 +31,19 @@ T = TypeVar("T")
 EXIT_USER_ERROR = 2
 
 
+@functools.cache
+def schema_hints(schema: type) -> dict[str, Any]:
+    """The schema dataclass's field types. Cached: with postponed annotations every call
+    evaluates each annotation's string again, and the config checks ask per key (a tenth
+    of a second per command start, per rank)."""
+    return typing.get_type_hints(schema)
+
+
 def unknown_key(parts: list[str], schema: type = Config) -> ConfigError | None:
     """The error for dotted key `parts` if the schema has no such key; None if it has (or the
     key lies under a free-form node such as `step` or `callbacks`)."""
     for i, part in enumerate(parts):
-        hints = typing.get_type_hints(schema)
+        hints = schema_hints(schema)
         names = [f.name for f in dataclasses.fields(schema)]
         if part not in names:
             key = ".".join(parts[: i + 1])
@@ -76,6 +85,31 @@ def check_overrides(args: list[str], config_dir: Path) -> None:
             raise error
         if not sweep and not any(c in value for c in ",($"):  # sweeps, functions, ${...}
             check_value_type(key, value)
+
+
+# Command-line arguments that can bring a config this repository does not ship (or set
+# `hydra.mode` itself): with one of them, Hydra reads the run mode from the composed config.
+_MAY_SET_MODE = ("hydra.mode", "hydra.searchpath", "-cp", "--config-path", "-cn")
+_MAY_SET_MODE += ("--config-name", "-cd", "--config-dir")
+
+
+def compose_once(args: list[str]) -> None:
+    """Let `@hydra.main` compose the config once, not twice. Before the run's own compose,
+    Hydra composes the whole config a first time only to read `hydra.mode` (a config file may
+    ask for a multirun); unset, the command line decides (`-m`). No config shipped here sets
+    it (tests/test_config.py checks), so unless the command line can bring one that does, the
+    first compose is skipped: ~0.15 s of CPU per rank (a quarter of a warm rank's start),
+    more on a loaded node."""
+    from hydra._internal.hydra import Hydra
+
+    if any(a.lstrip("+~").startswith(_MAY_SET_MODE) for a in args):
+        return
+    Hydra.get_mode = _mode_unset  # type: ignore[method-assign]
+
+
+def _mode_unset(self: Any, config_name: str | None, overrides: list[str]) -> None:
+    """Hydra's answer when no config sets `hydra.mode`: the command line decides."""
+    return None
 
 
 def search_dirs(args: list[str]) -> list[Path] | None:
@@ -128,7 +162,7 @@ def check_value_type(key: str, value: str) -> None:
     *parents, leaf = key.split(".")
     schema: type = Config
     for part in parents:
-        hint = typing.get_type_hints(schema).get(part)
+        hint = schema_hints(schema).get(part)
         if not dataclasses.is_dataclass(hint):
             return  # a free-form node (a component's arguments): Hydra and the builder check
         schema = hint
@@ -146,7 +180,7 @@ def check_value_type(key: str, value: str) -> None:
 def _check_composed(cfg: DictConfig, schema: type = Config, parts: tuple[str, ...] = ()) -> None:
     """Keys that reached the composed config without a place in the schema (a `+key=` in a
     config file): `OmegaConf.to_object` would drop them silently."""
-    hints = typing.get_type_hints(schema)
+    hints = schema_hints(schema)
     for key in map(str, cfg):
         error = unknown_key([*parts, key])
         if error is not None:
