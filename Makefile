@@ -15,22 +15,14 @@ setup:
 train: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PYTHON) -m trainer.train $(ARGS)
 
-# Every test: what CI runs (.ci/run). See docs/testing.md. Two tiers: the one-process tests on
-# two pytest-xdist workers (each uses one core; a test file stays on one worker, so its module
-# fixtures run once), then the multi-rank tests one at a time (their ranks use both cores).
-# Both tiers run even when the first fails; exit 5 is "this selection has none of the tier".
+# Every test: what CI runs (.ci/run). See docs/testing.md. Two pytest-xdist workers when it is
+# installed (the dev extra): a test file stays on one worker (its module fixtures run once);
+# the suite is CPU-bound and the multi-rank jobs overlap the one-process tests.
 XDIST = $$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 2 --dist loadfile")
 test: setup
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	@status=0; \
-	echo "== one-process tests"; \
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -m "not multiproc" $(XDIST) $(PYTEST_ARGS); \
-	rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=1; \
-	echo "== multi-rank tests"; \
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -m multiproc $(PYTEST_ARGS); \
-	rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=1; \
-	exit $$status
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # The edit loop (< 3 min): config, unit and one-process numerics; no launched process.
 # Two pytest-xdist workers when it is installed (the dev extra): measured faster on 2 cores.
