@@ -17,18 +17,20 @@ train: setup
 
 # Every test: what CI runs (.ci/run). See docs/testing.md. Two pytest-xdist workers when it is
 # installed (the dev extra): a test file stays on one worker (its module fixtures run once);
-# the suite is CPU-bound and the multi-rank jobs overlap the one-process tests.
+# the suite is CPU-bound and the multi-rank jobs overlap the one-process tests. Bytecode is
+# cached even where the environment says not to (PYTHONDONTWRITEBYTECODE=1): the suite starts
+# hundreds of fresh interpreters, each would compile the project's sources again.
 XDIST = $$($(PYTHON) -c "import xdist" 2>/dev/null && echo "-n 2 --dist loadfile")
+PYTEST = OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest -q
 test: setup
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) $(PYTEST_ARGS)
 
 # The edit loop (< 3 min): config, unit and one-process numerics; no launched process.
 # Two pytest-xdist workers when it is installed (the dev extra): measured faster on 2 cores.
 test-fast:
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -m "not multiproc and not launches and not slow" \
-		$(XDIST) $(PYTEST_ARGS)
+	$(PYTEST) -m "not multiproc and not launches and not slow" $(XDIST) $(PYTEST_ARGS)
 
 # Hunting flakes: the multi-rank tier (or TESTS="tests/test_ranks.py ...") N times in a row,
 # stopping at the first failure. See docs/testing.md.
@@ -37,7 +39,7 @@ TESTS ?= -m multiproc
 test-repeat:
 	@for i in $$(seq $(N)); do \
 		echo "== test-repeat: run $$i of $(N)"; \
-		OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -p no:cacheprovider $(TESTS) $(PYTEST_ARGS) || exit 1; \
+		$(PYTEST) -p no:cacheprovider $(TESTS) $(PYTEST_ARGS) || exit 1; \
 	done; echo "== test-repeat: $(N) runs passed"
 
 lint:

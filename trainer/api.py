@@ -19,7 +19,7 @@ from typing import Any
 def compose(overrides: Sequence[str] = (), config_dir: str | Path | None = None) -> Any:
     """The composed config (a DictConfig), as `python -m trainer.train OVERRIDES` composes it.
     `config_dir` joins a folder of your own configs, like `hydra.searchpath=[file://DIR]`."""
-    from trainer.run.assemble import compose_train
+    from trainer.config.cli import compose_train
 
     overrides = list(overrides)
     if config_dir is not None:

@@ -33,10 +33,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _plan(argv: list[str], progress: Progress) -> tuple[Any, Any]:
-    from trainer.config.cli import to_config
+    from trainer.config.cli import compose_train, to_config
     from trainer.planning.plan import plan_run
     from trainer.planning.table import table
-    from trainer.run.assemble import compose_train
 
     cfg, _ = to_config(compose_train(argv))
     result = plan_run(cfg, progress)

@@ -34,9 +34,9 @@ def parse(argv: list[str]) -> tuple[int, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trainer.config.cli import exit_with, to_config
+    from trainer.config.cli import compose_train, exit_with, to_config
     from trainer.data.preview import json_line, preview
-    from trainer.run.assemble import build_data, compose_train
+    from trainer.run.assemble import build_data
 
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):

@@ -87,6 +87,23 @@ def check_overrides(args: list[str], config_dir: Path) -> None:
             check_value_type(key, value)
 
 
+def compose_train(overrides: list[str]) -> DictConfig:
+    """The DictConfig that `python -m trainer.train OVERRIDES` composes, after the command
+    line's one-paragraph checks of the overrides: what `trainer.plan`, `trainer.preview` and
+    `trainer.api` start from."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer.config.schema import register_configs
+    from trainer.run.assemble import CONFIG_DIR
+    from trainer.run.identity import register_resolvers
+
+    register_configs()
+    register_resolvers()
+    check_overrides(overrides, CONFIG_DIR)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose("train", overrides=overrides)
+
+
 # Command-line arguments that can bring a config this repository does not ship (or set
 # `hydra.mode` itself): with one of them, Hydra reads the run mode from the composed config.
 _MAY_SET_MODE = ("hydra.mode", "hydra.searchpath", "-cp", "--config-path", "-cn")

@@ -38,23 +38,6 @@ from trainer.models.lora import check_layout as check_adapter_layout
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
-def compose_train(overrides: list[str]) -> Any:
-    """The DictConfig that `python -m trainer.train OVERRIDES` composes, after the command
-    line's one-paragraph checks of the overrides: what `trainer.plan`, `trainer.preview` and
-    `trainer.api` start from."""
-    from hydra import compose, initialize_config_dir
-
-    from trainer.config.cli import check_overrides
-    from trainer.config.schema import register_configs
-    from trainer.run.identity import register_resolvers
-
-    register_configs()
-    register_resolvers()
-    check_overrides(overrides, CONFIG_DIR)
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return compose("train", overrides=overrides)
-
-
 def split_extras(node: dict[str, Any], group: str) -> tuple[dict[str, Any], Any]:
     """A `model`/`data`/`task` node as (the `_target_`'s spec, the keys the trainer reads)."""
     cls = EXTRAS[group]
