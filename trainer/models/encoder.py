@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.models.hf import refuse_custom_code, require_transformers
+from trainer.models.hf import load_config, require_transformers
 
 EXTRA = "hf"
 # sentence-transformers' files that make an exported directory load with the same pooling.
@@ -94,27 +94,11 @@ def encoder(
     """A transformers encoder with mean pooling: `family` a `model_type` (bert, roberta,
     ...) with `config` its config fields (random init), or `pretrained` a local
     `save_pretrained` directory."""
-    transformers = require_transformers()
+    require_transformers()
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
     config = dict(config or {})
-    if pretrained is not None:
-        path = Path(pretrained).expanduser()
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"pretrained: {path} is not a local save_pretrained directory (no config.json "
-                f"{'in it' if path.is_dir() else 'there: it does not exist'}); cumulus never "
-                "downloads from the hub. Leave model.pretrained=null for random init"
-            )
-        refuse_custom_code(path)
-        hf_config = transformers.AutoConfig.from_pretrained(
-            path, trust_remote_code=False, **_runtime(config)
-        )
-    else:
-        try:
-            hf_config = transformers.AutoConfig.for_model(family, **config)
-        except ValueError as exc:
-            raise ValueError(f"family: {exc}".splitlines()[0]) from None
+    hf_config = load_config(family, _runtime(config) if pretrained else config, pretrained)
     try:
         cls = MODEL_MAPPING[type(hf_config)]
     except KeyError:
@@ -131,7 +115,11 @@ def encoder(
     extra = {"add_pooling_layer": False} if _takes(cls, "add_pooling_layer") else {}
     if pretrained is not None:
         model = model_cls.from_pretrained(
-            path, config=hf_config, dtype=torch.float32, trust_remote_code=False, **extra
+            Path(pretrained).expanduser(),
+            config=hf_config,
+            dtype=torch.float32,
+            trust_remote_code=False,
+            **extra,
         )
     else:
         model = model_cls(hf_config, **extra)

@@ -314,6 +314,28 @@ def _no_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
     return args, {"use_cache": False, **kwargs}
 
 
+def load_config(family: str, config: dict[str, Any], pretrained: str | None) -> Any:
+    """The transformers config of `family` with `config`'s fields, or of a local
+    `save_pretrained` directory (its own code refused; `config` then holds only runtime
+    fields). One paragraph for a directory that is not one and a family transformers lacks."""
+    transformers = require_transformers()
+    if pretrained is None:
+        try:
+            return transformers.AutoConfig.for_model(family, **config)
+        except ValueError as exc:
+            raise ValueError(f"family: {exc}".splitlines()[0]) from None
+    path = Path(pretrained).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"pretrained: {path} is not a local save_pretrained directory (no config.json "
+            f"{'in it' if path.is_dir() else 'there: it does not exist'}); cumulus never "
+            "downloads from the hub. Save one with model.save_pretrained(DIR) or "
+            "scripts/export_hf.py, or leave model.pretrained=null for random init"
+        )
+    refuse_custom_code(path)
+    return transformers.AutoConfig.from_pretrained(path, trust_remote_code=False, **config)
+
+
 def refuse_custom_code(path: Path) -> None:
     """A pretrained directory is data: one whose config.json asks for its own Python code
     (`auto_map`, transformers' `trust_remote_code` models) is refused, never run. transformers
@@ -383,28 +405,14 @@ def causal_lm(
     """A transformers causal LM: `family` is a `model_type` (gpt2, llama, ...) and `config`
     its config fields (random init), or `pretrained` a local `save_pretrained` directory
     (its architecture; of `config` only runtime fields such as dropout and use_cache)."""
-    transformers = require_transformers()
+    require_transformers()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = dict(config or {})
     if pretrained is not None:
         # The architecture is the directory's; only runtime settings come from `config`.
         config = {k: v for k, v in config.items() if k in RUNTIME or k.endswith("dropout")}
-        path = Path(pretrained).expanduser()
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"pretrained: {path} is not a local save_pretrained directory (no config.json "
-                f"{'in it' if path.is_dir() else 'there: it does not exist'}); cumulus never "
-                "downloads from the hub. Save one with model.save_pretrained(DIR) or "
-                "scripts/export_hf.py, or leave model.pretrained=null for random init"
-            )
-        refuse_custom_code(path)
-        hf_config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False, **config)
-    else:
-        try:
-            hf_config = transformers.AutoConfig.for_model(family, **config)
-        except ValueError as exc:
-            raise ValueError(f"family: {exc}".splitlines()[0]) from None
+    hf_config = load_config(family, config, pretrained)
     try:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
     except KeyError:
@@ -416,7 +424,10 @@ def causal_lm(
         # float32 parameters whatever the directory was saved in (transformers 5 would keep a
         # bf16 save in bf16): precision is train.precision's autocast, on fp32 master weights.
         model = model_cls.from_pretrained(
-            path, config=hf_config, dtype=torch.float32, trust_remote_code=False
+            Path(pretrained).expanduser(),
+            config=hf_config,
+            dtype=torch.float32,
+            trust_remote_code=False,
         )
     else:
         model = model_cls(hf_config)
