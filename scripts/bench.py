@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -134,6 +135,15 @@ def timed(fn, steps: int, device: torch.device) -> tuple[float, float, float]:
     return time.perf_counter() - w0, time.process_time() - c0, peak_memory_mb(device)
 
 
+def sync_site(exc: BaseException) -> str:
+    """Where a sync was asked for: the innermost frame, and the innermost of this project's
+    own frames when that is another (the sync is in a library it called)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if f.filename.startswith(str(REPO))]
+    sites = [frames[-1], *([ours[-1]] if ours and ours[-1] is not frames[-1] else [])]
+    return " <- ".join(f"{f.filename}:{f.lineno} ({f.name}: {f.line})" for f in sites)
+
+
 def sync_check(run: Run, steps: int) -> str:
     """Non-logging steps of the fit loop under sync-debug 'error': any sync raises."""
     torch.cuda.synchronize()
@@ -147,7 +157,7 @@ def sync_check(run: Run, steps: int) -> str:
             window = next(windows)
         return f"ok: {steps} steps, no host-device sync"
     except RuntimeError as exc:
-        return f"SYNC: {str(exc).splitlines()[0]}"
+        return f"SYNC: {str(exc).splitlines()[0]} at {sync_site(exc)}"
     finally:
         torch.cuda.set_sync_debug_mode("default")
         windows.close()

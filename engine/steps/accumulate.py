@@ -64,10 +64,13 @@ def count_window(ctx: StepContext, window: Sequence[Batch]) -> torch.Tensor:
     """Loss items of the whole window over all data-parallel ranks: one all-reduce, before
     any forward. (Pipeline stages of one replica read the same window: counted once.)"""
     local = torch.stack([item_count(ctx.task, b) for b in window]).sum()
+    if local.device.type == "cpu" and ctx.dist.device.type == "cuda":
+        # Counts known on the host (a task counting rows): a pageable copy would wait for
+        # the device at every step's start; a pinned one is queued like the rest.
+        local = local.pin_memory()
+    local = local.to(ctx.dist.device, torch.int64, non_blocking=True)
     with ctx.clock.collective("window item count"):
-        return all_reduce_sum(
-            local.to(ctx.dist.device, torch.int64), ctx.dist, ctx.parallel.dp_group
-        )
+        return all_reduce_sum(local, ctx.dist, ctx.parallel.dp_group)
 
 
 def clip_gradients(ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:

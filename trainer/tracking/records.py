@@ -285,8 +285,8 @@ class TrainMeter:
         record["train/skipped_steps"] = int(self.skipped.item())
         record["train/peak_mem_mb"] = peak_memory_mb(self.dist.device)
         if self.flops_per_token and self.peak_flops and self.window_steps:
-            per_rank = items / elapsed / self.dist.world_size
-            record["train/mfu"] = self.flops_per_token * per_rank / self.peak_flops
+            rank_tokens_per_s = items / elapsed / self.dist.world_size
+            record["train/mfu"] = self.flops_per_token * rank_tokens_per_s / self.peak_flops
         if self.profiled_steps:
             record["time/profiled"] = True  # flagged: some steps ran under the profiler
         if per_rank is not None:
