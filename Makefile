@@ -8,9 +8,12 @@ PIP_INSTALL = $(PYTHON) -m pip install --quiet --disable-pip-version-check -c co
 
 .PHONY: setup train test test-fast test-repeat lint bench clean
 
+# Where the interpreter already has a setuptools that builds editable wheels by itself
+# (>= 70.1), the project is built with it rather than in a fresh isolated environment (6 s).
+NO_ISOLATION = $$($(PYTHON) -c "import setuptools as s, sys; sys.exit(tuple(map(int, s.__version__.split('.')[:2])) < (70, 1))" 2>/dev/null && echo --no-build-isolation)
 setup:
 	@sh scripts/python_env.sh create $(PYTHON)
-	$(PIP_INSTALL) -e '.[dev,sklearn,hf,tensorboard,mlflow,adapter]'
+	$(PIP_INSTALL) $(NO_ISOLATION) -e '.[dev,sklearn,hf,tensorboard,mlflow,adapter]'
 
 train: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PYTHON) -m trainer.train $(ARGS)

@@ -314,9 +314,10 @@ def test_config_composes_and_instantiates(group: str, name: str, tmp_path: Path)
             np.arange(n, dtype="<u2").tofile(tmp_path / f"{split}.bin")
         overrides.append(f"data.path={tmp_path}")
     if group == "experiment" and "block_size" in cfg.data:
-        # The preset's own model, on short samples: a GPT-2-sized step on 1024 tokens takes
-        # a minute on one CPU thread; 16 tokens show the same wiring in a second.
-        overrides.append("data.block_size=16")
+        # The preset's own model, on short samples and one block: a GPT-2-sized step on 1024
+        # tokens takes a minute on one CPU thread; 16 tokens through one of its 12 blocks
+        # show the same wiring in a second.
+        overrides += ["data.block_size=16", "model.n_layer=1"]
     cfg = _compose(overrides)
     if group not in BUILDERS:
         pytest.fail(f"no instantiation check for config group {group!r}")

@@ -149,8 +149,8 @@ def test_fsdp_shards_are_the_models_bytes_over_the_world(tmp_path: Path) -> None
 
 
 # Pipeline x FSDP over 4 GPUs, an 8-block GPT: 4 blocks per stage.
-DEEP = ["model=gpt_tiny", "model.n_layer=8", "model.block_size=256", *STEPS]
-DEEP += ["train.micro_batch_size=1", "train.global_batch_size=4", "plan.world=4"]
+DEEP = ["model=gpt_tiny", "model.n_layer=8", "model.block_size=128", *STEPS]
+DEEP += ["train.micro_batch_size=1", "train.global_batch_size=2", "plan.world=4"]
 DEEP += ["dist.pp=2", "dist.strategy=fsdp"]
 
 

@@ -40,20 +40,20 @@ COMMON = [
     "data.block_size=32",
     "data.packed=false",
     "train.micro_batch_size=4",
-    "train.max_steps=6",
+    "train.max_steps=4",
     "train.log_every=1",
-    "eval.every_steps=3",
+    "eval.every_steps=2",
     "eval.max_batches=2",
     "eval.sample_tokens=0",
     "scheduler.warmup_steps=2",
-    "checkpoint.every_steps=3",
+    "checkpoint.every_steps=2",
 ]
 LLAMA = ["model=hf_llama", *COMMON]
 GPT = ["model=gpt_tiny", "model.n_layer=4", *COMMON]
 ACCUM4 = ["train.grad_accum_steps=4"]  # global batch 16 on one data-parallel replica
 # 4 ranks: 2 data-parallel replicas x 2 tensor-parallel ranks, FSDP2 over the replicas.
 GPT_2D = ["train.grad_accum_steps=2", "dist.tp=2", "dist.strategy=fsdp"]
-STEPS = list(range(1, 7))
+STEPS = list(range(1, 5))
 TIMEOUT = 420.0
 
 
@@ -142,7 +142,7 @@ def test_tensor_parallel_trains_like_one_process(runs: Runs, name: str, ref: str
 def test_checkpoints_move_between_tensor_parallel_and_one_process(
     runs: Runs, tmp_path: Path
 ) -> None:
-    """The tp=2 step-3 checkpoint continues on one process and on tp=2 again (bit for bit
+    """The tp=2 step-2 checkpoint continues on one process and on tp=2 again (bit for bit
     with the uninterrupted tp=2 run), and the one-process checkpoint continues on tp=2. The
     GPT's tp=2 x FSDP2 checkpoint (its fused q/k/v weight gathered from 2-D shards) continues
     on one process, and the one-process checkpoint continues as tp=2 x FSDP2. The sharded
@@ -150,12 +150,12 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(
     tp=2 checkpoint (gathered from stages split over tensor-parallel ranks) continues on one
     process."""
     llama_2d, gpt_2d = (
-        checkpoint(runs.dir("llama_tp2_fsdp2"), 3),
-        checkpoint(runs.dir("gpt_tp2_fsdp2"), 3),
+        checkpoint(runs.dir("llama_tp2_fsdp2"), 2),
+        checkpoint(runs.dir("gpt_tp2_fsdp2"), 2),
     )
     cmds = {
         "to_one": python(
-            [*LLAMA, *ACCUM4, f"checkpoint.resume={checkpoint(runs.dir('llama_tp2'), 3)}"]
+            [*LLAMA, *ACCUM4, f"checkpoint.resume={checkpoint(runs.dir('llama_tp2'), 2)}"]
         ),
         "to_tp2": torchrun(
             2,
@@ -163,12 +163,12 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(
                 *LLAMA,
                 *ACCUM4,
                 "dist.tp=2",
-                f"checkpoint.resume={checkpoint(runs.dir('llama_tp2'), 3)}",
+                f"checkpoint.resume={checkpoint(runs.dir('llama_tp2'), 2)}",
             ],
         ),
         "from_2d": python([*LLAMA, *ACCUM4, f"checkpoint.resume={llama_2d}"]),
         "from_sharded": python(
-            [*LLAMA, *ACCUM4, f"checkpoint.resume={checkpoint(runs.dir('llama_tp2_dp2'), 3)}"]
+            [*LLAMA, *ACCUM4, f"checkpoint.resume={checkpoint(runs.dir('llama_tp2_dp2'), 2)}"]
         ),
         "from_one": torchrun(
             2,
@@ -176,27 +176,27 @@ def test_checkpoints_move_between_tensor_parallel_and_one_process(
                 *LLAMA,
                 *ACCUM4,
                 "dist.tp=2",
-                f"checkpoint.resume={checkpoint(runs.dir('llama_ref'), 3)}",
+                f"checkpoint.resume={checkpoint(runs.dir('llama_ref'), 2)}",
             ],
         ),
         "gpt_from_2d": python([*GPT, *ACCUM4, f"checkpoint.resume={gpt_2d}"]),
         "gpt_from_pp_tp": python(
-            [*GPT, *ACCUM4, f"checkpoint.resume={checkpoint(runs.dir('gpt_pp2_tp2'), 3)}"]
+            [*GPT, *ACCUM4, f"checkpoint.resume={checkpoint(runs.dir('gpt_pp2_tp2'), 2)}"]
         ),
         "gpt_to_2d": torchrun(
-            4, [*GPT, *GPT_2D, f"checkpoint.resume={checkpoint(runs.dir('gpt_ref'), 3)}"]
+            4, [*GPT, *GPT_2D, f"checkpoint.resume={checkpoint(runs.dir('gpt_ref'), 2)}"]
         ),
     }
     cmds = {n: [*c, f"hydra.run.dir={tmp_path / n}"] for n, c in cmds.items()}
     procs = launch_all(cmds, TIMEOUT, TMPDIR=str(tmp_path))
-    later = [4, 5, 6]
+    later = [3, 4]
     for name in cmds:
         ok(procs[name])
-        assert "at step 3" in procs[name].stdout, explain(procs[name])
+        assert "at step 2" in procs[name].stdout, explain(procs[name])
         ref = "gpt_ref" if name.startswith("gpt") else "llama_ref"
         check_against(read_metrics(tmp_path / name), runs.records(ref), later)
-    same = [r for r in read_metrics(tmp_path / "to_tp2") if r["step"] > 3]
-    want = [r for r in runs.records("llama_tp2") if r["step"] > 3]
+    same = [r for r in read_metrics(tmp_path / "to_tp2") if r["step"] > 2]
+    want = [r for r in runs.records("llama_tp2") if r["step"] > 2]
     assert_equal(same, want, ("train/loss", "train/grad_norm", "val/loss"))
 
 
@@ -274,7 +274,7 @@ def test_export_of_a_2d_checkpoint_reloads_in_transformers(runs: Runs, tmp_path:
     from tests.ranks import launch, run_cli
     from trainer.run.assemble import build_data
 
-    ckpt = checkpoint(runs.dir("llama_tp2_fsdp2"), 6)
+    ckpt = checkpoint(runs.dir("llama_tp2_fsdp2"), 4)
     out = tmp_path / "exported"
     export = launch([sys.executable, "scripts/export_hf.py", f"checkpoint={ckpt}", f"out={out}"])
     assert export.returncode == 0, explain(export)
@@ -301,7 +301,7 @@ def test_export_of_a_2d_checkpoint_reloads_in_transformers(runs: Runs, tmp_path:
 @pytest.mark.multiproc
 def test_dropout_sigkill_then_rerun_continues_bit_for_bit(tmp_path: Path) -> None:
     """With dropout and sequence parallelism (each rank draws the masks of its own tokens
-    and heads), a tp=2 run SIGKILLed on rank 1 after step 4 (checkpoint at 3) and rerun with
+    and heads), a tp=2 run SIGKILLed on rank 1 after step 3 (checkpoint at 2) and rerun with
     the same command logs the uninterrupted run's records exactly: every rank's random
     streams come back with the checkpoint."""
     from tests.ranks import launch
@@ -312,7 +312,7 @@ def test_dropout_sigkill_then_rerun_continues_bit_for_bit(tmp_path: Path) -> Non
     procs = launch_all(
         {
             "whole": torchrun(2, [*args, f"hydra.run.dir={whole}"]),
-            "killed": torchrun(2, [*args, f"hydra.run.dir={run_dir}", *kill_at(4, marker, 1)]),
+            "killed": torchrun(2, [*args, f"hydra.run.dir={run_dir}", *kill_at(3, marker, 1)]),
         },
         TIMEOUT,
         TMPDIR=str(tmp_path),
@@ -320,12 +320,12 @@ def test_dropout_sigkill_then_rerun_continues_bit_for_bit(tmp_path: Path) -> Non
     ok(procs["whole"])
     assert procs["killed"].returncode != 0 and marker.exists(), explain(procs["killed"])
     rerun = launch(
-        torchrun(2, [*args, f"hydra.run.dir={run_dir}", *kill_at(4, marker, 1)]),
+        torchrun(2, [*args, f"hydra.run.dir={run_dir}", *kill_at(3, marker, 1)]),
         TIMEOUT,
         tmp=tmp_path,
     )
     ok(rerun)
-    assert resumed_steps(rerun) == [3], explain(rerun)
+    assert resumed_steps(rerun) == [2], explain(rerun)
     got, want = read_metrics(run_dir), read_metrics(whole)
     assert [r["step"] for r in train_records(got)] == STEPS
     assert_equal(train_records(got), train_records(want), TRAIN_KEYS)
