@@ -71,8 +71,9 @@ _TORCHRUN = ("-m", "torch.distributed.run")
 # What the zygote imports (with everything they import): the commands tests run.
 _ENTRY_POINTS = ("trainer.train", "trainer.evaluate")
 # And what torch itself imports lazily in every run: torch.optim's first optimizer imports
-# torch._dynamo (~1 s).
-_TORCH_LAZY = ("torch._dynamo",)
+# torch._dynamo (~1 s); the tensor- and context-parallel code, torch.distributed.tensor's
+# experimental package (~0.2 s: it registers custom ops, reading their sources).
+_TORCH_LAZY = ("torch._dynamo", "torch.distributed.tensor.experimental")
 # The trainer imports transformers only for a Hugging Face model (a user's run without one
 # never pays it); the suite launches ~40 ranks that build one, ~1.4 s of imports each on a
 # quiet machine. Absent when the `hf` extra is not installed.

@@ -21,6 +21,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -396,3 +397,36 @@ def test_stale_gradients_do_not_leak_into_the_step() -> None:
     assert all(p.grad is not None for p in model.parameters())
     step(ctx, window)
     assert_close_rel(capture.grads, want, FP32_REL)
+
+
+def test_unpacked_text_samples_are_the_paragraphs_as_bytes_split_cuts_them(
+    tmp_path: Path,
+) -> None:
+    """data.packed=false on text files: one sample per paragraph (split after b"\\n\\n", the
+    separator kept, the last one running to the file's end), long ones cut at block_size+1,
+    short ones dropped, never across files; the same as bytes.split finds them, also for
+    runs of blank lines, empty files and files ending in a blank line."""
+    import random
+
+    rng = random.Random(0)
+    texts = [b"", b"\n\n", b"a\n\n\n\nb", b"x" * 40 + b"\n\n\n" + b"y" * 3]
+    texts += [bytes(rng.choice(b"ab\n\n\n") for _ in range(rng.randint(0, 60))) for _ in range(40)]
+    for i, text in enumerate(texts):
+        (tmp_path / f"f{i:03d}.txt").write_bytes(text)
+    block, min_len = 7, 2
+    want, offset = [], 0
+    for i, text in enumerate(texts):
+        if i % 10 == 0:  # every 10th file validates (val_every_nth)
+            continue
+        pos = 0
+        for para in text.split(b"\n\n"):
+            end = min(pos + len(para) + 2, len(text))
+            want += [(offset + s, min(block + 1, end - s)) for s in range(pos, end, block + 1)]
+            pos += len(para) + 2
+        offset += len(text)
+    want = [(s, n) for s, n in want if n >= min_len]
+    cfg = TextCfg(
+        path=str(tmp_path), glob="*.txt", packed=False, block_size=block, min_sample_len=min_len
+    )
+    got = load_splits(cfg).train
+    assert got.spans.tolist() == [list(w) for w in want]

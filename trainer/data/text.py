@@ -98,20 +98,19 @@ def packed_spans(n_tokens: int, block_size: int) -> torch.Tensor:
     return torch.stack([starts, torch.full_like(starts, block_size + 1)], dim=1)
 
 
-def paragraph_spans(
-    text: bytes, offset: int, block_size: int, min_len: int
-) -> list[tuple[int, int]]:
-    """One sample per paragraph (split after blank lines), long ones cut at block_size+1."""
-    spans = []
-    pos = 0
-    for para in text.split(b"\n\n"):
-        length = len(para) + 2  # keep the separator: samples still read as source text
-        for start in range(pos, pos + min(length, len(text) - pos), block_size + 1):
-            n = min(block_size + 1, pos + length - start, len(text) - start)
-            if n >= min_len:
-                spans.append((offset + start, n))
-        pos += length
-    return spans
+def paragraph_bounds(text: bytes) -> np.ndarray:
+    """Where each paragraph of `text` starts, and its end: 0, the position after every blank
+    line (b"\n\n", found left to right without overlap, as `bytes.split` finds them), and
+    len(text). Each paragraph keeps its separator: samples still read as source text."""
+    a = np.frombuffer(text, dtype=np.uint8)
+    pair = np.flatnonzero((a[:-1] == 10) & (a[1:] == 10))  # every "\n\n", overlapping
+    if len(pair):
+        # A run of k newlines holds k-1 overlapping pairs; the split takes every other one.
+        first = np.ones(len(pair), dtype=bool)
+        first[1:] = np.diff(pair) != 1
+        run_start = pair[np.maximum.accumulate(np.where(first, np.arange(len(pair)), 0))]
+        pair = pair[(pair - run_start) % 2 == 0]
+    return np.concatenate([[0], pair + 2, [len(a)]]).astype(np.int64)
 
 
 def document_spans(offsets: np.ndarray, block_size: int, min_len: int) -> torch.Tensor:
@@ -166,11 +165,12 @@ def _read_text_files(files: list[Path], cfg: TextCfg) -> Samples:
     tokens = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
     if cfg.packed:
         return Samples(tokens, packed_spans(len(tokens), cfg.block_size))
-    spans, offset = [], 0
-    for blob in blobs:
-        spans += paragraph_spans(blob, offset, cfg.block_size, cfg.min_sample_len)
-        offset += len(blob)
-    return Samples(tokens, torch.tensor(spans, dtype=torch.int64).reshape(-1, 2))
+    # One sample per paragraph (split after blank lines), long ones cut at block_size+1: the
+    # paragraphs of all files as one list of boundaries (each file's end is the next's start).
+    starts = np.cumsum([0] + [len(b) for b in blobs])[:-1]
+    bounds = [paragraph_bounds(b)[1:] + start for b, start in zip(blobs, starts)]
+    offsets = np.concatenate([np.zeros(1, np.int64), *bounds])
+    return Samples(tokens, document_spans(offsets, cfg.block_size, cfg.min_sample_len))
 
 
 def _token_samples(tokens: Any, cfg: TextCfg, lo: int = 0, hi: int | None = None) -> Samples:
