@@ -106,7 +106,9 @@ def test_slow_data_rank_is_named(runs: Runs) -> None:
     lines = straggler_lines(runs.procs["data"])
     assert lines and lines[0].startswith(f"slowest rank 1 ({HOST}): data "), lines
     assert "input" in lines[0]
-    assert not any(": compute " in line for line in lines), lines
+    # Its slow input is never counted as compute. (The other rank may be named for compute
+    # on a machine this loaded: 2 ranks on 2 shared cores, one clearly slower by chance.)
+    assert not any(ln.startswith("slowest rank 1 ") and ": compute " in ln for ln in lines), lines
 
 
 def test_slow_compute_rank_is_named_as_compute(runs: Runs) -> None:
@@ -119,7 +121,8 @@ def test_slow_compute_rank_is_named_as_compute(runs: Runs) -> None:
     assert sum(r["time/sync_s"] >= 0.2 for r in records) >= STEPS - 1, records
     lines = straggler_lines(runs.procs["compute"])
     assert lines and lines[0].startswith(f"slowest rank 1 ({HOST}): compute "), lines
-    assert not any(": data " in line for line in lines), lines
+    # Its slow compute is never counted as input (the other rank's, on a loaded machine, may).
+    assert not any(ln.startswith("slowest rank 1 ") and ": data " in ln for ln in lines), lines
 
 
 def test_phase_keys_stay_out_of_comparisons(runs: Runs) -> None:
