@@ -34,7 +34,7 @@ EFFICIENT_TAKES_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >=
 
 
 def cuda_kernel(query: torch.Tensor, key: torch.Tensor, attn_mask: Any, enable_gqa: bool) -> str:
-    """ "flash", "efficient" or "math": the kernel CUDA (sm80+) picks for this call."""
+    """The kernel CUDA (sm80+) picks for this call: "flash", "efficient" or "math"."""
     dtype = query.dtype
     if torch.is_autocast_enabled(query.device.type):  # SDPA runs in autocast's dtype
         dtype = torch.get_autocast_dtype(query.device.type)
