@@ -242,6 +242,9 @@ def run_all(root: Path) -> dict[str, Any]:
     }
     ok = {k: v["records"] for k, v in done.items() if "records" in v}
 
+    def finite(name: str) -> bool | None:  # None: the run failed (see "errors")
+        return all(math.isfinite(r["train/loss"]) for r in ok[name]) if name in ok else None
+
     def compare(a: str, b: str) -> float | None:
         return max_diff(ok[a], ok[b]) if a in ok and b in ok else None
 
@@ -250,20 +253,14 @@ def run_all(root: Path) -> dict[str, Any]:
         "split_8x1_vs_2x4_max_loss_diff": compare("chat_cuda_fp32", "chat_cuda_split"),
         "step1_grad_norm": {k: ok[k][0]["train/grad_norm"] for k in ok if k.startswith("chat")},
         "final_loss": {k: ok[k][-1]["train/loss"] for k in ok if k.startswith("chat")},
-        "finite": {
-            k: all(math.isfinite(r["train/loss"]) for r in ok[k])
-            for k in ok
-            if k.startswith("chat")
-        },
+        "finite": {k: finite(k) for k in ok if k.startswith("chat")},
         "loss_scale_last": ok.get("chat_cuda_fp16", [{}])[-1].get("train/loss_scale"),
     }
     result["cached"] = {
         "cached_4x6_vs_whole_24x1_max_loss_diff": compare("cached_cuda_4x6", "whole_cuda_24x1"),
         "cuda_vs_cpu_max_loss_diff": compare("cached_cuda_4x6", "cached_cpu_4x6"),
         "final_loss": {k: ok[k][-1]["train/loss"] for k in ok if "24x1" in k or "cached" in k},
-        "bf16_finite": all(
-            math.isfinite(r["train/loss"]) for r in ok.get("cached_cuda_bf16", [{"train/loss": 0}])
-        ),
+        "bf16_finite": finite("cached_cuda_bf16"),
     }
     result["memory"] = {
         k.removeprefix("memory_"): {

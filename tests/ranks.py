@@ -587,15 +587,14 @@ class _Rank:
 
 
 def _warm_hydra() -> None:
-    """Compose the default config once: Hydra's and OmegaConf's parsers build their lexer
-    and parser caches on first use, ~0.1 s that every rank would pay again. Nothing of the
-    composition is kept (the global Hydra is cleared)."""
-    from hydra import compose, initialize_config_dir
+    """Compose a config once, as the commands do: Hydra's and OmegaConf's parsers build their
+    lexer and parser caches on first use, ~0.1 s that every rank would pay again. Nothing of
+    the composition is kept (the global Hydra is cleared)."""
     from hydra.core.global_hydra import GlobalHydra
 
-    configs = Path(__file__).resolve().parent.parent / "configs"
-    with initialize_config_dir(config_dir=str(configs), version_base=None):
-        compose("train", overrides=["model=gpt_tiny", "train.max_steps=1"])
+    from trainer.config.cli import compose_train
+
+    compose_train(["model=gpt_tiny", "train.max_steps=1"])
     GlobalHydra.instance().clear()
 
 
