@@ -5,9 +5,9 @@ command line a user would type: `[python, -m, trainer.train, ...]` or
 `[python, -m, torch.distributed.run, --standalone, --nproc_per_node=N, -m, module, ...]`
 (`torchrun_cmd`). Such a command runs *warm*: its ranks are forked from a zygote, a process
 that has already imported torch, Hydra and the trainer (`trainer.train` and `trainer.evaluate`
-and what they import, `torch._dynamo`, which torch's optimizers import in every run, and the
-transformers models the tests build), so
-a launch pays no imports (~3-6 s per rank on a loaded 2-core machine, plus ~1.5 s for
+and what they import, `torch._dynamo`, which torch's optimizers import in every run; a second
+zygote, for launches that mention a Hugging Face model, also the transformers models the tests
+build: `_HF_HINTS`), so a launch pays no imports (~3-6 s per rank on a loaded 2-core machine, plus ~1.5 s for
 torchrun's agent). Each rank gets the environment torchrun
 gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, the agent's TCP store on MASTER_PORT with
 TORCHELASTIC_USE_AGENT_STORE, one TORCHELASTIC_RUN_ID...), its own stdout/stderr, and runs
@@ -51,6 +51,7 @@ import tempfile
 import time
 import traceback
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,12 @@ _OPTIONAL = (
     "transformers.models.gpt2.modeling_gpt2",
     "peft",  # adapter=lora (the `adapter` extra): ~0.4 s after transformers
 )
+# So there are two zygotes: a launch whose arguments (or script) mention one of these goes to
+# the one that imported `_OPTIONAL` too; every other launch to one without them (~310 MiB and
+# 2,400 modules instead of ~400 MiB and 3,800), whose ranks fork, run and exit faster (a
+# one-process run of gpt_tiny: 0.89 -> 0.74 s of CPU). A launch sent to the lean one that
+# needs transformers after all still runs: it imports it itself.
+_HF_HINTS = ("hf", "lora", "chat", "pretrained", "llama", "gpt2", "peft", "transformers")
 # And the run's own modules: the commands import them when a run starts, not at import (so
 # that `--help` and a refused config stay fast); every rank would import them again. Every
 # module of these packages but the commands themselves (`trainer.X`, run as __main__).
@@ -159,6 +166,12 @@ def warm_plan(cmd: Sequence[str]) -> WarmPlan | None:
     if cmd[1].endswith(".py") and not cmd[1].startswith("-"):
         return WarmPlan(tuple(cmd[2:]), script=cmd[1])
     return None
+
+
+def _needs_hf(plan: WarmPlan) -> bool:
+    """Whether the launch goes to the zygote that imported transformers (`_HF_HINTS`)."""
+    words = " ".join([plan.script or plan.module or "", *plan.args]).lower()
+    return any(hint in words for hint in _HF_HINTS)
 
 
 def _starts_ranks(cmd: Sequence[str]) -> bool:
@@ -291,7 +304,7 @@ def start(
     plan = None if real or _startup_env_changed(environ) else warm_plan(cmd)
     handle = Started(cmd, timeout)
     if plan is not None:
-        handle.job = _zygote().submit(plan, environ, workdir)
+        handle.job = _zygote(_needs_hf(plan)).submit(plan, environ, workdir)
         return handle
     handle.out = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by `collect`)
     handle.err = tempfile.TemporaryFile("w+")  # noqa: SIM115
@@ -498,14 +511,15 @@ class _Job:
 
 
 class _Zygote:
-    """The client side of the zygote process (one per test session)."""
+    """The client side of a zygote process (at most two per test session: `_HF_HINTS`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hf: bool) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="cumulus-ranks-"))
         self.sock_path = str(self.root / "zygote.sock")
         self.log = (self.root / "zygote.log").open("w+")
+        serve = ["serve", self.sock_path, *(["hf"] if hf else [])]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.ranks", "serve", self.sock_path],
+            [sys.executable, "-m", "tests.ranks", *serve],
             cwd=REPO,
             env=env(),
             stdin=subprocess.DEVNULL,
@@ -553,22 +567,20 @@ class _Zygote:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-_ZYGOTE: _Zygote | None = None
+_ZYGOTES: dict[bool, _Zygote] = {}  # by whether it imported transformers
 
 
-def _zygote() -> _Zygote:
-    global _ZYGOTE
-    if _ZYGOTE is None or not _ZYGOTE.alive():
-        _ZYGOTE = _Zygote()
-    return _ZYGOTE
+def _zygote(hf: bool = False) -> _Zygote:
+    zygote = _ZYGOTES.get(hf)
+    if zygote is None or not zygote.alive():
+        zygote = _ZYGOTES[hf] = _Zygote(hf)
+    return zygote
 
 
 def shutdown() -> None:
-    """Stop the zygote (end of the test session)."""
-    global _ZYGOTE
-    if _ZYGOTE is not None:
-        _ZYGOTE.stop()
-        _ZYGOTE = None
+    """Stop the zygotes (end of the test session)."""
+    while _ZYGOTES:
+        _ZYGOTES.popitem()[1].stop()
 
 
 atexit.register(shutdown)
@@ -613,14 +625,14 @@ def _run_modules() -> list[str]:
     return names
 
 
-def _serve(sock_path: str) -> _Rank:
-    """Import what every run imports, then fork one job leader per request. Returns only in
-    a rank process, with what it must run."""
+def _serve(sock_path: str, hf: bool) -> _Rank:
+    """Import what every run imports (and `_OPTIONAL` where `hf`), then fork one job leader
+    per request. Returns only in a rank process, with what it must run."""
     import importlib
 
     for name in (*_ENTRY_POINTS, *_TORCH_LAZY):
         importlib.import_module(name)
-    for name in (*_OPTIONAL, *_run_modules()):
+    for name in (*(_OPTIONAL if hf else ()), *_run_modules()):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     _warm_hydra()
@@ -632,6 +644,12 @@ def _serve(sock_path: str) -> _Rank:
         with contextlib.suppress(AttributeError):
             delattr(sys.modules[package], name)
 
+    # The imports registered ~180 operator libraries, each with an exit-time finalizer that
+    # takes its kernels out of the dispatcher one by one (~40 ms a rank, in pages it must
+    # copy first): nothing a process about to vanish needs. A fresh process runs them.
+    for ref, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]
+        if getattr(info.func, "__module__", "") == "torch.library":
+            ref.atexit = False
     # What was imported stays until exit in a fresh process too: out of the collector's
     # sight, a child's collections and its exit do not touch (and copy) the zygote's pages
     # (a `python -m trainer.compare` took 1.5 s to exit without this, 0.3 s with it).
@@ -888,4 +906,4 @@ def _become(job: _Rank) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
-    _become(_serve(sys.argv[2]))
+    _become(_serve(sys.argv[2], hf=sys.argv[3:4] == ["hf"]))

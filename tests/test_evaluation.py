@@ -346,3 +346,20 @@ def test_text_sample_in_eval_records(trajectories: dict[str, list[dict[str, Any]
         assert isinstance(record["val/sample"], str) and record["val/sample"].strip(), record
     for record in eval_records(trajectories["eval_ema"]).values():
         assert "val/sample" not in record
+
+
+def test_only_a_model_split_over_ranks_makes_every_rank_generate() -> None:
+    """The text sample: where each rank holds the whole model (one process, DDP), rank 0
+    generates alone; FSDP2's shards (DTensor parameters, as a tensor-parallel split's) make
+    every rank's forward part of rank 0's, so every rank generates with it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer.planning.simulate import fake_world
+    from trainer.run.fit import forward_is_collective
+
+    model = GPT(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    assert not forward_is_collective(model)
+    with fake_world(0, 2):
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        assert forward_is_collective(model)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from engine.callbacks.grad_stats import missing_gradients
 from engine.checkpoint import CheckpointWriteError, CheckpointWriter
@@ -347,8 +348,10 @@ def evaluate(run: Run) -> dict[str, Any]:
                     model, ctx.task, run.val_batches, ctx.precision, run.dist, ctx.parallel
                 )
             metrics[f"val/loss_{name}"] = other["loss"]
-    if run.settings.eval.sample_tokens:
-        # Every rank generates (a sharded model's forward is collective); rank 0 records.
+    if run.settings.eval.sample_tokens and (run.dist.is_main or forward_is_collective(model)):
+        # Rank 0 records the sample. The other ranks generate with it only where every
+        # forward needs them (FSDP2's or tensor-parallel shards); a whole model on each rank
+        # (DDP) runs on rank 0 alone while they go on to the next step's first collective.
         text = sample_text(run, run.settings.eval.sample_tokens)
         if text is not None:
             metrics["val/sample"] = text
@@ -395,6 +398,12 @@ def sample_prompt(run: Run) -> torch.Tensor | None:
         return None
     first = run.val_batches.first_sample()
     return None if first is None else _prompt(first)
+
+
+def forward_is_collective(model: torch.nn.Module) -> bool:
+    """Whether a forward of `model` needs the other ranks: its parameters are DTensors (FSDP2
+    gathers them, a tensor-parallel split reduces over them)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def sample_text(run: Run, max_new_tokens: int) -> str | None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from trainer.checks.compare import CompareError, compare, metrics_file, report, series_of
 from trainer.tracking.phases import TABLE_FILE
 from trainer.tracking.plots import COLORS, DASHES, Chart, Line, phase_legend, svg, timeline_svg
@@ -123,10 +125,10 @@ def load_run(path: Path, label: str) -> RunData:
     config_file = run_dir / ".hydra" / "config.yaml"
     config_text, config = "", {}
     if config_file.is_file():
-        from omegaconf import OmegaConf
-
         config_text = config_file.read_text(encoding="utf-8")
-        loaded = OmegaConf.to_container(OmegaConf.load(config_file), resolve=False)
+        # Written by OmegaConf.to_yaml, which quotes every string YAML would read as another
+        # type: PyYAML's C loader reads what OmegaConf.load would, 10x faster (every run's end).
+        loaded = yaml.load(config_text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         config = flatten(loaded) if isinstance(loaded, dict) else {}
     summary_file = run_dir / SUMMARY_FILE
     summary = summary_file.read_text(encoding="utf-8") if summary_file.is_file() else None
