@@ -7,8 +7,8 @@ command line a user would type: `[python, -m, trainer.train, ...]` or
 that has already imported torch, Hydra and the trainer (`trainer.train` and `trainer.evaluate`
 and what they import, `torch._dynamo`, which torch's optimizers import in every run; a second
 zygote, for launches that mention a Hugging Face model, also the transformers models the tests
-build: `_HF_HINTS`), so a launch pays no imports (~3-6 s per rank on a loaded 2-core machine, plus ~1.5 s for
-torchrun's agent). Each rank gets the environment torchrun
+build: `_HF_HINTS`), so a launch pays no imports (~3-6 s per rank on a loaded 2-core
+machine, plus ~1.5 s for torchrun's agent). Each rank gets the environment torchrun
 gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, the agent's TCP store on MASTER_PORT with
 TORCHELASTIC_USE_AGENT_STORE, one TORCHELASTIC_RUN_ID...), its own stdout/stderr, and runs
 the module with `runpy` as `python -m` would; Python's normal exit (atexit, thread joins)
