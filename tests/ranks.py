@@ -84,11 +84,11 @@ _OPTIONAL = (
     "transformers.models.gpt2.modeling_gpt2",
     "peft",  # adapter=lora (the `adapter` extra): ~0.4 s after transformers
 )
-# So there are two zygotes: a launch whose arguments (or script) mention one of these goes to
-# the one that imported `_OPTIONAL` too; every other launch to one without them (~310 MiB and
-# 2,400 modules instead of ~400 MiB and 3,800), whose ranks fork, run and exit faster (a
-# one-process run of gpt_tiny: 0.89 -> 0.74 s of CPU). A launch sent to the lean one that
-# needs transformers after all still runs: it imports it itself.
+# So there are two zygotes: a launch whose arguments (or script) contain one of `_HF_HINTS`
+# goes to the one that imported `_OPTIONAL` too; every other launch to one without them
+# (~310 MiB and 2,400 modules instead of ~400 MiB and 3,800), whose ranks fork, run and exit
+# faster (a one-process run of gpt_tiny: 0.89 -> 0.74 s of CPU). A launch sent to the lean
+# one that needs transformers after all still runs: it imports it itself.
 _HF_HINTS = ("hf", "lora", "chat", "pretrained", "llama", "gpt2", "peft", "transformers")
 # And the run's own modules: the commands import them when a run starts, not at import (so
 # that `--help` and a refused config stay fast); every rank would import them again. Every
@@ -645,8 +645,9 @@ def _serve(sock_path: str, hf: bool) -> _Rank:
             delattr(sys.modules[package], name)
 
     # The imports registered ~180 operator libraries, each with an exit-time finalizer that
-    # takes its kernels out of the dispatcher one by one (~40 ms a rank, in pages it must
-    # copy first): nothing a process about to vanish needs. A fresh process runs them.
+    # takes its kernels out of the dispatcher one by one (5% of py-spy's samples of a
+    # one-process launch, in pages the rank must copy first): nothing a process about to
+    # vanish needs. A fresh process runs them.
     for ref, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]
         if getattr(info.func, "__module__", "") == "torch.library":
             ref.atexit = False
