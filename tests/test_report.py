@@ -282,3 +282,27 @@ def test_pages_render_in_headless_chromium(runs: Runs, tmp_path: Path) -> None:
         image = pytest.importorskip("PIL.Image").open(shot).convert("RGB")
         colors = image.getcolors(maxcolors=1 << 20)
         assert colors is not None and len(colors) > 50, "the screenshot looks blank"
+
+
+def test_config_reads_as_omegaconf_reads_it(tmp_path: Path) -> None:
+    """The report reads `.hydra/config.yaml` with PyYAML's loader: every value OmegaConf wrote
+    (strings YAML would take for numbers, booleans or null, tiny and huge floats, unresolved
+    interpolations, lists, empty mappings) comes back as `OmegaConf.load` reads it."""
+    from omegaconf import OmegaConf
+
+    from trainer.tracking.report import flatten, load_run
+
+    config = {
+        "strings": {"exp": "1e-3", "yes": "on", "none": "null", "num": "12", "dot": ".5"},
+        "floats": {"small": 1e-05, "lr": 0.003, "big": 1e20, "inf": math.inf},
+        "other": {"ref": "${strings.exp}", "list": [1, "2", None, True], "empty": {}},
+        "int": 7,
+    }
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(config))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n")
+    want = OmegaConf.to_container(OmegaConf.load(tmp_path / ".hydra" / "config.yaml"))
+    got = load_run(tmp_path, "run").config
+    assert got == flatten(want)
+    assert [type(v) for v in got.values()] == [type(v) for v in flatten(want).values()]
+    assert got["strings.exp"] == "1e-3" and got["floats.small"] == 1e-05
