@@ -13,8 +13,8 @@ Batches are dicts of `input_ids` and `attention_mask` of shape (samples, 2, leng
 per micro-batch on the (2 x samples, length) rows and must return one embedding per row
 (`model=hf_encoder` mean-pools over the attention mask). The loss is of the whole window
 (`WindowTask`), so it trains with `step=cached`; evaluation takes the evaluation batch's
-candidates as negatives (`val/loss`, and `val/accuracy@1`: anchors whose nearest positive is
-their own).
+candidates as negatives, gathered over the ranks as in training (`val/loss`, and
+`val/accuracy@1`: anchors whose nearest positive is their own), the same on any world size.
 """
 
 from __future__ import annotations
@@ -119,11 +119,15 @@ class ContrastiveTask:
 
     def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         reps = self.represent(model, batch)
-        n = reps.shape[0]
-        loss = self.window_loss(reps, slice(0, n))
-        similarity = reps[:, 0] @ reps[:, 1].T  # (n, n)
-        hits = similarity.argmax(dim=-1) == torch.arange(n, device=reps.device)
-        return {"loss": loss, "accuracy@1": hits.sum()}
+        return self.window_metrics(reps, slice(0, reps.shape[0]))
+
+    def window_metrics(self, reps: torch.Tensor, rows: slice) -> dict[str, torch.Tensor]:
+        """The loss of anchors `rows` against every positive of the evaluation batch `reps`,
+        and how many of them are nearest to their own positive (`accuracy@1`)."""
+        similarity = reps[rows, 0] @ reps[:, 1].T  # (rows, batch)
+        own = torch.arange(rows.start, rows.stop, device=reps.device)
+        hits = similarity.argmax(dim=-1) == own
+        return {"loss": self.window_loss(reps, rows), "accuracy@1": hits.sum()}
 
     def metrics(self) -> dict[str, torch.Tensor]:
         """`train/temperature` when learned: tau after the step's update."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sized
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,10 +14,28 @@ from engine.distributed import (
     all_reduce_max,
     all_reduce_sum,
 )
+from engine.numerics.gather import gather_rows
 from engine.numerics.precision import Precision
 from engine.parallel.base import Parallelism
 from engine.parallel.dims import parallelism_of
 from engine.step import Batch, EvalTask, Task, item_count
+from engine.window_task import WindowMetrics, WindowTask
+
+Sums = dict[str, torch.Tensor]
+Progress = Callable[[int, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class EvalShare:
+    """This rank's share of one evaluation batch of a task whose loss is of the whole batch
+    (`WindowTask`): the batch's samples are split over the data-parallel ranks and their
+    representations gathered, so that every sample of the batch is a negative of every other
+    on any world size. `rows`: how many of `batch`'s samples are this rank's. A rank that owns
+    none (a last batch smaller than the world) forwards the batch's first sample anyway, so
+    that collective forwards (FSDP) and the gather stay in step, and contributes no row."""
+
+    batch: Batch
+    rows: int
 
 
 def task_sums(task: Task, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
@@ -44,29 +63,19 @@ def evaluate(
     every rank runs as many forwards as the rank with the most batches (`batches` must have
     a length); the extra ones reuse a batch and are not counted. The model (and whatever the
     parallelism runs it with: pipeline stages) is in eval mode within, restored after.
+    A task whose loss is of the whole batch (`WindowTask`: in-batch negatives) is evaluated
+    on whole evaluation batches split over the data-parallel ranks (`EvalShare`s), their
+    representations gathered, so its means do not depend on the world size.
     `progress(batches, items)` is told after each batch (`items`: a device tensor, read only
     by whoever prints it).
     """
     if parallel is None:  # read off the model's wrapper
         parallel = parallelism_of(model, dist)
-    n_forwards = None
-    if dist.distributed and parallel.shards_parameters:
-        if not isinstance(batches, Sized):
-            raise TypeError("evaluating a sharded model needs batches with a length")
-        n_forwards = int(all_reduce_max(torch.tensor(len(batches), device=dist.device), dist))
-        if n_forwards and not len(batches):
-            raise ValueError(f"rank {dist.rank} has no validation batch to keep FSDP in step")
-    sums: dict[str, torch.Tensor] = {}
-    count = torch.zeros((), dtype=torch.float64, device=dist.device)
-    seen = 0
     with parallel.eval_mode(model), torch.inference_mode(), precision.autocast():
-        for batch, batch_sums in parallel.eval_sums(model, task, batches, task_sums, n_forwards):
-            for name, value in batch_sums.items():
-                sums[name] = sums.get(name, 0) + value.double()
-            count += item_count(task, batch).double()
-            seen += 1
-            if progress is not None:
-                progress(seen, count)
+        if isinstance(task, WindowTask):
+            sums, count = _window_sums(model, task, batches, parallel, dist, progress)
+        else:
+            sums, count = _batch_sums(model, task, batches, parallel, dist, progress)
     if not parallel.reports:  # another rank of its tensor-parallel group reports
         sums, count = {n: torch.zeros_like(v) for n, v in sums.items()}, torch.zeros_like(count)
     names = sorted(sums)
@@ -77,3 +86,65 @@ def evaluate(
     *values, total = totals.tolist()
     means = {n: (v / total if total else float("nan")) for n, v in zip(names, values)}
     return means, int(total)
+
+
+def _batch_sums(
+    model: nn.Module,
+    task: Task,
+    batches: Iterable[Batch],
+    parallel: Parallelism,
+    dist: DistInfo,
+    progress: Progress | None,
+) -> tuple[Sums, torch.Tensor]:
+    """This rank's sums and item count over its own batches, each batch a term of its own."""
+    n_forwards = None
+    if dist.distributed and parallel.shards_parameters:
+        if not isinstance(batches, Sized):
+            raise TypeError("evaluating a sharded model needs batches with a length")
+        n_forwards = int(all_reduce_max(torch.tensor(len(batches), device=dist.device), dist))
+        if n_forwards and not len(batches):
+            raise ValueError(f"rank {dist.rank} has no validation batch to keep FSDP in step")
+    sums: Sums = {}
+    count = torch.zeros((), dtype=torch.float64, device=dist.device)
+    pairs = parallel.eval_sums(model, task, batches, task_sums, n_forwards)
+    for seen, (batch, batch_sums) in enumerate(pairs, 1):
+        _add(sums, batch_sums)
+        count += item_count(task, batch).double()
+        if progress is not None:
+            progress(seen, count)
+    return sums, count
+
+
+def _window_sums(
+    model: nn.Module,
+    task: WindowTask,
+    shares: Iterable[EvalShare | Batch],
+    parallel: Parallelism,
+    dist: DistInfo,
+    progress: Progress | None,
+) -> tuple[Sums, torch.Tensor]:
+    """This rank's sums over its rows of each evaluation batch, whose representations are
+    gathered over the data-parallel ranks first: every rank runs one forward per evaluation
+    batch (`EvalShare`s from the loader; a plain batch counts as all this rank's), so the
+    ranks must be given the same number of them."""
+    sums: Sums = {}
+    count = torch.zeros((), dtype=torch.float64, device=dist.device)
+    for seen, share in enumerate(shares, 1):
+        if not isinstance(share, EvalShare):
+            share = EvalShare(share, int(task.count_items(share)))
+        reps = task.represent(model, parallel.local_batch(share.batch))[: share.rows]
+        whole, offset = gather_rows(reps, parallel.dp_group)  # (batch, ...)
+        rows = slice(offset, offset + share.rows)
+        if isinstance(task, WindowMetrics):
+            _add(sums, task.window_metrics(whole, rows))
+        else:
+            _add(sums, {"loss": task.window_loss(whole, rows)})
+        count += share.rows
+        if progress is not None:
+            progress(seen, count)
+    return sums, count
+
+
+def _add(sums: Sums, batch_sums: Sums) -> None:
+    for name, value in batch_sums.items():
+        sums[name] = sums.get(name, 0) + value.double()

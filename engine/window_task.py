@@ -57,6 +57,17 @@ class WindowTask(Protocol):
 
 
 @runtime_checkable
+class WindowMetrics(Protocol):
+    """A `WindowTask` that reports more than its loss when evaluated (engine/evaluate.py)."""
+
+    def window_metrics(self, reps: torch.Tensor, rows: slice) -> dict[str, torch.Tensor]:
+        """Sums over samples `rows` of an evaluation batch, given the representations of the
+        whole batch `reps` (gathered over the ranks): `loss` (as `window_loss`) and any other
+        metric, each a sum whose mean over the samples is reported as `val/NAME`."""
+        ...
+
+
+@runtime_checkable
 class OwnsParameters(Protocol):
     """A task with parameters of its own (a learned temperature), trained with the model."""
 

@@ -22,7 +22,7 @@ import torch
 from engine.contrastive import ContrastiveTask
 from tests.cached_support import TINY_BERT, tiny_bert, write_pairs, write_tokenizer
 from tests.conftest import read_metrics, stdlib_text, train_in_process, train_records
-from tests.ranks import explain, launch_all, python_cmd, torchrun
+from tests.ranks import explain, launch_all, python_cmd, run_cli, torchrun
 from trainer.config.errors import ConfigError, UserError
 
 SEED = 1337  # the trainer's default seed
@@ -30,6 +30,7 @@ LR = 0.5
 N_TRAIN = 24
 TIMEOUT = 180.0
 TEMPERATURE = "loss_parameters.log_scale"
+N_VAL, EVAL_BATCH = 8, 7
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "tokenizer": write_tokenizer(root / "tokenizer"),
         "train": write_pairs(root / "train.jsonl", N_TRAIN, seed=0),
-        "val": write_pairs(root / "val.jsonl", 8, seed=1),
+        "val": write_pairs(root / "val.jsonl", N_VAL, seed=1),
     }
 
 
@@ -73,7 +74,11 @@ def one_sgd_step(
         "train.log_every=1",
         f"train.micro_batch_size={micro}",
         f"train.grad_accum_steps={accum}",
-        "eval.every_steps=0",
+        # The 8 validation pairs in evaluation batches of 7 and 1: on 2 ranks the second
+        # batch's share of rank 1 is empty.
+        "eval.every_steps=1",
+        f"eval.batch_size={EVAL_BATCH}",
+        "eval.max_batches=null",
         "checkpoint.every_steps=1",
         "checkpoint.format=full",
         f"hydra.run.dir={run_dir}",
@@ -199,6 +204,68 @@ def test_temperature_gradient_is_counted_once(
     record = train_records(read_metrics(one_process["3x8"]))[0]
     tau = torch.exp(-saved["model"][TEMPERATURE]).item()
     assert record["train/temperature"] == pytest.approx(tau, rel=1e-6)  # after the update
+
+
+def validation_reference(run_dir: Path, files: dict[str, Path]) -> dict[str, float]:
+    """`val/loss` and `val/accuracy@1` of the step-1 checkpoint, computed here in float64:
+    every evaluation batch of `EVAL_BATCH` pairs (7 and 1) whole, its pairs each other's
+    negatives, whatever the world size of the run."""
+    from trainer.data.pairs import pairs_data
+    from trainer.models.encoder import encoder
+
+    saved = torch.load(run_dir / "checkpoints" / "step_00000001" / "state.pt", weights_only=True)
+    weights = dict(saved["model"])
+    task = ContrastiveTask(temperature=0.05, learn_temperature=True, symmetric=True)
+    assert task.scale is not None
+    task.scale.log_scale.data = weights.pop(TEMPERATURE).double()
+    model = encoder(config=TINY_BERT).double().eval()
+    model.load_state_dict(weights)
+    data = pairs_data(str(files["train"]), str(files["val"]), tokenizer=str(files["tokenizer"]))
+    assert len(data.val) == N_VAL and data.collate_fn is not None
+    loss = hits = 0.0
+    with torch.no_grad():
+        for start in range(0, N_VAL, EVAL_BATCH):
+            pairs = [data.val[i] for i in range(start, min(start + EVAL_BATCH, N_VAL))]
+            reps = task.represent(model, data.collate_fn(pairs))
+            n = reps.shape[0]
+            loss += task.window_loss(reps, slice(0, n)).item()
+            nearest = (reps[:, 0] @ reps[:, 1].T).argmax(dim=-1)
+            hits += (nearest == torch.arange(n)).sum().item()
+    return {"val/loss": loss / N_VAL, "val/accuracy@1": hits / N_VAL}
+
+
+def validation(run_dir: Path) -> dict[str, Any]:
+    (record,) = [r for r in read_metrics(run_dir) if "val/loss" in r]
+    return record
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("run", ["24x1", "ddp_3x4", "fsdp_4x3"])
+def test_evaluation_batch_is_whole_on_any_world_size(
+    run: str, one_process: dict[str, Path], two_ranks: dict[str, Path], files: dict[str, Path]
+) -> None:
+    """Each evaluation batch's pairs are negatives of each other on 2 ranks as on one process
+    (the batch's representations gathered over the ranks, as training gathers them): each rank
+    taking only its own pairs as negatives reported a loss 4x lower on 2 ranks than on one."""
+    run_dir = {**one_process, **two_ranks}[run]
+    record, want = validation(run_dir), validation_reference(run_dir, files)
+    assert record["val/items"] == N_VAL, record
+    assert record["val/loss"] == pytest.approx(want["val/loss"], rel=1e-5), (record, want)
+    assert record["val/accuracy@1"] == want["val/accuracy@1"], (record, want)
+
+
+@pytest.mark.multiproc
+@pytest.mark.launches
+def test_compare_calls_one_process_and_two_ranks_the_same(
+    one_process: dict[str, Path], two_ranks: dict[str, Path]
+) -> None:
+    """`trainer.compare` of the one-process run and the 2-rank runs: the same, validation
+    included (it called two runs that trained identically 77% apart)."""
+    for run in ("ddp_3x4", "fsdp_4x3"):
+        args = [str(one_process["24x1"]), str(two_ranks[run])]
+        proc = run_cli(args, module="trainer.compare", timeout=60)
+        assert proc.returncode == 0, f"{run}\n{proc.stdout}\n{proc.stderr}"
+        assert "val/loss" in proc.stdout and "val/accuracy@1" in proc.stdout, proc.stdout
 
 
 # ------------------------------------------------------------------- random state, precision

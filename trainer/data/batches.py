@@ -50,8 +50,10 @@ def build_val_batches(
     seed: int,
     info: DistInfo,
     parallel: Parallelism,
+    whole_batches: bool = False,
 ) -> EvalBatches:
-    """This data-parallel rank's validation batches, through a DataLoader."""
+    """This data-parallel rank's validation batches, through a DataLoader; `whole_batches`
+    for a task whose loss is of the whole batch: its shares of every evaluation batch."""
     val = EvalBatches(
         data.val,
         rank=parallel.dp_rank,
@@ -62,9 +64,11 @@ def build_val_batches(
         seed=seed,
         collate_fn=data.collate_fn,
         num_workers=resolve_num_workers(extras.num_workers, info),
+        whole_batches=whole_batches,
     )
     n_val = eval_set_size(len(data.val), cfg.batch_size, cfg.max_batches)
-    if parallel.shards_parameters and cfg.every_steps and n_val < parallel.dp_size:
+    lockstep = parallel.shards_parameters and not whole_batches  # shares: one batch each
+    if lockstep and cfg.every_steps and n_val < parallel.dp_size:
         raise ConfigError(
             "eval.max_batches",
             f"FSDP evaluates in lockstep and needs a validation sample on each of the "

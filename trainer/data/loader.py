@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, default_collate, get_worker_info
 
+from engine.evaluate import EvalShare
 from trainer.config.errors import UserError
 from trainer.run.batch_plan import BatchPlan
 
@@ -242,6 +243,14 @@ class TrainBatches:
             gen.close()
 
 
+def _share(samples: range, rank: int, world_size: int) -> range:
+    """The rank-th of `world_size` contiguous parts of `samples`, sizes differing by one at
+    most (the first parts the larger)."""
+    n = len(samples)
+    start = rank * (n // world_size) + min(rank, n % world_size)
+    return samples[start : start + n // world_size + (rank < n % world_size)]
+
+
 def eval_set_size(n_samples: int, batch_size: int, max_batches: int | None) -> int:
     """How many validation samples an evaluation covers, over all ranks."""
     return n_samples if max_batches is None else min(n_samples, max_batches * batch_size)
@@ -253,6 +262,12 @@ class EvalBatches:
     The set is the first `max_batches * batch_size` samples (or all); rank r takes every
     world_size-th sample from r, so shards differ by at most one sample, none repeats, and
     the set is the same for any world size. Re-iterable; has a length (batches on this rank).
+
+    `whole_batches` (tasks whose loss is of the whole batch: in-batch negatives): the set is
+    cut into evaluation batches of `batch_size` samples first, and rank r takes the r-th
+    contiguous share of each (as training shares a global batch); every rank then has one
+    share of every batch, yielded as an `EvalShare` whose representations evaluation
+    gathers, so each batch has the same negatives on any world size.
     """
 
     def __init__(
@@ -267,10 +282,24 @@ class EvalBatches:
         seed: int,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
+        whole_batches: bool = False,
     ) -> None:
-        mine = range(rank, eval_set_size(len(dataset), batch_size, max_batches), world_size)
-        keys = [(i, sample_seed(seed, _EVAL_STEP, i)) for i in mine]
-        self.batches = [keys[k : k + batch_size] for k in range(0, len(keys), batch_size)]
+        size = eval_set_size(len(dataset), batch_size, max_batches)
+        self.rows: list[int] | None = None  # whole_batches: this rank's samples of each
+        if whole_batches:
+            shares = [
+                _share(range(start, min(start + batch_size, size)), rank, world_size)
+                for start in range(0, size, batch_size)
+            ]
+            self.rows = [len(share) for share in shares]
+            # A rank without a sample of a batch forwards its first one (owning no row).
+            indices = [
+                list(share) or [start] for share, start in zip(shares, range(0, size, batch_size))
+            ]
+        else:
+            mine = list(range(rank, size, world_size))
+            indices = [mine[k : k + batch_size] for k in range(0, len(mine), batch_size)]
+        self.batches = [[(i, sample_seed(seed, _EVAL_STEP, i)) for i in b] for b in indices]
         self.dataset, self.collate_fn, self.device = dataset, collate_fn or default_collate, device
         self.seed = seed
         workers = min(num_workers, len(self.batches))
@@ -281,8 +310,9 @@ class EvalBatches:
 
     def __iter__(self) -> Iterator[Batch]:
         non_blocking = self.device.type == "cuda"
-        for batch in self.loader:
-            yield to_device(batch, self.device, non_blocking)
+        for k, batch in enumerate(self.loader):
+            batch = to_device(batch, self.device, non_blocking)
+            yield batch if self.rows is None else EvalShare(batch, self.rows[k])
 
     def first_sample(self) -> Batch | None:
         """The validation set's first sample as a batch of one, the same on every rank (a

@@ -18,6 +18,7 @@ from engine.parallel.base import RunShape
 from engine.step import StepContext, StepStrategy
 from engine.steps.accumulate import AccumulateStep
 from engine.steps.dp_sgd import DPSGDStep, PrivacySpent, check_per_sample_model
+from engine.window_task import WindowTask
 from trainer.config.components import instantiate
 from trainer.config.errors import ConfigError
 from trainer.config.schema import Config, DataExtras, TrainCfg
@@ -162,7 +163,13 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
     step_fn, plan, auto_window = setup_auto(cfg, ctx, parts.data, step_fn, plan)
     batches = build_train_batches(parts.data, parts.data_extras, cfg.seed, info, plan, parallel)
     val_batches = build_val_batches(
-        parts.data, parts.data_extras, cfg.eval, cfg.seed, info, parallel
+        parts.data,
+        parts.data_extras,
+        cfg.eval,
+        cfg.seed,
+        info,
+        parallel,
+        whole_batches=isinstance(parts.task, WindowTask),
     )
     attach_privacy(step_fn, ctx, batches, parts.data_extras)
     ctx.callbacks.setup(ctx)  # before a checkpoint is restored into their state

@@ -25,6 +25,7 @@ from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate
 from engine.numerics.precision import Precision
 from engine.parallel.dims import ParallelDims
+from engine.window_task import WindowTask
 from trainer.config.components import current_targets
 from trainer.config.errors import UserError
 from trainer.config.schema import Config
@@ -179,7 +180,10 @@ def evaluate_checkpoint(
         "checkpoint: {path} does not fit the model its config builds with these overrides: "
         "{error}. Drop the model.* overrides.",
     )
-    val = build_val_batches(parts.data, parts.data_extras, cfg.eval, cfg.seed, info, parts.parallel)
+    whole = isinstance(parts.task, WindowTask)
+    val = build_val_batches(
+        parts.data, parts.data_extras, cfg.eval, cfg.seed, info, parts.parallel, whole
+    )
     precision = Precision(cfg.train.precision, info.device.type)
     model = unwrap(parts.wrapped)
     progress = None
