@@ -178,6 +178,29 @@ def test_bad_profile_settings_name_their_key(override: str, key: str) -> None:
         to_config(compose_config(["profile=torch", override]))
 
 
+def test_a_profile_window_after_the_last_step_is_refused() -> None:
+    """`profile.steps` that start after `train.max_steps` would trace nothing (the run exited 0
+    with an empty profile/): refused with the config, naming both keys. Without profile=torch
+    the window is not read."""
+    bad = ["profile=torch", "profile.steps=[11,12]", "train.max_steps=10"]
+    with pytest.raises(ConfigError, match=r"`profile\.steps`.*train\.max_steps=10"):
+        to_config(compose_config(bad))
+    to_config(compose_config(bad[1:]))
+
+
+def test_a_profile_window_past_the_last_step_is_clipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A window that starts inside the run and ends after it (steps 2-5 of 2) is clipped at
+    the last step, said at start-up: the trace of step 2 is written and the summary names
+    steps 2-2."""
+    train_in_process([*TINY, "train.max_steps=2", "profile=torch", "profile.steps=[2,5]"], tmp_path)
+    out = capsys.readouterr().out
+    assert "profile.steps=[2, 5] ends after the run's last step (train.max_steps=2)" in out, out
+    assert (tmp_path / "profile" / "rank0.trace.json.gz").is_file()
+    assert "profile: steps 2-2 of rank(s) 0" in (tmp_path / "summary.txt").read_text()
+
+
 def test_profiled_rank_outside_the_world_is_refused(tmp_path: Path) -> None:
     cfg, _ = to_config(compose_config(["profile=torch", "profile.ranks=[0,2]"]))
     with pytest.raises(ConfigError, match=r"profile\.ranks.*rank\(s\) 2 do not exist"):

@@ -217,7 +217,7 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
         step_window=measured(auto_window or plain_step_window, cfg, run_dir),
         decode=parts.data.decode,
         data_description=parts.data.description or str(cfg.data.get("_target_")),
-        profiler=build_profiler(cfg.profile, run_dir, info, ctx.clock),
+        profiler=build_profiler(cfg.profile, run_dir, info, ctx.clock, cfg.train.max_steps),
     )
 
 
