@@ -19,6 +19,7 @@ from engine.timing import PHASES, STEP_PHASES, PhaseClock, PhaseTimes
 from tests.conftest import TINY, compose_config, train_in_process
 from trainer.config.cli import to_config
 from trainer.config.errors import ConfigError, UserError
+from trainer.run.hang import CollectiveWatch
 from trainer.tracking.phases import TABLE_FILE, PhaseTable, clearly_slowest
 from trainer.tracking.profiler import build_profiler
 
@@ -74,6 +75,27 @@ def test_wait_after_backward_starts_once_every_gradient_is_computed() -> None:
     assert clock.phase == "sync" and clock.waiting_in == "gradient sync" and clock.seq == 1
     clock.after_backward()
     assert clock.phase == "compute" and clock.waiting_in is None
+
+
+def test_a_timed_out_collective_is_named_sync_as_the_timers_count_it() -> None:
+    """A collective that times out (gloo's error, raised inside it) unwinds to the caller,
+    where the hang watch reads the position: it names the wait `sync` and the collective, as
+    the timers counted it and the trace labels it (`sync (NAME)`), not the compute phase the
+    collective was entered from. The next step forgets it."""
+    clock = PhaseClock(CPU, enabled=True)
+    clock.begin_step(3)
+    clock.switch("compute")
+    with pytest.raises(RuntimeError, match="Timed out"), clock.collective("window item count"):
+        time.sleep(0.05)
+        raise RuntimeError("[gloo] Timed out waiting 20000ms for recv operation")
+    times = clock.collect()
+    assert times is not None
+    seconds = dict(zip(PHASES, times.seconds))
+    assert seconds["sync"] >= 0.05 > seconds["compute"]
+    where = CollectiveWatch._where(clock)
+    assert where == "in step 3, phase sync (window item count)", where
+    clock.begin_step(4)
+    assert CollectiveWatch._where(clock) == "in step 4, phase data"
 
 
 def test_timing_off_measures_nothing_but_keeps_the_position(
