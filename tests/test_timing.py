@@ -171,18 +171,36 @@ def test_one_process_records_phase_times(tmp_path: Path, monkeypatch: pytest.Mon
     (rank 0), and no median or minimum (one rank has none to give). The device is given a
     peak FLOP/s, as a known GPU has: the record's MFU and its phase times come together (the
     MFU's arithmetic once overwrote the ranks' times, and every CUDA run on an H100 or H200
-    died at its first record)."""
+    died at its first record).
+
+    Evaluations and checkpoints every 2 steps of 3: those of step 2 are in step 3's record
+    (done between the two records); the final evaluation and checkpoint (step 3), after the
+    last record, are in time_by_rank.json's `final` and the summary, and the table's totals
+    are the records' and the final ones' together (they were lost)."""
     monkeypatch.setattr("trainer.tracking.records.device_peak_flops", lambda device: 1e12)
-    on = train_in_process([*TINY, "train.max_steps=2"], tmp_path / "on")
+    every = ["eval.every_steps=2", "eval.max_batches=2", "checkpoint.every_steps=2"]
+    on = train_in_process([*TINY, "train.max_steps=3", *every], tmp_path / "on")
     train = [r for r in on if "train/loss" in r]
-    assert len(train) == 2
+    assert len(train) == 3
     for record in train:
         assert record["train/mfu"] > 0
         for phase in STEP_PHASES:
             assert record[f"time/{phase}_rank"] == 0
             assert record[f"time/{phase}_s"] >= 0.0
         assert not any(k.endswith("_median_s") for k in record)
-    assert (tmp_path / "on" / TABLE_FILE).is_file()
+    assert [r["step"] for r in train if "time/eval_s" in r] == [3]
+    assert [r["step"] for r in train if "time/checkpoint_s" in r] == [3]
+    table = json.loads((tmp_path / "on" / TABLE_FILE).read_text())
+    final = table["final"]
+    assert final["eval_s"] > 0 and final["checkpoint_s"] > 0
+    assert final["eval_rank"] == final["checkpoint_rank"] == 0
+    (rank,) = table["ranks"]
+    for phase in ("eval", "checkpoint"):
+        total = train[2][f"time/{phase}_s"] + final[f"{phase}_s"]
+        assert rank["total_s"][phase] == pytest.approx(total, rel=1e-9), phase
+    summary = (tmp_path / "on" / "summary.txt").read_text()
+    shown = f"evaluation {final['eval_s']:.2f} s (rank 0), checkpoint {final['checkpoint_s']:.2f} s"
+    assert f"  after the last record: {shown} (rank 0) ({TABLE_FILE} `final`)" in summary, summary
 
 
 @pytest.mark.parametrize(

@@ -326,6 +326,16 @@ class TrainMeter:
         self.restart_clock()
         return record
 
+    def close_phases(self, clock: PhaseClock) -> dict[str, Any]:
+        """Collective, at the end of the run: every rank's phase times since the last record
+        (the final evaluation and checkpoint) into the phase table (`PhaseTable.close`).
+        Returns the slowest rank's seconds per phase that had any, on rank 0 ({} elsewhere,
+        and with phase timing off)."""
+        if not clock.enabled:
+            return {}
+        _, per_rank = self._reduce(torch.zeros((), device=self.dist.device), clock)
+        return self.phases.close(per_rank) if per_rank is not None else {}
+
     def _reduce(
         self, loss_sum: torch.Tensor, clock: PhaseClock | None
     ) -> tuple[float, list[list[float]] | None]:
