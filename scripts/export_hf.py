@@ -47,7 +47,12 @@ from trainer.config.errors import UserError  # noqa: E402
 from trainer.config.schema import Config, register_configs  # noqa: E402
 from trainer.config.trust import parse_saved_paths, parse_trust  # noqa: E402
 from trainer.models.encoder import MeanPooling, encoder_tokenizer  # noqa: E402
-from trainer.models.export import export_support, run_tokenizer, to_gpt2  # noqa: E402
+from trainer.models.export import (  # noqa: E402
+    export_support,
+    run_tokenizer,
+    saved_architecture,
+    to_gpt2,
+)
 from trainer.models.lora import export_adapter  # noqa: E402
 from trainer.run.assemble import CONFIG_DIR, build_adapter, build_model  # noqa: E402
 from trainer.run.evaluation import checkpoint_config, resolve_checkpoint  # noqa: E402
@@ -107,7 +112,8 @@ def export(path: Path, cfg: Config, info: DistInfo, out: Path, merge: bool = Fal
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     print(
-        f"exported step {ckpt.step} of {path} to {out} as {type(model).__name__}, with {what}",
+        f"exported step {ckpt.step} of {path} to {out} as "
+        f"{saved_architecture(out, type(model).__name__)}, with {what}",
         flush=True,
     )
 

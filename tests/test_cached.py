@@ -187,6 +187,23 @@ def test_two_ranks_step_is_the_whole_batch_gradient(
     assert record["time/sync_s"] > 0, record
 
 
+def test_throughput_is_named_by_the_tasks_items(one_process: dict[str, Path]) -> None:
+    """A contrastive run's loss items are pairs: the record says `train/pairs_per_s` (24 pairs
+    a step over the step's time), not `train/tokens_per_s`; the run's report finds it for its
+    throughput chart and its run line."""
+    from trainer.tracking.report import charts, load_run, run_line
+
+    run_dir = one_process["3x8"]
+    (record,) = train_records(read_metrics(run_dir))
+    assert "train/tokens_per_s" not in record
+    per_step = record["train/pairs_per_s"] * record["train/step_time_ms"] / 1000
+    assert per_step == pytest.approx(N_TRAIN, rel=1e-9)
+    run = load_run(run_dir, "3x8")
+    (chart,) = [c for c in charts([run]) if c.title.startswith("Throughput")]
+    assert [line.metric for line in chart.lines] == ["train/pairs_per_s"]
+    assert "median items/s" in run_line(run)
+
+
 def test_temperature_gradient_is_counted_once(
     one_process: dict[str, Path], reference: dict[str, Any]
 ) -> None:

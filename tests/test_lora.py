@@ -331,6 +331,10 @@ def test_peft_loads_the_export_and_the_merged_model_gives_the_same_logits(runs: 
     assert (theirs - plain).abs().max() > 1e-3, "premise: the adapters change the logits"
     merged = transformers.AutoModelForCausalLM.from_pretrained(root / "merged")
     assert not any("lora" in n for n, _ in merged.named_parameters())
+    # The console names the class config.json names (not cumulus's own subclass of it).
+    (arch,) = json.loads((root / "merged" / "config.json").read_text())["architectures"]
+    assert arch == type(merged).__name__ == "LlamaForCausalLM"
+    assert f"as the merged model ({arch})," in second["merged"].stdout, second["merged"].stdout
     torch.testing.assert_close(logits_of(merged, ids), theirs, rtol=0, atol=1e-4)
 
 

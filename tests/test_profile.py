@@ -225,6 +225,10 @@ def test_hung_rank_is_named_and_the_job_ends(runs: Runs) -> None:
     text = paragraphs[0]
     assert text.startswith(f"error (rank 0): rank 1 (host {HOST}"), text
     assert "gloo:all_reduce" in text and "step 3" in text and "dist.timeout_s=20" in text
+    # Both ranks' places in the phase clock's names: the hung one in its compute, the one
+    # that waited in the gradient all-reduce in `sync`, as its timers and trace call it.
+    assert "in step 3, phase compute)" in text, text
+    assert "rank 0 entered in step 3, phase sync (gradient sync)" in text, text
     assert "step_00000002" in text
     stuck = json.loads((run_dir / "hang" / "rank1.json").read_text())
     assert any("profile_support.py" in frame for frame in stuck["stack"])

@@ -59,6 +59,19 @@ def export_line(model: nn.Module) -> str:
     return f"export: scripts/export_hf.py writes it as transformers' {kind}"
 
 
+def saved_architecture(out: Path, fallback: str) -> str:
+    """The architecture `out/config.json` names (what `AutoModel...from_pretrained` builds), for
+    the export's console line; `fallback` where the file names none. cumulus's own subclasses
+    of transformers models save their transformers class there (trainer/models/hf.py)."""
+    import json
+
+    try:
+        names = json.loads((out / "config.json").read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError):
+        return fallback
+    return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else fallback
+
+
 def _transformers() -> Any:
     try:
         import transformers

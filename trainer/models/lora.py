@@ -306,16 +306,16 @@ def export_adapter(
     """`out` as a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`
     in peft's key layout, written by peft itself) for `PeftModel.from_pretrained(base, out)`,
     or with `merge` the merged model as a `save_pretrained` directory."""
+    from trainer.models.export import saved_architecture, to_gpt2
+
     model = adapter.model
     if merge:
         merged = adapter.peft_model.merge_and_unload()  # the user's module, weights merged
-        if not hasattr(merged, "save_pretrained"):
-            from trainer.models.export import to_gpt2  # the in-tree GPT
-
+        if not hasattr(merged, "save_pretrained"):  # the in-tree GPT
             eos = tokenizer.eos_token_id if tokenizer is not None else None
             merged = to_gpt2(merged.cpu(), eos)
         merged.save_pretrained(out)
-        return Exported("the merged model", type(merged).__name__)
+        return Exported("the merged model", saved_architecture(out, type(merged).__name__))
     if not hasattr(model, "save_pretrained"):
         raise UserError(
             f"checkpoint: the adapters of a {type(model).__name__} export merged only "

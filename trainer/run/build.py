@@ -35,7 +35,7 @@ from trainer.run.preemption import StopRequest
 from trainer.run.state import ResumeSettings, RunState, TrainingProgress, build_checkpointer, resume
 from trainer.run.window import window_step
 from trainer.tracking.profiler import build_profiler
-from trainer.tracking.records import TrainMeter
+from trainer.tracking.records import TrainMeter, item_unit
 from trainer.tracking.sinks import Banner, build_sinks
 
 # A step builds the optimizer's state (Adam's moments): the second one is a steady step.
@@ -173,7 +173,8 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
     )
     attach_privacy(step_fn, ctx, batches, parts.data_extras)
     ctx.callbacks.setup(ctx)  # before a checkpoint is restored into their state
-    meter = TrainMeter(info, parts.flops_per_token, run_dir)
+    unit = item_unit(parts.task)  # a task names its loss items (`unit = "tokens"`)
+    meter = TrainMeter(info, parts.flops_per_token, run_dir, unit)
     progress = TrainingProgress(ctx, plan.global_batch, cfg.train.max_steps)
     state = build_state(cfg, config, ctx, parts, progress=progress, meter=meter, step=step_fn)
     checkpointer = build_checkpointer(
@@ -202,8 +203,7 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
             if parts.adapter is None
             else adapter_line(parts.adapter),
         )
-        # A task may name its loss items (`unit = "tokens"`), for the progress line's rate.
-        sinks = build_sinks(cfg, config, banner, unit=getattr(parts.task, "unit", "items"))
+        sinks = build_sinks(cfg, config, banner, unit=unit)
     if cfg.train.detect_anomaly:
         torch.autograd.set_detect_anomaly(True)  # slow: for debugging NaNs only
     return Run(
@@ -224,7 +224,7 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
         step_window=measured(auto_window or plain_step_window, cfg, run_dir),
         decode=parts.data.decode,
         data_description=parts.data.description or str(cfg.data.get("_target_")),
-        profiler=build_profiler(cfg.profile, run_dir, info, ctx.clock),
+        profiler=build_profiler(cfg.profile, run_dir, info, ctx.clock, cfg.train.max_steps),
     )
 
 

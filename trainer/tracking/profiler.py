@@ -82,10 +82,27 @@ class TorchProfiler(NoProfiler):
         run_dir: the run directory (traces go to its `profile/`).
         info: where this rank runs.
         clock: the step's phase clock (its spans mark steps, phases and micro-batches).
+        max_steps: the run's last step: a window that ends after it is clipped there (one
+            that starts after it is refused with the config, trainer/config/schema.py).
     """
 
-    def __init__(self, cfg: ProfileCfg, run_dir: Path, info: DistInfo, clock: PhaseClock) -> None:
+    def __init__(
+        self,
+        cfg: ProfileCfg,
+        run_dir: Path,
+        info: DistInfo,
+        clock: PhaseClock,
+        max_steps: int | None = None,
+    ) -> None:
         self.first, self.last = cfg.steps
+        if max_steps is not None and self.last > max_steps >= self.first:
+            if info.is_main and cfg.kind == "torch":
+                print(
+                    f"profile.steps=[{self.first}, {self.last}] ends after the run's last step "
+                    f"(train.max_steps={max_steps}): steps {self.first}-{max_steps} are profiled",
+                    flush=True,
+                )
+            self.last = max_steps
         self.ranks = list(range(info.world_size)) if cfg.ranks is None else sorted(cfg.ranks)
         self.info, self.clock = info, clock
         self.folder = run_dir / PROFILE_DIR
@@ -289,8 +306,11 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-def build_profiler(cfg: ProfileCfg, run_dir: Path, info: DistInfo, clock: PhaseClock) -> Any:
-    """The run's profiler: `TorchProfiler` for profile=torch or profile.memory=true."""
+def build_profiler(
+    cfg: ProfileCfg, run_dir: Path, info: DistInfo, clock: PhaseClock, max_steps: int | None = None
+) -> Any:
+    """The run's profiler: `TorchProfiler` for profile=torch or profile.memory=true; a window
+    past `max_steps` is clipped at it."""
     bad = [r for r in cfg.ranks or [] if r >= info.world_size]
     if bad:
         raise ConfigError(
@@ -306,4 +326,4 @@ def build_profiler(cfg: ProfileCfg, run_dir: Path, info: DistInfo, clock: PhaseC
         )
     if cfg.kind == "none" and not (cfg.memory and info.device.type == "cuda"):
         return NoProfiler()
-    return TorchProfiler(cfg, run_dir, info, clock)
+    return TorchProfiler(cfg, run_dir, info, clock, max_steps)

@@ -25,6 +25,7 @@ import yaml
 from trainer.checks.compare import CompareError, compare, metrics_file, report, series_of
 from trainer.tracking.phases import TABLE_FILE
 from trainer.tracking.plots import COLORS, DASHES, Chart, Line, phase_legend, svg, timeline_svg
+from trainer.tracking.records import is_throughput, throughput_key
 from trainer.tracking.timeline import phase_lanes
 
 TIMELINE_FILE = Path("profile") / "timeline.json.gz"
@@ -33,11 +34,13 @@ EXIT_BAD_INPUT = 2
 SUMMARY_FILE = "summary.txt"
 # The charts a person looks at first: (title, metrics drawn together). Every other numeric
 # metric gets a chart of its own after these.
+THROUGHPUT = tuple(throughput_key(u) for u in ("tokens", "pairs", "samples", "items"))
 MAIN_CHARTS = (
     ("Loss", ("train/loss", "val/loss")),
     ("Learning rate", ("train/lr",)),
     ("Gradient norm (before clipping)", ("train/grad_norm",)),
-    ("Throughput: loss items per second", ("train/tokens_per_s",)),
+    # `train/<unit>_per_s` in the task's unit (trainer/tracking/records.py: throughput_key).
+    ("Throughput: loss items per second", THROUGHPUT),
     ("MFU", ("train/mfu",)),
     ("Peak memory (MB)", ("train/peak_mem_mb",)),
     (
@@ -257,7 +260,8 @@ def run_line(run: RunData) -> str:
         point = last(run.series.get(metric, {}))
         if point is not None and point[1] is not None:
             parts.append(f"{metric} {point[1]:.4f} (step {point[0]})")
-    tps = [v for v in run.series.get("train/tokens_per_s", {}).values() if v is not None]
+    rates = [m for m in run.series if is_throughput(m)]  # the task's unit's (one per run)
+    tps = [v for m in rates[:1] for v in run.series[m].values() if v is not None]
     if tps:
         parts.append(f"median items/s {sorted(tps)[len(tps) // 2]:,.0f}")
     mem = [v for v in run.series.get("train/peak_mem_mb", {}).values() if v is not None]
