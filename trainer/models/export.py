@@ -203,9 +203,9 @@ def run_tokenizer(data: dict[str, Any]) -> tuple[Any, str]:
     source = tokenizer_source(data.get("tokenizer"), data.get("pretrained"))
     template = data.get("chat_template")
     if source and (Path(source).expanduser() / "tokenizer_config.json").is_file():
-        from trainer.data.chat_render import load_tokenizer as load_directory
+        from trainer.data.tokenize import load_hf_tokenizer
 
-        tok = load_directory(source, "data.tokenizer")
+        tok = load_hf_tokenizer(source, "data.tokenizer")
         if template:
             tok.chat_template = Path(str(template)).expanduser().read_text(encoding="utf-8")
         return tok, f"the run's tokenizer ({source})" + (f", template {template}" * bool(template))
