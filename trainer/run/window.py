@@ -28,7 +28,9 @@ class TaskRecords(Callback):
         return self.task.metrics()
 
 
-def step_for_task(step_fn: StepStrategy, ctx: StepContext, cfg: Config, plan: BatchPlan) -> Any:
+def step_for_task(
+    step_fn: StepStrategy, ctx: StepContext, cfg: Config, plan: BatchPlan
+) -> StepStrategy:
     """`step_fn`, or `step=cached` in place of the default step for a task whose loss is of
     the whole window (one line says so); a step that cannot run the task is refused. When the
     window is one micro-batch on one process, its loss is the window's: the default step
