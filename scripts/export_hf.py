@@ -53,6 +53,7 @@ from trainer.models.export import (  # noqa: E402
     saved_architecture,
     to_gpt2,
 )
+from trainer.models.hf import is_transformers_model  # noqa: E402
 from trainer.models.lora import export_adapter  # noqa: E402
 from trainer.run.assemble import CONFIG_DIR, build_adapter, build_model  # noqa: E402
 from trainer.run.evaluation import checkpoint_config, resolve_checkpoint  # noqa: E402
@@ -106,7 +107,7 @@ def export(path: Path, cfg: Config, info: DistInfo, out: Path, merge: bool = Fal
         if done.note:
             print(done.note, flush=True)
         return
-    if not hasattr(model, "save_pretrained"):  # the in-tree GPT
+    if not is_transformers_model(model):  # the in-tree GPT
         model = to_gpt2(model.cpu(), tokenizer.eos_token_id if tokenizer is not None else None)
     model.save_pretrained(out)
     if tokenizer is not None:

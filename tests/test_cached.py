@@ -448,6 +448,17 @@ def test_cached_step_needs_a_loss_of_the_whole_window(tmp_path: Path, tiny: list
         train_in_process([*tiny, "step=cached", f"data.path={text}"], tmp_path / "lm")
 
 
+def test_window_task_example_runs() -> None:
+    """The `Example::` of `WindowTask`'s docstring runs: its task is a `WindowTask`, and its
+    loss over a partition of the rows is the whole window's."""
+    import doctest
+
+    import engine.window_task
+
+    result = doctest.testmod(engine.window_task)
+    assert result.attempted >= 8 and result.failed == 0
+
+
 def test_split_layouts_refuse_the_cached_step() -> None:
     """dist.pp, dist.tp and dist.cp run the window as step=accumulate's: each refuses
     step=cached in one paragraph naming `step`."""

@@ -221,6 +221,38 @@ def test_a_data_set_with_nothing_to_supervise_is_refused(
     assert "12 have no supervised token" in str(err.value) or "no supervised" in str(err.value)
 
 
+def test_the_main_process_loads_the_tokenizer_once(
+    model_dir: tuple[Path, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening chat data loads the tokenizer once in this process (the real loader, counted):
+    the encoder (its vocabulary, the workers it forks) uses that one. Each row's training
+    sample and what trainer.preview shows of it are one `TextSequence`."""
+    path, _ = model_dir
+    loaded: list[str] = []
+    real = transformers.AutoTokenizer.from_pretrained.__func__
+
+    def counted(cls: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+        loaded.append(str(name))
+        return real(cls, name, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(counted))
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations(20, seed=4, max_turns=1))
+    splits = chat_data(
+        str(data),
+        tokenizer=str(path),
+        max_length=MAX_LENGTH,
+        tokenize_workers=1,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    assert loaded == [str(path)]
+    from trainer.data.preview import show_row
+
+    for row in range(3):
+        labels = splits.train[row]["shift_labels"]
+        shown = show_row(splits.train, row, splits.decode).splitlines()[0]
+        assert f", {int((labels != -100).sum())} supervised ===" in shown, shown
+
+
 # --------------------------------------------------------------------------- packing
 
 

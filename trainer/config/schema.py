@@ -321,11 +321,18 @@ class AdapterCfg:
             "adapter",
             f"must be one of {', '.join(ADAPTERS)} (adapter=lora), got {self.kind!r}",
         )
-        lora = ("r", "alpha", "dropout", "target_modules", "modules_to_save", "use_dora")
+        lora = {
+            "r": self.r,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "target_modules": self.target_modules,
+            "modules_to_save": self.modules_to_save,
+            "use_dora": self.use_dora,
+        }
         if self.kind == "none":
-            for name in lora:
+            for name, value in lora.items():
                 require(
-                    getattr(self, name) is None,
+                    value is None,
                     f"adapter.{name}",
                     "is set but no adapter is selected: add adapter=lora (the default is "
                     "adapter=none, which trains every weight)",

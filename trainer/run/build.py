@@ -33,7 +33,7 @@ from trainer.run.fit import Run, RunSettings, plain_step_window
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import StopRequest
 from trainer.run.state import ResumeSettings, RunState, TrainingProgress, build_checkpointer, resume
-from trainer.run.window import window_step
+from trainer.run.window import step_for_task
 from trainer.tracking.profiler import build_profiler
 from trainer.tracking.records import TrainMeter, item_unit
 from trainer.tracking.sinks import Banner, build_sinks
@@ -158,7 +158,7 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
     parts = assemble(cfg, info, dims)
     parallel = parts.parallel
     ctx = build_context(cfg, parts, info)
-    step_fn = window_step(build_step(cfg.step), ctx, cfg, plan)
+    step_fn = step_for_task(build_step(cfg.step), ctx, cfg, plan)
     check_layout(parallel, run_shape(cfg, step_fn, ctx, plan))
     step_fn, plan, auto_window = setup_auto(cfg, ctx, parts.data, step_fn, plan)
     batches = build_train_batches(parts.data, parts.data_extras, cfg.seed, info, plan, parallel)

@@ -49,7 +49,7 @@ def ops_file(folder: Path, rank: int) -> Path:
     return folder / f"rank{rank}.ops.json"
 
 
-def ours(name: str) -> bool:
+def is_trainer_span(name: str) -> bool:
     """A span the trainer opened (a step, a phase, a micro-batch), not an operator."""
     head = name.split(" ", 1)[0]
     return head in PHASES or head in ("step", "micro-batch") or name.startswith("ProfilerStep")
@@ -189,10 +189,13 @@ class TorchProfiler(NoProfiler):
 
     def _top_operators(self, prof: Any) -> dict[str, Any]:
         """The operators with the most self time (device time on CUDA) in the window."""
-        attr = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        events = [e for e in prof.key_averages() if not ours(e.key)]
-        total = sum(getattr(e, attr) for e in events) or 1.0
-        top = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:TOP_OPERATORS]
+
+        def self_time(e: Any) -> float:  # microseconds
+            return e.self_device_time_total if self.cuda else e.self_cpu_time_total
+
+        events = [e for e in prof.key_averages() if not is_trainer_span(e.key)]
+        total = sum(self_time(e) for e in events) or 1.0
+        top = sorted(events, key=self_time, reverse=True)[:TOP_OPERATORS]
         return {
             "rank": self.info.rank,
             "time": "device" if self.cuda else "CPU",
@@ -200,8 +203,8 @@ class TorchProfiler(NoProfiler):
             "operators": [
                 {
                     "name": e.key,
-                    "self_s": getattr(e, attr) / 1e6,
-                    "share": getattr(e, attr) / total,
+                    "self_s": self_time(e) / 1e6,
+                    "share": self_time(e) / total,
                     "calls": e.count,
                 }
                 for e in top
