@@ -40,13 +40,15 @@ def train(
 
     from engine.distributed import init_distributed, shutdown_distributed
     from trainer.config.cli import to_config
+    from trainer.config.trust import derived_keys
     from trainer.run.lifecycle import train as train_run
 
-    cfg, plain = to_config(compose(overrides, config_dir))
+    composed = compose(overrides, config_dir)
+    cfg, plain = to_config(composed)
     info = init_distributed(cfg.dist.backend, cfg.train.device, cfg.dist.timeout_s)
     run_dir = Path(run_dir)
     try:
-        train_run(cfg, plain, info, run_dir)
+        train_run(cfg, plain, info, run_dir, derived_keys(composed))
     finally:
         shutdown_distributed(clean=False)
     metrics = run_dir / "metrics.jsonl"
