@@ -68,9 +68,11 @@ def evaluate(
     """Evaluate a checkpoint (or a run directory's newest valid one) in this process and
     return its metrics, as `python -m trainer.evaluate checkpoint=... OVERRIDES` prints them.
 
-    The checkpoint's saved config is untrusted input: targets it names outside what cumulus
-    ships must be under a `trust` prefix (`trust=["mypkg"]`) or in `config_dir`, and paths it
-    sets must be restated in `overrides` (`"data.path=..."`) or taken with `saved_paths=True`.
+    A checkpoint of your own (signed with your secret: README, Security) needs neither. A
+    received checkpoint's saved config is untrusted input: targets it names outside what
+    cumulus ships must be under a `trust` prefix (`trust=["mypkg"]`) or in `config_dir`, and
+    paths it sets must be restated in `overrides` (`"data.path=..."`) or taken with
+    `saved_paths=True`.
     """
     from engine.distributed import init_distributed, shutdown_distributed
     from trainer.config.cli import check_overrides, to_config

@@ -21,6 +21,11 @@ cache). A path the file sets (one that differs from what this version's configs 
 that the user did not restate) is not used: the user gives it on the command line
 (`data.path=...`) or says `saved_paths=true` to take the file's paths. Nothing is read or
 written where a received file alone says so.
+
+A config this user's secret signed (trainer/config/signing.py) is their own run's: its targets
+and paths are theirs. The keys a run derived from others (`data.pretrained` from
+`model.pretrained`) are saved beside the resolved config as references to other keys
+(`derived_keys`), never through a resolver, and derived again from what the user gives now.
 """
 
 from __future__ import annotations
