@@ -575,3 +575,42 @@ def test_the_secret_is_created_once_private_and_never_by_a_check(
     assert not is_own({**record, "config": {"a": 1, "b": [1.5, None, "y"]}}, signature)
     assert not is_own({**record, "config": {"a": True, "b": [1.5, None, "x"]}}, signature)
     assert not is_own(record, signature.upper()) and not is_own(record, None)
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        ["model=hf_llama", "data=stdlib"],
+        ["model=hf_llama", "data=hf"],
+        ["model=hf_llama", "data=chat"],
+        ["model=hf_encoder", "task=contrastive", "data=pairs"],
+        ["model=gpt_tiny", "data=stdlib"],
+    ],
+)
+def test_derived_keys_follow_what_the_user_gives_now(choice: list[str]) -> None:
+    """A saved config (resolved) with its derived keys, composed again as evaluation and export
+    compose it: with no override, exactly the saved values; with `model.pretrained=NEW_DIR`,
+    every key the run derived from it (`data.pretrained`, `data.tokenizer` for pairs) is the
+    new directory, and a key the user set at training keeps its value."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import compose_config
+    from trainer.config.trust import derived_keys
+    from trainer.run.evaluation import compose_config as compose_saved
+
+    old, new = "/old/base", "/moved/base"
+    pretrained = [f"model.pretrained={old}"] if choice[0].startswith("model=hf") else []
+    composed = compose_config([*choice, *pretrained, "data.packed=false"])
+    saved = OmegaConf.to_container(composed, resolve=True)
+    derived = derived_keys(composed)
+    assert "data.packed" not in derived  # set by the user: saved as given
+    again, _ = compose_saved(saved, [], derived)
+    assert OmegaConf.to_container(again, resolve=True) == saved
+    if not pretrained:
+        return
+    follows = [k for k, v in derived.items() if "model.pretrained" in v]
+    assert follows, derived
+    moved, _ = compose_saved(saved, [f"model.pretrained={new}"], derived)
+    for key in follows:
+        assert OmegaConf.select(moved, key) == new, key
+    assert moved.data.packed is False
