@@ -7,7 +7,8 @@ signs what evaluation and export read back of a checkpoint's config (the resolve
 its derived keys) with HMAC-SHA256 under a secret that only this user can read: 32 random bytes
 in `checkpoint-secret` of the user's config directory (`$CUMULUS_CONFIG_DIR`, else
 `$XDG_CONFIG_HOME/cumulus`, else `~/.config/cumulus`), created with mode 0600 by the first
-run that saves. A signature that verifies means the config is this user's own, unedited.
+training run (rank 0, which writes a checkpoint's config). A signature that verifies means the
+config is this user's own, unedited.
 
 A checkpoint copied from another machine or user (another secret), one whose config was edited
 (the signature no longer matches) and one written before signing existed (no signature) stay

@@ -1,7 +1,8 @@
 """One place that knows what a run saves and how a run continues from a checkpoint.
 
 `RunState` holds everything a checkpoint holds: the model and optimizer (through the
-parallelism's state I/O: gathered from stages and shards, or as DCP shards), the config, each
+parallelism's state I/O: gathered from stages and shards, or as DCP shards), the config (with
+the keys it derives and this user's signature of both: trainer/config/signing.py), each
 rank's random streams, and named stateful components (progress, scheduler, precision,
 callbacks, meter, and any user component with `state_dict`/`load_state_dict`). A
 checkpoint's `state.pt` holds each component's state under its name, next to the config and,
