@@ -12,10 +12,13 @@ mapping and are refused.
     python scripts/export_hf.py checkpoint=RUN_DIR out=DIR trust=[mypkg]
     python scripts/export_hf.py checkpoint=RUN_DIR out=DIR model.pretrained=BASE_DIR
 
-A run directory means its newest valid checkpoint. The checkpoint's saved config is untrusted
-input: only targets cumulus ships are built from it, others only under `trust=[PKG,...]`; the
-paths it names (`model.pretrained`, `data.tokenizer`...) are given again on the command line
-(`key=value`, as for `trainer.evaluate`) or taken with `saved_paths=true`.
+A run directory means its newest valid checkpoint. A checkpoint of the user's own (its config
+signed with their secret, trainer/config/signing.py) needs no flag. A received one's saved
+config is untrusted input: only targets cumulus ships are built from it, others only under
+`trust=[PKG,...]`; the paths it names (`model.pretrained`, `data.tokenizer`...) are given
+again on the command line (`key=value`, as for `trainer.evaluate`) or taken with
+`saved_paths=true`. A base that moved is named again (`model.pretrained=NEW_DIR`): what the
+run derived from it (`data.pretrained`) follows.
 
 Either checkpoint layout (`full` or `sharded`, any world size) is read in this one process.
 Tied weights (GPT-2's input and output embedding) stay tied in the export.
