@@ -1,8 +1,10 @@
 """The code in docs/extending.md and docs/your-model.md runs as documented: in plain Python,
-from Python through the trainer, and from the command line."""
+from Python through the trainer, and from the command line; the README's table of common
+overrides names every `train.*` key."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -16,6 +18,24 @@ from tests.ranks import explain, launch, launch_all
 from tests.user_project import commands, write_project
 
 DOC = REPO / "docs" / "extending.md"
+
+
+def overrides_table() -> str:
+    """The README's table of common overrides: the first table of its Training section."""
+    training = (REPO / "README.md").read_text().split("\n## Training\n", 1)[1]
+    rows = re.search(r"\n\| key \| meaning \|\n(?:\|.*\n)+", training.split("\n## ", 1)[0])
+    assert rows, "README: no key table in the Training section"
+    return rows.group(0)
+
+
+def test_readme_overrides_table_names_every_train_key() -> None:
+    """Every key of the schema's `train` section is in the README's table of common overrides
+    (where a user looks first: `train.log_every` and `train.device` were missing)."""
+    from trainer.config.schema import TrainCfg
+
+    named = set(re.findall(r"`train\.(\w+)", overrides_table()))
+    missing = [f"train.{f.name}" for f in dataclasses.fields(TrainCfg) if f.name not in named]
+    assert not missing, f"README's table of common overrides lacks {missing}"
 
 
 def python_blocks() -> list[str]:

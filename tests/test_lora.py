@@ -269,6 +269,29 @@ def test_checkpoints_hold_the_adapters_alone_and_move_between_world_sizes_bitwis
 
 
 @pytest.mark.multiproc
+def test_sharded_checkpoint_writes_the_optimizer_settings_once(runs: dict) -> None:
+    """2 FSDP ranks: the settings of the optimizer's one group (lr, momentum...) are one value
+    naming its 28 adapters, not a value per adapter and setting (280 of ~1.2 KB each); the
+    shards stay within 5x the full layout's state.pt of the same adapters and optimizer (4.2x
+    measured: DCP stores each tensor, each rank's shard of it, as its own ~1.2 KB torch.save)."""
+    from engine.checkpoint.sharded import load_shards, read_metadata
+
+    root = runs["root"]
+    path = ckpt(root / "fsdp", 4) / "shards"
+    keys = read_metadata(path).state_dict_metadata
+    settings = [k for k in keys if k.startswith("optimizer.") and ".state." not in k]
+    assert len(settings) == 1, (len(settings), settings[:3])
+    group = {"optimizer": {settings[0].removeprefix("optimizer."): None}}
+    load_shards(group, path)
+    values, names = next(iter(group["optimizer"].values()))
+    assert sorted(names) == sorted(trainable_state(ckpt(root / "one", 1))), names
+    assert values["lr"] == LR and values["momentum"] == 0.9, values
+    shards = sum(f.stat().st_size for f in path.iterdir())
+    full = (ckpt(root / "one", 4) / "state.pt").stat().st_size
+    assert shards < 5 * full, (shards, full)
+
+
+@pytest.mark.multiproc
 def test_memory_report_counts_optimizer_state_of_the_adapters_only(runs: dict) -> None:
     """FSDP2 on 2 ranks: each rank's momentum buffers are its shards of the adapters."""
     report = json.loads((runs["root"] / "fsdp" / "memory_report.json").read_text())
