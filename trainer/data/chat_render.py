@@ -46,6 +46,8 @@ Span = tuple[int, int]
 class TemplateRefused(BadRecord):
     """The chat template cannot tell the supervised tokens apart (not prefix-preserving)."""
 
+    of_row = False  # about the template: reported at once, not as one of the bad rows
+
 
 def load_tokenizer(path: str | Path, key: str = "data.tokenizer") -> Any:
     """A transformers fast tokenizer from a tokenizer directory (`AutoTokenizer`, never running

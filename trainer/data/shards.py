@@ -117,11 +117,11 @@ class Chunk:
     ends: list[bool] | None = None
 
 
-def _missing(path: Path, field: str, where: str, fields: list[str]) -> UserError:
+def _missing(where: str, field: str, fields: list[str]) -> UserError:
     return BadRecord(
-        f"data.text_field: {where} of {path} has no field {field!r}; its fields: "
-        f"{', '.join(map(repr, fields)) or 'none'}. Set data.text_field= to the field that "
-        "holds the text."
+        f"data.text_field: {where} has no field {field!r} (its fields: "
+        f"{', '.join(map(repr, fields)) or 'none'}).",
+        "Set data.text_field= to the field that holds the text.",
     )
 
 
@@ -129,9 +129,10 @@ def _not_text(field: str, where: str, value: Any) -> BadRecord:
     kind = type(value).__name__
     return BadRecord(
         f"data.text_field: {where} holds a {kind} in field {field!r} ({repr(value)[:60]}), not "
-        "text; data=hf trains on one text field per record and would read the Python text of "
-        f"the {kind}. Conversations (a list of role/content messages) are data=chat "
-        "(data=chat data.path=...); otherwise set data.text_field= to a field holding text."
+        "text;",
+        f"data=hf trains on one text field per record and would read the Python text of the "
+        f"{kind}. Conversations (a list of role/content messages) are data=chat "
+        "(data=chat data.path=...); otherwise set data.text_field= to a field holding text.",
     )
 
 
@@ -155,7 +156,7 @@ def _value(record: Any, source: Source, path: Path, where: str) -> Any:
         return record
     if not isinstance(record, dict) or source.field not in record:
         fields = list(record) if isinstance(record, dict) else []
-        raise _missing(path, source.field, where.removesuffix(f" of {path}"), fields)
+        raise _missing(where, source.field, fields)
     return _text(record[source.field], source.field, where)
 
 
@@ -213,9 +214,7 @@ def _json_array(path: Path, source: Source) -> Iterator[Any]:
     if not isinstance(records, list):
         raise BadRecord(f"data.path: {path} holds a JSON {type(records).__name__}, not an array")
     for n, record in enumerate(records, 1):
-        yield _value(
-            record, source, path, f"{path}: row {n}" if source.columns else f"record {n} of {path}"
-        )
+        yield _value(record, source, path, f"{path}: row {n}")
 
 
 def _parquet_values(path: Path, source: Source) -> Iterator[Any]:
@@ -231,7 +230,7 @@ def _parquet_values(path: Path, source: Source) -> Iterator[Any]:
         return
     field = source.field
     if field not in names:
-        raise _missing(path, field, "the schema", names)
+        raise _missing(f"the schema of {path}", field, names)
     _check_text_column(pf.schema_arrow.field(field).type, field, path)
     for batch in pf.iter_batches(batch_size=1024, columns=[field]):
         yield from (_text(t, field) for t in batch.column(0).to_pylist())
@@ -280,7 +279,7 @@ def _saved_values(path: Path, source: Source) -> Iterator[Any]:
         return
     field = source.field
     if field not in ds.column_names:
-        raise _missing(path, field, "the dataset", ds.column_names)
+        raise _missing(f"the dataset of {path}", field, ds.column_names)
     table = ds.select_columns([field]).with_format("arrow")
     _check_text_column(table.features.arrow_schema.field(field).type, field, path)
     for start in range(0, len(ds), 1024):
@@ -366,36 +365,121 @@ def _where(chunk: Chunk, path: Path, i: int) -> str:
 
 def chunk_values(chunk: Chunk, path: Path, source: Source) -> tuple[list[Any], list[str]]:
     """What the records of one chunk give the encoder (`_value`), and where each is: `FILE:LINE`
-    for JSON Lines, `FILE: row N` otherwise."""
+    for JSON Lines, `FILE: row N` otherwise. Every bad record of the chunk is one `BadRows`."""
+    values, wheres, bad = _read_chunk(chunk, path, source)
+    if bad:
+        raise BadRows.of(bad, path)
+    return values, wheres
+
+
+def _read_chunk(
+    chunk: Chunk, path: Path, source: Source
+) -> tuple[list[Any], list[str], list[tuple[int, BadRecord]]]:
+    """The chunk's good records (values, where each is) and its bad ones (line, refusal)."""
     if chunk.kind == "texts":
         where = [_where(chunk, path, chunk.first + i) for i in range(len(chunk.payload))]
-        return chunk.payload, where
+        return chunk.payload, where, []
     start, end = chunk.payload
     with open(path, "rb") as f:
         f.seek(start)
         lines = f.read(end - start).split(b"\n")
     if lines and not lines[-1]:
         lines.pop()
-    values, wheres = [], []
+    values, wheres, bad = [], [], []
     for n, line in enumerate(lines, chunk.first):
         if not line.strip():
             continue
         where = f"{path}:{n}"
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BadRecord(f"data.path: line {n} of {path} is not JSON ({exc})") from None
-        values.append(
-            _value(record, source, path, where if source.columns else f"line {n} of {path}")
-        )
+            values.append(_value(_json(line, where), source, path, where))
+        except BadRecord as exc:
+            if not exc.of_row:
+                raise
+            bad.append((n, exc))
+            continue
         wheres.append(where)
-    return values, wheres
+    return values, wheres, bad
+
+
+def _json(line: bytes, where: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise BadRecord(f"data.path: {where} is not JSON ({exc})") from None
 
 
 def encode(chunk: Chunk) -> Encoded:
-    """One chunk's documents through the worker's encoder."""
-    values, where = chunk_values(chunk, _WORKER["path"], _WORKER["source"])
-    return _WORKER["encoder"].encode(values, where, chunk.ends)
+    """One chunk's documents through the worker's encoder. A bad record does not stop the
+    reading: every bad record of the chunk is one `BadRows` (the encoder's refusals found by
+    encoding the records one by one, once it refused the chunk)."""
+    path, encoder = _WORKER["path"], _WORKER["encoder"]
+    values, where, bad = _read_chunk(chunk, path, _WORKER["source"])
+    if not bad:
+        try:
+            return encoder.encode(values, where, chunk.ends)
+        except BadRecord as exc:
+            if not exc.of_row:
+                raise
+    ends = chunk.ends or [True] * len(values)
+    for i, (value, at) in enumerate(zip(values, where)):
+        try:
+            encoder.encode([value], [at], [ends[i]])
+        except BadRecord as exc:
+            if not exc.of_row:
+                raise
+            bad.append((_number(at, chunk.first + i), exc))
+    raise BadRows.of(sorted(bad, key=lambda b: b[0]), path)
+
+
+def _unkeyed(message: str) -> str:
+    key, _, rest = message.partition(": ")
+    return rest if key.startswith("data.") and rest else message
+
+
+def _number(where: str, fallback: int) -> int:
+    """The line number of a `FILE:LINE` place (else `fallback`): bad rows sort by it."""
+    tail = where.rpartition(":")[2]
+    return int(tail) if tail.isdigit() else fallback
+
+
+class BadRows(BadRecord):
+    """Every bad record of one file in one paragraph, in file order: the first `NAMED` named
+    (`FILE:LINE` and what is wrong), the rest counted, each distinct hint said once."""
+
+    NAMED = 10
+
+    def __init__(self, message: str, hint: str = "", rows: tuple[Any, ...] = ()) -> None:
+        super().__init__(message, hint)
+        # (line, message, hint) of every bad record, for joining the chunks' reports.
+        self.rows: tuple[tuple[int, str, str], ...] = tuple(rows)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.message, self.hint, self.rows)
+
+    @classmethod
+    def of(cls, bad: list[tuple[int, BadRecord]], path: Path | str) -> BadRows:
+        rows = []
+        for n, exc in bad:
+            rows += exc.rows if isinstance(exc, BadRows) else [(n, exc.message, exc.hint)]
+        return cls.joined(rows, path)
+
+    @classmethod
+    def joined(cls, rows: list[tuple[int, str, str]], path: Path | str) -> BadRows:
+        if len(rows) == 1:
+            ((_, message, hint),) = rows
+            return cls(message, hint, rows)
+        key = rows[0][1].partition(": ")[0]
+        # Each row's message without its key (`data.path: `): the paragraph names it once.
+        named = "; ".join(_unkeyed(m).rstrip(".") for _, m, _ in rows[: cls.NAMED])
+        more = len(rows) - cls.NAMED
+        rest = f"; and {more} more bad rows" if more > 0 else ""
+        hints = " ".join(dict.fromkeys(h for _, _, h in rows if h))
+        return cls(
+            f"{key}: {len(rows)} rows of {path} cannot be used (fix or remove them): {named}"
+            f"{rest}.",
+            hints,
+            rows,
+        )
 
 
 def default_workers() -> int:
@@ -540,6 +624,7 @@ def build(
     pending: deque[tuple[int, Chunk, Any]] = deque()
     workers = max(1, workers)
     pool = _pool(workers, encoder, source)
+    bad: list[tuple[int, str, str]] = []  # every bad record of the source: read on, then refuse
 
     def drain(limit: int) -> None:
         while len(pending) > limit:
@@ -553,6 +638,9 @@ def build(
                     f"than {workers}). Shards committed so far are kept; rerunning continues "
                     "from them."
                 ) from None
+            except BadRows as exc:
+                bad.extend(exc.rows)
+                continue
             except UserError as exc:  # raised in a worker: drop the remote traceback
                 raise type(exc)(str(exc)) from None
             commit(i, n_docs, n_tokens, max_id)
@@ -570,7 +658,11 @@ def build(
                 progress.add(done[0], done[1], chunk.nbytes)
                 continue
             if pool is None:
-                commit(i, *write_shard(chunk, i, out, dtype.str))
+                try:
+                    commit(i, *write_shard(chunk, i, out, dtype.str))
+                except BadRows as exc:
+                    bad.extend(exc.rows)
+                    continue
                 progress.add(*counts[-1], chunk.nbytes)
                 continue
             pending.append((i, chunk, pool.submit(write_shard, chunk, i, out, dtype.str)))
@@ -579,6 +671,8 @@ def build(
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+    if bad:
+        raise BadRows.joined(bad, source.name)
     index = {
         "format": FORMAT,
         "dtype": dtype.str,
