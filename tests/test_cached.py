@@ -577,6 +577,32 @@ def test_pretrained_directory_trains_and_exports_as_an_encoder(
     assert not torch.allclose(ours, encoder(pretrained=str(pretrained)).eval()(**batch))
 
 
+def test_a_bert_with_its_pooler_loads_without_a_report(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A BERT directory with its pooler, as BERT checkpoints come: model=hf_encoder builds no
+    pooler and says nothing of the pooler weights it leaves (transformers' load report named
+    them at every start and export); another weight that fits nothing is still reported."""
+    from safetensors.torch import load_file, save_file
+    from transformers import BertConfig, BertModel
+
+    from trainer.models.encoder import encoder
+
+    folder = tmp_path / "bert"
+    BertModel(BertConfig(**TINY_BERT)).save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    assert any(k.startswith("pooler.") for k in weights)
+    capfd.readouterr()
+    model = encoder(pretrained=str(folder))
+    err = capfd.readouterr().err
+    assert "pooler.dense" not in err and "LOAD REPORT" not in err, err
+    assert not [n for n, _ in model.named_parameters() if "pooler" in n]
+    save_file({**weights, "extra.weight": torch.zeros(2)}, folder / "model.safetensors")
+    encoder(pretrained=str(folder))
+    err = capfd.readouterr().err
+    assert "LOAD REPORT" in err and "extra.weight" in err and "pooler.dense" not in err, err
+
+
 class BatchNormEncoder(torch.nn.Module):
     """Token embeddings, mean over the mask, BatchNorm over the rows (running statistics)."""
 
