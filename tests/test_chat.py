@@ -243,6 +243,26 @@ def test_every_bad_row_is_named_in_one_paragraph_in_file_order(
     assert not [p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
 
 
+def test_reading_stops_after_enough_bad_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """data=hf with a wrong data.text_field on every row of a file of many chunks: the reading
+    stops once BadRows.STOP bad rows are found (a large corpus is not read to the end to say
+    so), and the paragraph says there may be more."""
+    from trainer.data import shards
+    from trainer.data.hf import hf_data
+
+    monkeypatch.setattr(shards, "CHUNK_BYTES", 200)  # about 8 rows a chunk
+    monkeypatch.setattr(shards.BadRows, "STOP", 20)
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"body": f"row {i}"} for i in range(400)])
+    with pytest.raises(UserError) as err:
+        hf_data(str(path), cache_dir=str(tmp_path / "cache"), tokenize_workers=1)
+    text = str(err.value)
+    count = int(__import__("re").search(r"data.text_field: (\d+) or more rows of", text)[1])
+    assert 20 <= count < 40 and "reading stopped there" in text and "\n" not in text, text
+    assert text.count("has no field 'text'") == 10, text
+
+
 def test_a_data_set_with_nothing_to_supervise_is_refused(
     model_dir: tuple[Path, Any], tmp_path: Path
 ) -> None:

@@ -21,6 +21,7 @@ One pipeline behind `data=hf`, text files with `data.tokenizer`, and `scripts/pr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -428,7 +429,7 @@ def encode(chunk: Chunk) -> Encoded:
             if not exc.of_row:
                 raise
             bad.append((_number(at, chunk.first + i), exc))
-    raise BadRows.of(sorted(bad, key=lambda b: b[0]), path)
+    raise BadRows.of(bad, path)
 
 
 def _unkeyed(message: str) -> str:
@@ -442,43 +443,68 @@ def _number(where: str, fallback: int) -> int:
     return int(tail) if tail.isdigit() else fallback
 
 
+@dataclass
+class BadTally:
+    """The bad records of one file, in file order: the first `BadRows.NAMED` kept as (line,
+    message, hint), every one counted, each distinct hint once."""
+
+    rows: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
+    count: int = 0
+    hints: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, line: int, message: str, hint: str) -> None:
+        self.count += 1
+        if len(self.rows) < BadRows.NAMED:
+            self.rows.append((line, message, hint))
+        if hint and hint not in self.hints:
+            self.hints.append(hint)
+
+    def merge(self, other: BadTally) -> None:
+        for row in other.rows:
+            self.add(*row)
+        self.count += other.count - len(other.rows)
+        self.hints += [h for h in other.hints if h not in self.hints]
+
+
 class BadRows(BadRecord):
     """Every bad record of one file in one paragraph, in file order: the first `NAMED` named
-    (`FILE:LINE` and what is wrong), the rest counted, each distinct hint said once."""
+    (`FILE:LINE` and what is wrong), the rest counted, each distinct hint said once. Reading
+    stops after `STOP` bad records (a wrong field name in a large corpus)."""
 
     NAMED = 10
+    STOP = 1000
 
-    def __init__(self, message: str, hint: str = "", rows: tuple[Any, ...] = ()) -> None:
+    def __init__(self, message: str, hint: str = "", tally: BadTally | None = None) -> None:
         super().__init__(message, hint)
-        # (line, message, hint) of every bad record, for joining the chunks' reports.
-        self.rows: tuple[tuple[int, str, str], ...] = tuple(rows)
+        self.tally = tally or BadTally()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (self.message, self.hint, self.rows)
+        return type(self), (self.message, self.hint, self.tally)
 
     @classmethod
     def of(cls, bad: list[tuple[int, BadRecord]], path: Path | str) -> BadRows:
-        rows = []
-        for n, exc in bad:
-            rows += exc.rows if isinstance(exc, BadRows) else [(n, exc.message, exc.hint)]
-        return cls.joined(rows, path)
+        tally = BadTally()
+        for n, exc in sorted(bad, key=lambda b: b[0]):
+            tally.add(n, exc.message, exc.hint)
+        return cls.joined(tally, path)
 
     @classmethod
-    def joined(cls, rows: list[tuple[int, str, str]], path: Path | str) -> BadRows:
-        if len(rows) == 1:
-            ((_, message, hint),) = rows
-            return cls(message, hint, rows)
-        key = rows[0][1].partition(": ")[0]
+    def joined(cls, tally: BadTally, path: Path | str, stopped: bool = False) -> BadRows:
+        if tally.count == 1:
+            ((_, message, hint),) = tally.rows
+            return cls(message, hint, tally)
+        key = tally.rows[0][1].partition(": ")[0]
         # Each row's message without its key (`data.path: `): the paragraph names it once.
-        named = "; ".join(_unkeyed(m).rstrip(".") for _, m, _ in rows[: cls.NAMED])
-        more = len(rows) - cls.NAMED
+        named = "; ".join(_unkeyed(m).rstrip(".") for _, m, _ in tally.rows)
+        more = tally.count - len(tally.rows)
         rest = f"; and {more} more bad rows" if more > 0 else ""
-        hints = " ".join(dict.fromkeys(h for _, _, h in rows if h))
+        if stopped:
+            rest += f" (reading stopped there: {cls.STOP} bad rows are enough to say)"
         return cls(
-            f"{key}: {len(rows)} rows of {path} cannot be used (fix or remove them): {named}"
-            f"{rest}.",
-            hints,
-            rows,
+            f"{key}: {tally.count}{' or more' if stopped else ''} rows of {path} cannot be "
+            f"used (fix or remove them): {named}{rest}.",
+            " ".join(tally.hints),
+            tally,
         )
 
 
@@ -624,7 +650,8 @@ def build(
     pending: deque[tuple[int, Chunk, Any]] = deque()
     workers = max(1, workers)
     pool = _pool(workers, encoder, source)
-    bad: list[tuple[int, str, str]] = []  # every bad record of the source: read on, then refuse
+    bad = BadTally()  # every bad record of the source: read on, then refuse
+    stopped = False
 
     def drain(limit: int) -> None:
         while len(pending) > limit:
@@ -639,7 +666,7 @@ def build(
                     "from them."
                 ) from None
             except BadRows as exc:
-                bad.extend(exc.rows)
+                bad.merge(exc.tally)
                 continue
             except UserError as exc:  # raised in a worker: drop the remote traceback
                 raise type(exc)(str(exc)) from None
@@ -648,6 +675,9 @@ def build(
 
     try:
         for i, chunk in enumerate(chunks(source)):
+            if bad.count >= BadRows.STOP:
+                stopped = True
+                break
             done = _committed(out, i, dtype.itemsize, encoder.extras)
             if done is not None:  # committed by an interrupted run
                 drain(0)
@@ -661,7 +691,7 @@ def build(
                 try:
                     commit(i, *write_shard(chunk, i, out, dtype.str))
                 except BadRows as exc:
-                    bad.extend(exc.rows)
+                    bad.merge(exc.tally)
                     continue
                 progress.add(*counts[-1], chunk.nbytes)
                 continue
@@ -671,8 +701,8 @@ def build(
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-    if bad:
-        raise BadRows.joined(bad, source.name)
+    if bad.count:
+        raise BadRows.joined(bad, source.name, stopped)
     index = {
         "format": FORMAT,
         "dtype": dtype.str,
