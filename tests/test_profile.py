@@ -148,6 +148,8 @@ def test_profiling_changes_no_loss(runs: Runs) -> None:
     assert flagged == [2, 3, 4]
     assert all("train/tokens_per_s" not in r for r in on if r["step"] in flagged)
     assert all(r["train/tokens_per_s"] > 0 for r in on if r["step"] not in flagged)
+    # kineto's lines where tracing starts and stops (`USDT:... profiler_start`) are left out.
+    assert "USDT" not in runs.procs["profiled"].stderr, runs.procs["profiled"].stderr[-2000:]
 
 
 def test_profiled_window_is_one_timeline(runs: Runs, timeline: dict[str, Any]) -> None:

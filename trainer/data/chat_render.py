@@ -39,6 +39,8 @@ Span = tuple[int, int]
 class TemplateRefused(BadRecord):
     """The chat template cannot tell the supervised tokens apart (not prefix-preserving)."""
 
+    of_row = False  # about the template: reported at once, not as one of the bad rows
+
 
 def chat_template(
     tok: PreTrainedTokenizerFast, template_file: str | None, tokenizer_path: str | Path

@@ -28,8 +28,21 @@ TOKENIZER_FILES = re.compile(
 
 
 class BadRecord(UserError):
-    """A record of the data is not what the reader or encoder expects (named by file and line
-    or row). The shards of that data are deleted: they could never be completed."""
+    """A record of the data is not what the reader or encoder expects (named by file and line,
+    `FILE:LINE`, or row). The shards of that data are deleted: they could never be completed.
+
+    `message` says what is wrong with the record; `hint` what would be valid (said once when
+    several records are reported together). `of_row`: false for a refusal that is not about
+    one record (a chat template that cannot be read by prefixes): reported at once, alone."""
+
+    of_row = True
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(f"{message} {hint}" if hint else message)
+        self.message, self.hint = message, hint
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a tokenizer worker process
+        return type(self), (self.message, self.hint)
 
 
 @dataclass

@@ -18,11 +18,15 @@ at https://pytorch.org/memory_viz.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import sys
+import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,33 @@ TIMELINE = "timeline.json.gz"
 TOP_OPERATORS = 10
 # How long rank 0 waits at the end of the run for the other ranks' traces to appear.
 MERGE_WAIT_S = 60.0
+
+
+# What kineto (torch.profiler's library) writes to stderr, from C++, where tracing starts and
+# stops: `USDT:2026-11-28 05:11:54 9019:9019 SyncActivityProfilerHandler.cpp:52] profiler_start`.
+KINETO_MARK = re.compile(rb"^USDT:[^\n]*\] profiler_(start|stop)\s*$")
+
+
+@contextlib.contextmanager
+def kineto_marks_dropped() -> Iterator[None]:
+    """Around the profiler's start, step and stop: kineto's start and stop lines, which every
+    profiled run would print, are left out; whatever else reaches stderr (file descriptor 2)
+    meanwhile is written after it, as it came."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().splitlines(keepends=True)
+            kept = b"".join(line for line in lines if not KINETO_MARK.match(line))
+            if kept:
+                os.write(2, kept)
 
 
 def trace_file(folder: Path, rank: int) -> Path:
@@ -131,7 +162,8 @@ class TorchProfiler(NoProfiler):
             self._start(step, warmup=int(step < self.first))
         elif self.prof is not None:
             started = time.perf_counter()
-            self.prof.step()  # one schedule step per optimizer step
+            with kineto_marks_dropped():
+                self.prof.step()  # one schedule step per optimizer step
             if step > self.last:
                 self._stop()
                 spent = time.perf_counter() - started
@@ -153,12 +185,14 @@ class TorchProfiler(NoProfiler):
                 on_trace_ready=self._write,
                 record_shapes=True,
             )
-        self.prof.start()
+        with kineto_marks_dropped():
+            self.prof.start()
         self.prof.add_metadata_json("cumulus", json.dumps(self._metadata()))  # once started
 
     def _stop(self) -> None:
         if self.prof is not None:
-            self.prof.stop()  # writes the trace if the window was cut short
+            with kineto_marks_dropped():
+                self.prof.stop()  # writes the trace if the window was cut short
             self.prof = None
         self.clock.trace(False)
         self.recording, self.done = False, True
