@@ -130,7 +130,10 @@ def test_failed_write_stops_with_one_paragraph_and_the_rerun_resumes_exactly(
     # Async writes are found failed at the next checkpoint step, inline ones at once.
     stopped_at = 6 if "async" in name else 4
     assert f"checkpoint {run_dir / 'checkpoints' / 'step_00000004'} could not be written" in error
-    assert f"rank {failing_rank}: [Errno 27] File too large" in error, error
+    # The limit cuts a write of Python's (EFBIG, named) or of torch's zip writer (a short
+    # write: torch passes on no OS error), depending on which file crosses it.
+    causes = ("[Errno 27] File too large", "a short write, the disk full or a file size limit")
+    assert any(f"rank {failing_rank}: {cause}" in error for cause in causes), error
     assert f"newest committed checkpoint is {run_dir / 'checkpoints' / 'step_00000002'}" in error
     assert "checkpoint.on_write_error=warn" in error, error
     # Nothing half-written is left, and the last good checkpoint is untouched.

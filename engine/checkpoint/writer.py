@@ -122,9 +122,14 @@ def cpu_copy(obj: Any) -> Any:
     return obj
 
 
+# What torch's zip writer (torch.save to a file of its own) raises when the file system took
+# fewer bytes than it wrote; the OS error itself (EFBIG, ENOSPC) is not passed on.
+_SHORT_WRITE = "unexpected pos"
+
+
 def describe_write_error(exc: BaseException) -> str:
     """The OS error at the root of a failed write (`torch.save` wraps it in a RuntimeError),
-    else the exception's first line."""
+    a short write named as one, else the exception's first line."""
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
@@ -134,7 +139,10 @@ def describe_write_error(exc: BaseException) -> str:
             return f"[Errno {e.errno}] {e.strerror}{where}"
         e = e.__cause__ or e.__context__
     text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    first = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    if _SHORT_WRITE in text:
+        return f"a short write, the disk full or a file size limit reached ({first})"
+    return first
 
 
 class CheckpointWriteError(Exception):
