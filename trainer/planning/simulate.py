@@ -232,7 +232,7 @@ def simulate_rank(
         parts = assemble(cfg, info, dims, building=mode, simulated=book)
         window = worst_window(parts, plan, mode)  # integers real, floats faked
         with mode:
-            ctx = build_context(cfg, parts, info)
+            ctx = build_context(cfg, parts, info, dims)
             step_fn = build_step(cfg.step)
             check_layout(parts.parallel, run_shape(cfg, step_fn, ctx, plan))
             ctx.callbacks.setup(ctx)

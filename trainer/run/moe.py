@@ -1,0 +1,70 @@
+"""Mixture-of-experts models in a run: the task wrapped with the load-balancing loss of the
+routers the model declares (engine/moe/), its records, and what it cannot run with yet."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.callbacks import Callback
+from engine.distributed import DistInfo
+from engine.moe.balance import BalanceCfg, BalancedTask
+from engine.moe.routing import HasRouters
+from engine.parallel.dims import ParallelDims
+from engine.steps.accumulate import AccumulateStep
+from trainer.config.errors import ConfigError
+from trainer.config.schema import Config
+from trainer.run.assemble import Assembly
+
+
+class MoERecords(Callback):
+    """`train/moe_aux_loss`, `train/moe_z_loss`, `train/moe_load_max` of the recorded step."""
+
+    state_optional = True
+
+    def __init__(self, task: BalancedTask) -> None:
+        self.task = task
+
+    def metrics(self) -> dict[str, Any]:
+        return self.task.metrics()
+
+
+def balanced_task(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDims) -> Any:
+    """The run's task, wrapped with the balancing when the model declares routers."""
+    routers = list(parts.model.routers()) if isinstance(parts.model, HasRouters) else []
+    if not routers:
+        return parts.task
+    for key, degree in (("dist.tp", dims.tp), ("dist.pp", dims.pp), ("dist.cp", dims.cp)):
+        if degree > 1:
+            raise ConfigError(
+                key,
+                f"must be 1 with a mixture-of-experts model (got {degree}): the routers' "
+                "load-balancing loss (moe.balance) is counted over whole tokens and whole "
+                "experts on each data-parallel rank; tensor, pipeline and context parallelism "
+                "would split them and are not built for it yet. Use dist.strategy=ddp or fsdp",
+            )
+    balance = BalanceCfg(
+        cfg.moe.balance,
+        cfg.moe.aux_coef,
+        cfg.moe.z_coef,
+        # A forward under sharded parameters or compilation runs whole (its collectives and
+        # graphs would be cut short by the routing pass's early stop).
+        stop_early=not parts.parallel.shards_parameters and not cfg.train.compile,
+    )
+    try:
+        return BalancedTask(parts.task, routers, balance, info, parts.parallel.dp_group)
+    except ValueError as exc:
+        raise ConfigError("model.moe", str(exc)) from None
+
+
+def check_moe_step(task: Any, step_fn: Any, callbacks: Any) -> None:
+    """`moe.balance=global` runs its routing pass in the accumulation step; records join."""
+    if not isinstance(task, BalancedTask):
+        return
+    if task.cfg.balance == "global" and not isinstance(step_fn, AccumulateStep):
+        raise ConfigError(
+            "moe.balance",
+            f"global counts the whole window's routing before any backward, which "
+            f"step=accumulate does; {type(step_fn).__name__} does not. Use step=accumulate, "
+            "or moe.balance=micro|none",
+        )
+    callbacks.named["moe"] = MoERecords(task)
