@@ -204,6 +204,19 @@ def test_mixture_equals_every_expert_on_every_token() -> None:
     torch.testing.assert_close(moe(x).reshape(15, 16), want, rtol=1e-12, atol=1e-12)
 
 
+def test_flops_and_export_count_a_mixture_as_it_runs() -> None:
+    """FLOPs per token count the top-k experts a token goes through, not all of them; the
+    dense GPT-2 export refuses a mixture (one sentence) and takes the dense model."""
+    from trainer.models.export import export_support
+
+    moe, dense = tiny_moe(), GPT(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    experts = sum(p.numel() for b in moe.blocks for p in b.mlp.experts.parameters())
+    active = moe.num_params() - moe.pos_emb.weight.numel() - experts * (E - K) // E
+    assert moe.flops_per_token(64) == 6 * active + 12 * 2 * 64 * 32
+    assert export_support(dense) is None
+    assert "model.moe.experts=0" in (export_support(moe) or "")
+
+
 # ---------------------------------------------------------------- exactness
 
 

@@ -318,8 +318,14 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Forward + backward FLOPs per token (PaLM appendix B): 6N + 12 L T C."""
+        """Forward + backward FLOPs per token (PaLM appendix B): 6N + 12 L T C, N counting
+        the parameters a token goes through (of a mixture, its top-k experts only)."""
         n = self.num_params() - self.pos_emb.weight.numel()
+        for block in self.blocks:
+            if isinstance(block.mlp, MoE):
+                experts = sum(p.numel() for p in block.mlp.experts.parameters())
+                moe = self.cfg.moe
+                n -= experts * (moe.experts - moe.top_k) // moe.experts
         return 6 * n + 12 * self.cfg.n_layer * seq_len * self.cfg.n_embd
 
     @torch.inference_mode()
