@@ -45,6 +45,7 @@ from torch import nn
 from engine.distributed import DistInfo
 from engine.moe.routing import Routed, Routing
 from engine.numerics.chunked_ce import IGNORE_INDEX
+from engine.step import EvalTask
 from engine.steps.cached import RandomState, cuda_devices
 
 BALANCES = ("global", "micro", "none")
@@ -320,6 +321,21 @@ class BalancedTask:
             flat = self.all_reduce(torch.stack(window.local).sum(0))
             window.step = StepSums.unflat(flat, len(self.routers), self.experts, self.top_k)
         return window.step.records()
+
+
+class BalancedEvalTask(BalancedTask):
+    """A `BalancedTask` around a task with evaluation sums of its own (`val/accuracy`)."""
+
+    def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        return self.task.eval_sums(model, batch)
+
+
+def balanced(
+    task: Any, routers: Sequence[Routed], cfg: BalanceCfg, info: DistInfo, group: Any = None
+) -> BalancedTask:
+    """`task` with the routers' balancing; its evaluation sums kept when it has them."""
+    kind = BalancedEvalTask if isinstance(task, EvalTask) else BalancedTask
+    return kind(task, routers, cfg, info, group)
 
 
 def _stop(module: nn.Module, args: Any, output: Any) -> None:

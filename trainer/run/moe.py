@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.callbacks import Callback
 from engine.distributed import DistInfo
-from engine.moe.balance import BalanceCfg, BalancedTask
+from engine.moe.balance import BalanceCfg, BalancedTask, balanced
 from engine.moe.routing import HasRouters
 from engine.parallel.dims import ParallelDims
 from engine.steps.accumulate import AccumulateStep
@@ -51,9 +51,20 @@ def balanced_task(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDi
         stop_early=not parts.parallel.shards_parameters and not cfg.train.compile,
     )
     try:
-        return BalancedTask(parts.task, routers, balance, info, parts.parallel.dp_group)
+        return balanced(parts.task, routers, balance, info, parts.parallel.dp_group)
     except ValueError as exc:
         raise ConfigError("model.moe", str(exc)) from None
+
+
+def refuse_mixture(parts: Assembly) -> None:
+    """trainer.plan: a mixture's routing depends on the values (fake tensors have none)."""
+    if isinstance(parts.model, HasRouters) and parts.model.routers():
+        raise ConfigError(
+            "model.moe.experts",
+            "trainer.plan does not plan mixture-of-experts models yet: how many tokens each "
+            "expert gets depends on the weights' values, which the planner's fake tensors do "
+            "not have. Plan the dense model of the same active width for now (model.moe.experts=0)",
+        )
 
 
 def check_moe_step(task: Any, step_fn: Any, callbacks: Any) -> None:
