@@ -28,3 +28,10 @@ class DumpFirstStep(Callback):
         grads = {n: whole_tensor(p.grad).clone() for n, p in named if p.grad is not None}
         if ctx.dist.rank == 0:
             torch.save({"weights": weights, "grads": grads}, self.path)
+
+    def on_after_optimizer_step(self, ctx: StepContext, step: int) -> None:
+        """After step 1: the model's buffers (routing biases) to `path` + `.buffers`."""
+        if step != 1 or ctx.dist.rank != 0:
+            return
+        buffers = {n: b.detach().clone() for n, b in unwrap(ctx.model).named_buffers()}
+        torch.save(buffers, f"{self.path}.buffers")

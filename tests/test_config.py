@@ -249,8 +249,10 @@ def check_moe(cfg: Config) -> None:
     """The balancing of a mixture-of-experts run, as the engine takes it."""
     from engine.moe.balance import BalanceCfg
 
-    balance = BalanceCfg(cfg.moe.balance, cfg.moe.aux_coef, cfg.moe.z_coef)
-    assert balance.balance in ("global", "micro", "none")
+    balance = BalanceCfg(
+        cfg.moe.balance, cfg.moe.aux_coef, cfg.moe.z_coef, bias_rate=cfg.moe.bias_rate
+    )
+    assert balance.balance in ("global", "micro", "bias", "none")
 
 
 BUILDERS: dict[str, Callable[[Config], None]] = {

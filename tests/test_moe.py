@@ -36,6 +36,7 @@ AUX, Z = 1.0, 0.1  # large enough that the balancing terms weigh on the routers'
 MOE = [f"+model.moe.experts={E}", f"+model.moe.top_k={K}", f"+model.moe.hidden={HIDDEN}"]
 SPLITS = {"24x1": (24, 1), "4x6": (4, 6)}
 REL = 1e-5
+RATE = 0.25  # moe.bias_rate: a step that shows (the default 0.001 would too)
 TEXT_BYTES = 1750  # 24 training samples of 65 tokens (block 64), 2 for validation
 
 
@@ -54,6 +55,13 @@ def common(text: Path, balance: str = "global") -> list[str]:
         "train.clip_grad_norm=null",
         "train.max_steps=1",
     ]
+
+
+def load_dump(run_dir: Path) -> dict[str, Any]:
+    """DumpFirstStep's weights and gradients of step 1, and the buffers after it."""
+    dumped = torch.load(run_dir / "step1.pt")
+    dumped["buffers"] = torch.load(run_dir / "step1.pt.buffers")
+    return dumped
 
 
 def dump(run_dir: Path) -> str:
@@ -87,35 +95,40 @@ class Runs:
         micro, accum = SPLITS[name.split("-")[0]]
         args = [*common(self.text, balance), *self.split(micro, accum, *extra)]
         records = train_in_process([*args, dump(run_dir), f"hydra.run.dir={run_dir}"], run_dir)
-        return torch.load(run_dir / "step1.pt"), train_records(records)[-1]
+        return load_dump(run_dir), train_records(records)[-1]
 
     def two_ranks(self) -> dict[str, tuple[dict, dict]]:
         """DDP and FSDP2, 2 ranks x micro 3 x accum 4, launched together."""
         return self.once("two ranks", self._two_ranks)
 
-    def _two_ranks(self) -> dict[str, tuple[dict, dict]]:
+    def _two_ranks(self) -> dict[str, Any]:
         from tests.conftest import read_metrics
 
+        layouts = {
+            "ddp": ["dist.strategy=ddp"],
+            "fsdp": ["dist.strategy=fsdp"],
+            "ddp-bias": ["dist.strategy=ddp", "moe=bias", f"moe.bias_rate={RATE}"],
+        }
         cmds, dirs = {}, {}
-        for strategy in ("ddp", "fsdp"):
-            run_dir = dirs[strategy] = self.root / strategy
-            args = [*common(self.text), *self.split(3, 4), f"dist.strategy={strategy}"]
-            cmds[strategy] = torchrun(2, [*args, dump(run_dir), f"hydra.run.dir={run_dir}"])
+        for name, extra in layouts.items():
+            run_dir = dirs[name] = self.root / name
+            args = [*common(self.text), *self.split(3, 4), *extra]
+            cmds[name] = torchrun(2, [*args, dump(run_dir), f"hydra.run.dir={run_dir}"])
+        refused = [*TINY, *MOE, f"data.path={self.text}", "dist.tp=2"]
+        cmds["tp"] = torchrun(2, [*refused, f"hydra.run.dir={self.root / 'tp'}"])
         procs = launch_all(cmds, timeout=300)
-        out = {}
-        for strategy, proc in procs.items():
+        out: dict[str, Any] = {"tp": procs.pop("tp")}
+        for name, proc in procs.items():
             assert proc.returncode == 0, explain(proc)
-            run_dir = dirs[strategy]
-            record = train_records(read_metrics(run_dir))[-1]
-            out[strategy] = (torch.load(run_dir / "step1.pt"), record)
+            out[name] = (load_dump(dirs[name]), train_records(read_metrics(dirs[name]))[-1])
         return out
 
-    def reference(self) -> tuple[dict[str, torch.Tensor], float, float]:
+    def reference(self) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
         """The float64 gradient of the whole batch's loss on the runs' first weights, and the
         whole batch's aux and z (from the 24x1 run's weights: every run starts from them)."""
         return self.once("reference", self._reference)
 
-    def _reference(self) -> tuple[dict[str, torch.Tensor], float, float]:
+    def _reference(self) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
         weights = self.one("24x1")[0]["weights"]
         samples = load_splits(TextCfg(path=str(self.text), block_size=64)).train
         batch = torch.stack(list(samples))  # (24, 65)
@@ -140,7 +153,9 @@ def tiny_moe() -> GPT:
 
 def whole_batch_gradient(
     weights: dict[str, torch.Tensor], batch: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], float, float]:
+) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
+    """The gradient of mean CE + AUX * aux + Z * z over `batch` at once (float64), aux, z,
+    and each layer's assignments per expert (L, E)."""
     model = tiny_moe().double()
     model.load_state_dict({n: w.double() for n, w in weights.items()}, strict=False)
     logits: list[torch.Tensor] = []
@@ -149,7 +164,7 @@ def whole_batch_gradient(
     x, y = batch[:, :-1], batch[:, 1:]
     out = model(x)
     ce = F.cross_entropy(out.flatten(0, 1), y.flatten())
-    aux, z = [], []
+    aux, z, counts = [], [], []
     for lg in logits:  # (N, E) each
         probs = lg.softmax(-1)
         chosen = probs.topk(K, dim=-1).indices
@@ -159,12 +174,13 @@ def whole_batch_gradient(
             )
             / chosen.numel()
         )
+        counts.append(f * chosen.numel())
         aux.append(E * (f * probs.mean(0)).sum())
         z.append(torch.logsumexp(lg, -1).pow(2).mean())
     aux_loss, z_loss = torch.stack(aux).mean(), torch.stack(z).mean()
     (ce + AUX * aux_loss + Z * z_loss).backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return grads, aux_loss.item(), z_loss.item()
+    return grads, aux_loss.item(), z_loss.item(), torch.stack(counts).detach()
 
 
 def rel_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -245,7 +261,7 @@ def test_two_ranks_are_the_whole_batch_gradient(runs: Runs, strategy: str) -> No
 def test_records_are_the_whole_batch_values(runs: Runs) -> None:
     """`train/moe_aux_loss` and `train/moe_z_loss` are the whole batch's, the same for every
     split to 1e-6; `train/moe_load_max` is at least 1 (the mean)."""
-    _, want_aux, want_z = runs.reference()
+    _, want_aux, want_z, _ = runs.reference()
     for split in SPLITS:
         record = runs.one(split)[1]
         assert record["train/moe_aux_loss"] == pytest.approx(want_aux, rel=1e-6), split
@@ -280,7 +296,7 @@ def test_dropout_routes_alike_in_both_passes(runs: Runs) -> None:
         ([f"+model.moe.experts={E}", f"+model.moe.top_k={E + 1}"], "model.moe.top_k", "between 1"),
         (["+model.moe.top_k=2"], "model.moe.experts", "dense"),
         ([f"+model.moe.experts={E}", "+model.moe.width=3"], "model.moe.width", "valid"),
-        (["moe.balance=batch"], "moe.balance", "global, micro, none"),
+        (["moe.balance=batch"], "moe.balance", "global, micro, bias, none"),
         ([*MOE, "step=sam"], "moe.balance", "step=accumulate"),
     ],
     ids=["top_k>experts", "zero-experts", "unknown-key", "balance", "step"],
@@ -298,15 +314,63 @@ def test_bad_input_is_one_paragraph(
 
 
 @pytest.mark.multiproc
-def test_tensor_parallel_is_refused(runs: Runs, tmp_path: Path) -> None:
+def test_tensor_parallel_is_refused(runs: Runs) -> None:
     """dist.tp with a mixture: one paragraph naming the key (not built yet)."""
-    from tests.ranks import run_torchrun
-
-    proc = run_torchrun(
-        2, [*TINY, *MOE, f"data.path={runs.text}", "dist.tp=2", f"hydra.run.dir={tmp_path}"]
-    )
+    proc = runs.two_ranks()["tp"]
     assert proc.returncode != 0
     assert "invalid config `dist.tp`: must be 1 with a mixture-of-experts model" in (
         proc.stderr + proc.stdout
     ), explain(proc)
     assert "Traceback" not in proc.stderr, explain(proc)
+
+
+# ---------------------------------------------------------------- moe.balance=bias
+
+
+def assert_bias_step(buffers: dict[str, torch.Tensor], runs: Runs) -> None:
+    """Each router's bias after step 1 is RATE * sign(mean load - load), the loads being the
+    whole batch's assignments at the first weights (the bias starts at 0)."""
+    counts = runs.reference()[3]  # (L, E)
+    for layer, c in enumerate(counts):
+        want = RATE * torch.sign(c.mean() - c)
+        got = buffers[f"blocks.{layer}.mlp.router.bias"].double()
+        assert torch.equal(got, want), (layer, got, want, c)
+    assert any(bool(b.any()) for n, b in buffers.items() if n.endswith("router.bias"))
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_bias_moves_by_the_whole_step_counts(runs: Runs, split: str) -> None:
+    """moe.balance=bias: the update after step 1 is the whole step's, at 24x1 and 4x6."""
+    dumped, _ = runs.one(split, "bias", f"moe.bias_rate={RATE}")
+    assert_bias_step(dumped["buffers"], runs)
+
+
+@pytest.mark.multiproc
+def test_bias_counts_every_rank(runs: Runs) -> None:
+    """DDP 2 ranks x 3 x 4: the counts are summed over the ranks before the update."""
+    assert_bias_step(runs.two_ranks()["ddp-bias"][0]["buffers"], runs)
+
+
+def test_bias_resumes_exactly(runs: Runs, tmp_path: Path) -> None:
+    """The biases travel in the checkpoint with the model: steps 3-4 resumed from step 2
+    repeat the uninterrupted run's records bit for bit (routing depends on the biases)."""
+    import shutil
+
+    args = [
+        *common(runs.text, "bias"),
+        *runs.split(24, 1),
+        f"moe.bias_rate={RATE}",
+        "train.max_steps=4",
+        "checkpoint.every_steps=2",
+    ]
+    whole = train_records(
+        train_in_process([*args, f"hydra.run.dir={tmp_path / 'a'}"], tmp_path / "a")
+    )
+    step2 = "checkpoints/step_00000002"
+    shutil.copytree(tmp_path / "a" / step2, tmp_path / "b" / step2)
+    resumed = train_records(
+        train_in_process([*args, f"hydra.run.dir={tmp_path / 'b'}"], tmp_path / "b")
+    )
+    assert [r["step"] for r in resumed] == [3, 4]
+    for key in ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_load_max"):
+        assert [r[key] for r in resumed] == [r[key] for r in whole[2:]], key

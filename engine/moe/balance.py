@@ -43,29 +43,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import DistInfo
-from engine.moe.routing import Routed, Routing
+from engine.moe.routing import BiasedRouter, Routed, Routing
 from engine.numerics.chunked_ce import IGNORE_INDEX
 from engine.step import EvalTask
 from engine.steps.cached import RandomState, cuda_devices
 
-BALANCES = ("global", "micro", "none")
+BALANCES = ("global", "micro", "bias", "none")
 _HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
 class BalanceCfg:
-    """`moe.*`: the mode, the load-balancing loss's weight and the router z-loss's;
-    `stop_early`: the routing pass stops after the last router (off where forwards are
-    collective all the way through: sharded parameters)."""
+    """`moe.*`: the mode, the load-balancing loss's weight and the router z-loss's, the
+    routing bias's step (`bias`); `stop_early`: the routing pass stops after the last router
+    (off where forwards are collective all the way through: sharded parameters)."""
 
     balance: str = "global"
     aux_coef: float = 0.01
     z_coef: float = 0.0
     stop_early: bool = True
+    bias_rate: float = 0.001
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCES:
             raise ValueError(f"balance must be one of {', '.join(BALANCES)}, got {self.balance!r}")
+        if self.bias_rate < 0:
+            raise ValueError(f"bias_rate must be >= 0, got {self.bias_rate}")
 
 
 class RoutingDone(Exception):
@@ -289,7 +292,7 @@ class BalancedTask:
     def balance_term(self, sums: LayerSums, window: Window) -> torch.Tensor | None:
         """This micro-batch's share of aux_coef * aux + z_coef * z, per loss item."""
         cfg, E, L = self.cfg, self.experts, len(self.routers)
-        if cfg.balance == "none":
+        if cfg.balance == "none" or (cfg.balance == "bias" and not cfg.z_coef):
             return None
         if cfg.balance == "global":
             step = window.step
@@ -303,24 +306,45 @@ class BalancedTask:
             f = sums.counts.to(sums.probs.dtype) / (n * self.top_k)
             aux = E * (f * sums.probs / n).sum() / window.micro_batches
             z = sums.lse2.sum() / n / window.micro_batches
+        if cfg.balance == "bias":  # no auxiliary loss; the z-loss as micro's
+            return cfg.z_coef * z / L
         term = cfg.aux_coef * aux
         if cfg.z_coef:
             term = term + cfg.z_coef * z
         return term / L
 
-    # ---- records ----
-    def metrics(self) -> dict[str, torch.Tensor]:
-        """The last step's whole-batch aux, z-loss and load (collective outside `global`:
-        every rank calls it when a record is due)."""
+    # ---- after the update ----
+    def step_sums(self) -> StepSums | None:
+        """The last step's sums over every micro-batch and rank (collective outside `global`,
+        once per step: every rank calls it)."""
         window = self.window
         if window is None:
-            return {}
-        if window.step is None:
-            if not window.local:
-                return {}
+            return None
+        if window.step is None and window.local:
             flat = self.all_reduce(torch.stack(window.local).sum(0))
             window.step = StepSums.unflat(flat, len(self.routers), self.experts, self.top_k)
-        return window.step.records()
+        return window.step
+
+    def update_bias(self) -> None:
+        """`bias`: after each optimizer step, every router's bias moves by `bias_rate` towards
+        balance, from the whole step's assignments (every micro-batch, every rank): up for
+        experts below the mean load, down for those above (DeepSeek-V3)."""
+        sums = self.step_sums() if self.cfg.balance == "bias" else None
+        if sums is None:
+            return
+        with torch.no_grad():
+            for router, counts in zip(self.routers, sums.counts):  # (E,) each
+                if not isinstance(router, BiasedRouter):
+                    raise TypeError(f"moe.balance=bias needs routers with a `bias`; {router!r}")
+                step = self.cfg.bias_rate * torch.sign(counts.mean() - counts)
+                router.bias.add_(step.to(router.bias.device, router.bias.dtype))
+
+    # ---- records ----
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """The last step's whole-batch aux, z-loss and load (collective outside `global` and
+        `bias`: every rank calls it when a record is due)."""
+        sums = self.step_sums()
+        return {} if sums is None else sums.records()
 
 
 class BalancedEvalTask(BalancedTask):

@@ -59,6 +59,15 @@ class Routed(Protocol):
 
 
 @runtime_checkable
+class BiasedRouter(Routed, Protocol):
+    """A router that chooses experts by probability + `bias` (E,), a buffer the balancing
+    updates after each optimizer step (`moe.balance=bias`) and checkpoints save with the
+    model. `Router` in trainer/models/moe.py is one."""
+
+    bias: torch.Tensor
+
+
+@runtime_checkable
 class HasRouters(Protocol):
     """A model with routers: `routers()` lists them in the order its forward runs them (the
     balancing's routing pass stops after the last one).
@@ -73,11 +82,19 @@ class HasRouters(Protocol):
     def routers(self) -> Sequence[Routed]: ...
 
 
-def top_k_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_route(
+    logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, E) logits -> the chosen experts' weights (N, k), renormalized over the k, in the
-    logits' dtype (softmax in at least fp32), and the experts (N, k) int64."""
+    logits' dtype (softmax in at least fp32), and the experts (N, k) int64. With `bias` (E,)
+    (`moe.balance=bias`), experts are chosen by probability + bias; their weights are their
+    probabilities all the same (DeepSeek-V3's auxiliary-loss-free balancing)."""
     probs = F.softmax(logits.float() if logits.dtype in _HALF else logits, dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if bias is None:
+        weights, experts = torch.topk(probs, top_k, dim=-1)
+    else:
+        experts = torch.topk(probs + bias.to(probs.dtype), top_k, dim=-1).indices
+        weights = probs.gather(-1, experts)
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), experts
 

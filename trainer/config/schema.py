@@ -423,10 +423,13 @@ class MoECfg:
     (engine/moe/balance.py); a dense model ignores it."""
 
     # global: the load-balancing loss of the whole step, exact; micro: per micro-batch (the
-    # peers' approximation); none: no balancing loss.
+    # peers' approximation); bias: no loss, a routing bias moved after each step from the
+    # whole step's counts (DeepSeek-V3); none: no balancing.
     balance: str = "global"
     aux_coef: float = 0.01
     z_coef: float = 0.0
+    # bias: how far each expert's routing bias moves per step (DeepSeek-V3's gamma).
+    bias_rate: float = 0.001
 
     def __post_init__(self) -> None:
         from engine.moe.balance import BALANCES
@@ -438,6 +441,7 @@ class MoECfg:
         )
         require(self.aux_coef >= 0, "moe.aux_coef", f"must be >= 0, got {self.aux_coef}")
         require(self.z_coef >= 0, "moe.z_coef", f"must be >= 0, got {self.z_coef}")
+        require(self.bias_rate >= 0, "moe.bias_rate", f"must be >= 0, got {self.bias_rate}")
 
 
 def _component(**defaults: Any) -> Any:

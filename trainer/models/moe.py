@@ -81,17 +81,22 @@ class MoEConfig:
 
 class Router(nn.Module):
     """Scores each token against every expert (a linear gate without bias) and routes it to
-    its top-k (engine/moe/routing.py's `Routed`)."""
+    its top-k (engine/moe/routing.py's `BiasedRouter`): chosen by probability + `bias`, which
+    stays 0 unless `moe.balance=bias` moves it."""
+
+    bias: torch.Tensor
 
     def __init__(self, dim: int, num_experts: int, top_k: int) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.register_buffer("bias", torch.zeros(num_experts))  # in checkpoints
         self.routing: Routing | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.gate(x)  # (N, E)
-        weights, experts = top_k_route(logits, self.top_k)  # (N, k), (N, k)
+        # A zero bias chooses as plain top-k does, exactly (p + 0.0 == p).
+        weights, experts = top_k_route(logits, self.top_k, self.bias)  # (N, k), (N, k)
         self.routing = Routing(logits, experts)
         return weights, experts
 

@@ -17,12 +17,18 @@ from trainer.run.assemble import Assembly
 
 
 class MoERecords(Callback):
-    """`train/moe_aux_loss`, `train/moe_z_loss`, `train/moe_load_max` of the recorded step."""
+    """`train/moe_aux_loss`, `train/moe_z_loss`, `train/moe_load_max` of the recorded step;
+    with `moe.balance=bias`, the routers' biases updated after each step (their state is the
+    model's: buffers in its checkpoint)."""
 
     state_optional = True
 
     def __init__(self, task: BalancedTask) -> None:
         self.task = task
+
+    def on_after_optimizer_step(self, ctx: Any, step: int) -> None:
+        del ctx, step
+        self.task.update_bias()
 
     def metrics(self) -> dict[str, Any]:
         return self.task.metrics()
@@ -46,6 +52,7 @@ def balanced_task(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDi
         cfg.moe.balance,
         cfg.moe.aux_coef,
         cfg.moe.z_coef,
+        bias_rate=cfg.moe.bias_rate,
         # A forward under sharded parameters or compilation runs whole (its collectives and
         # graphs would be cut short by the routing pass's early stop).
         stop_early=not parts.parallel.shards_parameters and not cfg.train.compile,
@@ -78,4 +85,5 @@ def check_moe_step(task: Any, step_fn: Any, callbacks: Any) -> None:
             f"step=accumulate does; {type(step_fn).__name__} does not. Use step=accumulate, "
             "or moe.balance=micro|none",
         )
-    callbacks.named["moe"] = MoERecords(task)
+    # First: the biases are updated before any other callback sees the finished step.
+    callbacks.named = {"moe": MoERecords(task), **callbacks.named}
