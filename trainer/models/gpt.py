@@ -198,7 +198,8 @@ class GPT(nn.Module):
     def routers(self) -> list[Routed]:
         """The mixture blocks' routers in forward order (engine/moe/routing.py's
         `HasRouters`); none in a dense model."""
-        return [b.mlp.router for b in self.blocks if isinstance(b.mlp, MoE)]
+        # (Under dist.pp a rank's pruned model holds None for other stages' blocks.)
+        return [b.mlp.router for b in self.blocks if b is not None and isinstance(b.mlp, MoE)]
 
     # What the trainer reads besides forward (engine/model.py): blocks, sizes, FLOPs, sampling.
     def block_modules(self) -> Sequence[nn.Module]:
@@ -322,7 +323,7 @@ class GPT(nn.Module):
         the parameters a token goes through (of a mixture, its top-k experts only)."""
         n = self.num_params() - self.pos_emb.weight.numel()
         for block in self.blocks:
-            if isinstance(block.mlp, MoE):
+            if block is not None and isinstance(block.mlp, MoE):
                 experts = sum(p.numel() for p in block.mlp.experts.parameters())
                 moe = self.cfg.moe
                 n -= experts * (moe.experts - moe.top_k) // moe.experts

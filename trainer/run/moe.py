@@ -11,6 +11,7 @@ from engine.moe.balance import BalanceCfg, BalancedTask, balanced
 from engine.moe.routing import HasRouters
 from engine.parallel.dims import ParallelDims
 from engine.steps.accumulate import AccumulateStep
+from engine.window_task import WindowTask
 from trainer.config.errors import ConfigError
 from trainer.config.schema import Config
 from trainer.run.assemble import Assembly
@@ -39,6 +40,13 @@ def balanced_task(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDi
     routers = list(parts.model.routers()) if isinstance(parts.model, HasRouters) else []
     if not routers:
         return parts.task
+    if isinstance(parts.task, WindowTask):
+        raise ConfigError(
+            "task",
+            "a mixture-of-experts model's load balancing (moe.balance) needs a task with a loss "
+            "per micro-batch (task=causal_lm, classification, token_classification); a loss of "
+            "the whole window (step=cached) does not combine with it yet",
+        )
     for key, degree in (("dist.tp", dims.tp), ("dist.pp", dims.pp), ("dist.cp", dims.cp)):
         if degree > 1:
             raise ConfigError(
