@@ -1,7 +1,8 @@
 """Mixture of experts with the load-balancing loss of the whole step (model.moe.*, moe.*).
 
 One SGD step over a data set of exactly one global batch (24 samples of 64 tokens): the
-trainer's gradient must equal the float64 gradient of
+gradient the optimizer applies (no clipping: the update is -lr times it) must equal the
+float64 gradient of
 
     mean CE + aux_coef * aux + z_coef * z      over the whole batch at once
 
@@ -13,7 +14,8 @@ router's logits, captured by a hook on its gate, with their own softmax and top-
 set is the whole batch, so the reference needs no knowledge of the sampler's order.
 
 `moe.balance=micro` (the peers' per-micro-batch balancing) misses the same gradient by a
-measured amount: the negative control, and the README's number.
+measured amount: the negative control, and the README's number. `moe.balance=bias` moves
+each router's bias by the whole step's assignments, on one rank or two, and resumes exactly.
 """
 
 from __future__ import annotations
