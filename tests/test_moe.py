@@ -50,6 +50,7 @@ def common(text: Path, balance: str = "global") -> list[str]:
         f"moe.aux_coef={AUX}",
         f"moe.z_coef={Z}",
         f"data.path={text}",
+        "data.block_size=64",  # (a transformers model's default: its longest sequence)
         "optim=sgd",
         "optim.lr=0.1",
         "scheduler=constant",
@@ -93,7 +94,7 @@ class Runs:
         return self.once((name, balance, extra), lambda: self._one(name, balance, *extra))
 
     def _one(self, name: str, balance: str, *extra: str) -> tuple[dict, dict]:
-        run_dir = self.root / f"{name}-{balance}"
+        run_dir = self.root / f"{name}-{balance}-{len(self.made)}"
         micro, accum = SPLITS[name.split("-")[0]]
         args = [*common(self.text, balance), *self.split(micro, accum, *extra)]
         records = train_in_process([*args, dump(run_dir), f"hydra.run.dir={run_dir}"], run_dir)
@@ -376,3 +377,52 @@ def test_bias_resumes_exactly(runs: Runs, tmp_path: Path) -> None:
     assert [r["step"] for r in resumed] == [3, 4]
     for key in ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_load_max"):
         assert [r[key] for r in resumed] == [r[key] for r in whole[2:]], key
+
+
+# ---------------------------------------------------------------- transformers MoE models
+
+
+def hf_reference(
+    family: str, weights: dict[str, torch.Tensor], batch: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The float64 gradient of mean CE + AUX * aux + Z * z over `batch`, on transformers'
+    model of `family` (configs/model/hf_<family>.yaml) with the run's first weights; router
+    logits from a hook on each `*TopKRouter`, softmax and top-k computed here."""
+    import yaml
+
+    from trainer.models.hf import causal_lm
+
+    node = yaml.safe_load(
+        (Path(__file__).parent.parent / f"configs/model/hf_{family}.yaml").read_text()
+    )
+    model = causal_lm(node["family"], node["config"]).double()
+    model.load_state_dict({n: w.double() for n, w in weights.items()})
+    logits: list[torch.Tensor] = []
+    for m in model.modules():
+        if type(m).__name__.endswith("TopKRouter"):
+            m.register_forward_hook(lambda mod, a, out: logits.append(out[0]))
+    x, y = batch[:, :-1], batch[:, 1:]
+    ce = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+    aux, z = [], []
+    for lg in logits:  # (N, E) each
+        probs = lg.softmax(-1)
+        chosen = probs.topk(K, dim=-1).indices
+        f = torch.bincount(chosen.flatten(), minlength=E).double() / chosen.numel()
+        aux.append(E * (f * probs.mean(0)).sum())
+        z.append(torch.logsumexp(lg, -1).pow(2).mean())
+    (ce + AUX * torch.stack(aux).mean() + Z * torch.stack(z).mean()).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_transformers_moe_is_the_whole_batch_gradient(runs: Runs, family: str) -> None:
+    """model=hf_qwen3_moe and hf_mixtral at micro 4 x accum 6: the whole batch's gradient to
+    1e-5, their own auxiliary loss off, cumulus's from their routers' logits."""
+    pytest.importorskip("transformers")
+    dumped, record = runs.one("4x6", "global", f"model=hf_{family}", "~model.moe")
+    samples = load_splits(TextCfg(path=str(runs.text), block_size=64)).train
+    want = hf_reference(family, dumped["weights"], torch.stack(list(samples)))
+    errs = rel_error(dumped["grads"], want)
+    worst = max(errs, key=errs.__getitem__)
+    assert errs[worst] <= REL, f"{worst}: relative error {errs[worst]:.2e} > {REL:.0e}"
+    assert record["train/moe_load_max"] >= 1.0

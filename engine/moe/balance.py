@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import DistInfo
-from engine.moe.routing import BiasedRouter, Routed, Routing
+from engine.moe.routing import BiasedRouter, HookedRouter, Routed, Routing
 from engine.numerics.chunked_ce import IGNORE_INDEX
 from engine.step import EvalTask
 from engine.steps.cached import RandomState, cuda_devices
@@ -260,9 +260,10 @@ class BalancedTask:
     def route(self, ctx: Any, batch: Any) -> LayerSums:
         """One micro-batch forward without a graph, up to the last router when it can."""
         last = self.routers[-1]
+        module = last.module if isinstance(last, HookedRouter) else last
         hook = None
-        if self.cfg.stop_early and isinstance(last, nn.Module):
-            hook = last.register_forward_hook(_stop)
+        if self.cfg.stop_early and isinstance(module, nn.Module):
+            hook = module.register_forward_hook(_stop)  # after the router's own hooks
         try:
             with torch.no_grad(), ctx.precision.autocast():
                 self.task.loss_sum(ctx.model, batch)

@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,26 @@ class HasRouters(Protocol):
     """
 
     def routers(self) -> Sequence[Routed]: ...
+
+
+class HookedRouter:
+    """A router module of a model that does not declare one (transformers' `*TopKRouter`,
+    whose forward returns `(logits, weights, experts)`), observed by a forward hook: a
+    `Routed` whose `routing` is what the module's last forward routed. `module` is where the
+    balancing's routing pass may stop."""
+
+    def __init__(self, module: nn.Module, num_experts: int, top_k: int) -> None:
+        self.module, self.num_experts, self.top_k = module, num_experts, top_k
+        self.routing: Routing | None = None
+        module.register_forward_hook(self._record)
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**self.__dict__, "routing": None}  # copies never hold a forward's graph
+
+    def _record(self, module: nn.Module, args: object, output: tuple[torch.Tensor, ...]) -> None:
+        del module, args
+        logits, experts = output[0], output[-1]  # (N, E), (N, k)
+        self.routing = Routing(logits, experts)
 
 
 def top_k_route(

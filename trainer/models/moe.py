@@ -93,6 +93,9 @@ class Router(nn.Module):
         self.register_buffer("bias", torch.zeros(num_experts))  # in checkpoints
         self.routing: Routing | None = None
 
+    def __getstate__(self) -> dict[str, object]:
+        return {**self.__dict__, "routing": None}  # copies never hold a forward's graph
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.gate(x)  # (N, E)
         # A zero bias chooses as plain top-k does, exactly (p + 0.0 == p).
