@@ -426,3 +426,33 @@ def test_transformers_moe_is_the_whole_batch_gradient(runs: Runs, family: str) -
     worst = max(errs, key=errs.__getitem__)
     assert errs[worst] <= REL, f"{worst}: relative error {errs[worst]:.2e} > {REL:.0e}"
     assert record["train/moe_load_max"] >= 1.0
+
+
+def test_transformers_moe_without_observable_routers_is_refused() -> None:
+    """A transformers mixture whose routers are not top-k router modules returning their
+    logits (DeepSeek-V3's sigmoid router) is refused in one sentence naming model.family
+    (the trainer names the key from the message's first word), not trained unbalanced."""
+    pytest.importorskip("transformers")
+    from trainer.models.hf import causal_lm
+
+    tiny = {
+        "vocab_size": 256,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 0,
+        "n_group": 1,
+        "topk_group": 1,
+        "q_lora_rank": None,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+    }
+    with pytest.raises(ValueError, match=r"^family: deepseek_v3 is a mixture of experts"):
+        causal_lm("deepseek_v3", tiny)

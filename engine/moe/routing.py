@@ -98,8 +98,14 @@ class HookedRouter:
         return {**self.__dict__, "routing": None}  # copies never hold a forward's graph
 
     def _record(self, module: nn.Module, args: object, output: tuple[torch.Tensor, ...]) -> None:
-        del module, args
+        del args
         logits, experts = output[0], output[-1]  # (N, E), (N, k)
+        if experts.is_floating_point() or experts.shape[-1] != self.top_k:
+            raise TypeError(
+                f"{type(module).__name__} returned {tuple(experts.shape)} {experts.dtype} as its "
+                f"last output; a router's forward must return (logits, ..., experts (N, "
+                f"{self.top_k}) indices)"
+            )
         self.routing = Routing(logits, experts)
 
 

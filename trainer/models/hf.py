@@ -462,4 +462,18 @@ def transformers_routers(model: nn.Module) -> list[HookedRouter]:
     ]
     if routers:  # its own loss would be added per micro-batch to the whole step's
         model.config.output_router_logits = False
+        return routers
+    fields = model.config.to_dict()
+    experts = [k for k in MOE_FIELDS if isinstance(fields.get(k), int) and fields[k] > 0]
+    if experts:
+        raise ValueError(
+            f"family: {model.config.model_type} is a mixture of experts ({experts[0]}="
+            f"{fields[experts[0]]}) whose routers cumulus cannot observe: it balances "
+            "transformers' top-k router modules (`*TopKRouter`, which return the router "
+            "logits), as model=hf_qwen3_moe and model=hf_mixtral have"
+        )
     return routers
+
+
+# Config fields that make a transformers model a mixture of experts.
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
