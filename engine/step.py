@@ -54,6 +54,16 @@ def item_count(task: Task, batch: Batch) -> torch.Tensor:
 
 
 @runtime_checkable
+class PreparesWindow(Protocol):
+    """A task that looks at the whole window once before any backward (engine/moe/balance.py:
+    the load-balancing loss's routing pass). The accumulation step calls it after counting."""
+
+    def prepare_window(
+        self, ctx: StepContext, window: Sequence[Batch], global_count: torch.Tensor
+    ) -> None: ...
+
+
+@runtime_checkable
 class EvalTask(Task, Protocol):
     """A task that reports more than the loss at evaluation (optional).
 

@@ -245,6 +245,16 @@ def check_profile(cfg: Config) -> None:
         assert profiler.begin(1) == 0.0 and not profiler.recording  # before the window
 
 
+def check_moe(cfg: Config) -> None:
+    """The balancing of a mixture-of-experts run, as the engine takes it."""
+    from engine.moe.balance import BalanceCfg
+
+    balance = BalanceCfg(
+        cfg.moe.balance, cfg.moe.aux_coef, cfg.moe.z_coef, bias_rate=cfg.moe.bias_rate
+    )
+    assert balance.balance in ("global", "micro", "bias", "none")
+
+
 BUILDERS: dict[str, Callable[[Config], None]] = {
     "model": check_model,
     "task": check_task,
@@ -257,6 +267,7 @@ BUILDERS: dict[str, Callable[[Config], None]] = {
     "experiment": check_experiment,
     "adapter": check_adapter,
     "profile": check_profile,
+    "moe": check_moe,
 }
 # Groups whose checks build a model: use the small one unless the group picks the model itself.
 NEEDS_SMALL_MODEL = {"optim", "scheduler", "step", "callbacks", "logger", "task", "adapter"}

@@ -2,7 +2,8 @@
 
 One optimizer step from a window of micro-batches, in textbook order:
 
-    zero grads -> count loss items of the window (one all-reduce) -> per micro-batch:
+    zero grads -> count loss items of the window (one all-reduce) -> [a task's look at the
+    whole window: the MoE balancing's routing pass] -> per micro-batch:
     forward + backward of loss_sum * divisor / global_count (no_sync but the last) ->
     unscale -> clip -> finite check -> optimizer step -> scheduler step
 
@@ -26,7 +27,7 @@ import torch
 
 from engine.distributed import all_reduce_sum
 from engine.parallel.base import NO_GUARD, WindowGuard
-from engine.step import Batch, StepContext, StepResult, item_count
+from engine.step import Batch, PreparesWindow, StepContext, StepResult, item_count
 
 T = TypeVar("T")
 
@@ -103,6 +104,8 @@ class AccumulateStep:
         guard.start(ctx)
         window = [ctx.parallel.local_batch(b) for b in window]
         global_count = count_window(ctx, window)
+        if isinstance(ctx.task, PreparesWindow):  # e.g. MoE balancing's routing pass
+            ctx.task.prepare_window(ctx, window, global_count)
         window_guard = guard.window(ctx) or NO_GUARD
         loss_sum = ctx.parallel.backward_window(ctx, window, global_count, window_guard)
         grad_norm, found_inf, lr = guard.update(ctx, lambda: apply_update(ctx))

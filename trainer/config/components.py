@@ -247,6 +247,7 @@ def failure(exc: BaseException, spec: Mapping[str, Any], key: str) -> BaseExcept
         return root
     text = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
     first = text.split(" ", 1)[0].strip("`'\":,")
-    if first in {k for k in spec if k not in _HYDRA_KEYS}:
+    # "moe.top_k must ...": a key of a nested argument (model.moe.top_k) is named whole.
+    if first.split(".")[0] in {k for k in spec if k not in _HYDRA_KEYS}:
         return ConfigError(f"{key}.{first}", text)
     return ConfigError(key, f"building {spec[TARGET]} failed: {type(root).__name__}: {text}")

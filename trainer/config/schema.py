@@ -424,6 +424,33 @@ class PlanCfg:
         require(0 <= self.headroom < 1, "plan.headroom", f"must be in [0, 1), got {self.headroom}")
 
 
+@dataclass
+class MoECfg:
+    """`moe.*`: how the routers of a mixture-of-experts model are balanced
+    (engine/moe/balance.py); a dense model ignores it."""
+
+    # global: the load-balancing loss of the whole step, exact; micro: per micro-batch (the
+    # peers' approximation); bias: no loss, a routing bias moved after each step from the
+    # whole step's counts (DeepSeek-V3); none: no balancing.
+    balance: str = "global"
+    aux_coef: float = 0.01
+    z_coef: float = 0.0
+    # bias: how far each expert's routing bias moves per step (DeepSeek-V3's gamma).
+    bias_rate: float = 0.001
+
+    def __post_init__(self) -> None:
+        from engine.moe.balance import BALANCES
+
+        require(
+            self.balance in BALANCES,
+            "moe.balance",
+            f"must be one of {', '.join(BALANCES)}, got {self.balance!r}",
+        )
+        require(self.aux_coef >= 0, "moe.aux_coef", f"must be >= 0, got {self.aux_coef}")
+        require(self.z_coef >= 0, "moe.z_coef", f"must be >= 0, got {self.z_coef}")
+        require(self.bias_rate >= 0, "moe.bias_rate", f"must be >= 0, got {self.bias_rate}")
+
+
 def _component(**defaults: Any) -> Any:
     """A component node: `_target_` plus arguments, open to any key (its target's signature
     decides which are valid, checked by trainer/config/components.py)."""
@@ -454,6 +481,8 @@ class Config:
     # adapter=lora: LoRA adapters on a frozen base (trainer/models/lora.py).
     adapter: AdapterCfg = field(default_factory=AdapterCfg)
     profile: ProfileCfg = field(default_factory=ProfileCfg)
+    # Mixture-of-experts balancing (moe=global|micro|none).
+    moe: MoECfg = field(default_factory=MoECfg)
     # python -m trainer.plan only (training ignores it).
     plan: PlanCfg = field(default_factory=PlanCfg)
 

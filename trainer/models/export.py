@@ -31,9 +31,10 @@ BYTE_TEXT = ("trainer.data.text.text_data", "trainer.data.hf.hf_data")
 
 
 def _is_gpt(model: nn.Module) -> bool:
+    """The in-tree GPT, dense (GPT-2's architecture has no mixture of experts)."""
     from trainer.models.gpt import GPT
 
-    return isinstance(model, GPT)
+    return isinstance(model, GPT) and not model.routers()
 
 
 def export_support(model: nn.Module) -> str | None:
@@ -43,7 +44,8 @@ def export_support(model: nn.Module) -> str | None:
     return (
         f"a {type(model).__name__} has no Hugging Face architecture to map to: "
         "scripts/export_hf.py exports the in-tree GPT (model=gpt_small|gpt_tiny, as "
-        "GPT2LMHeadModel) and transformers models (model=hf_gpt2|hf_llama); the checkpoint's "
+        "GPT2LMHeadModel, dense: model.moe.experts=0) and transformers models "
+        "(model=hf_gpt2|hf_llama); the checkpoint's "
         "state.pt still holds the weights under the model's own parameter names"
     )
 
@@ -51,9 +53,12 @@ def export_support(model: nn.Module) -> str | None:
 def export_line(model: nn.Module) -> str:
     """One line for a run's header: what `scripts/export_hf.py` will make of this model."""
     if export_support(model) is not None:
+        from trainer.models.gpt import GPT
+
+        what = "mixture-of-experts GPT" if isinstance(model, GPT) else type(model).__name__
         return (
-            f"export: scripts/export_hf.py cannot export a {type(model).__name__} (no Hugging "
-            "Face architecture to map it to; it exports the in-tree GPT and transformers models)"
+            f"export: scripts/export_hf.py cannot export a {what} (no Hugging Face "
+            "architecture to map it to; it exports the dense in-tree GPT and transformers models)"
         )
     kind = "GPT2LMHeadModel"
     if is_transformers_model(model):

@@ -5,14 +5,16 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.moe.routing import Routed
 from engine.numerics.chunked_ce import HeadLoss
+from trainer.models.moe import MoE, MoEConfig
 
 if TYPE_CHECKING:
     from engine.parallel.context import SequenceShard
@@ -32,6 +34,8 @@ class GPTConfig:
     bias: bool = True
     # Train the blocks' linear layers with STE fake-quantized weights of this many bits.
     fake_quant_bits: int | None = None
+    # model.moe.*: mixture-of-experts blocks (trainer/models/moe.py); experts=0 is dense.
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         # Messages start with the field's name: the trainer names the config key from it.
@@ -133,12 +137,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, moe: bool = False) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        # A mixture of experts in place of the MLP (model.moe.*), or the dense MLP.
+        self.mlp = MoE(cfg.n_embd, cfg.moe, cfg.bias, cfg.dropout) if moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), documents)
@@ -161,16 +166,25 @@ class GPT(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         fake_quant_bits: int | None = None,
+        moe: dict | MoEConfig | None = None,
     ) -> None:
         super().__init__()
         cfg = GPTConfig(
-            vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias, fake_quant_bits
+            vocab_size,
+            block_size,
+            n_layer,
+            n_head,
+            n_embd,
+            dropout,
+            bias,
+            fake_quant_bits,
+            MoEConfig.of(moe),
         )
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, cfg.moe.is_moe_block(i)) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight
@@ -180,10 +194,19 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        for block in self.blocks:
+            if isinstance(block.mlp, MoE):
+                block.mlp.init_weights(cfg.n_layer)
 
     @classmethod
     def from_config(cls, cfg: GPTConfig) -> GPT:
-        return cls(**asdict(cfg))
+        return cls(**{**asdict(cfg), "moe": cfg.moe})
+
+    def routers(self) -> list[Routed]:
+        """The mixture blocks' routers in forward order (engine/moe/routing.py's
+        `HasRouters`); none in a dense model."""
+        # (Under dist.pp a rank's pruned model holds None for other stages' blocks.)
+        return [b.mlp.router for b in self.blocks if b is not None and isinstance(b.mlp, MoE)]
 
     # What the trainer reads besides forward (engine/model.py): blocks, sizes, FLOPs, sampling.
     def block_modules(self) -> Sequence[nn.Module]:
@@ -303,8 +326,14 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Forward + backward FLOPs per token (PaLM appendix B): 6N + 12 L T C."""
+        """Forward + backward FLOPs per token (PaLM appendix B): 6N + 12 L T C, N counting
+        the parameters a token goes through (of a mixture, its top-k experts only)."""
         n = self.num_params() - self.pos_emb.weight.numel()
+        for block in self.blocks:
+            if block is not None and isinstance(block.mlp, MoE):
+                experts = sum(p.numel() for p in block.mlp.experts.parameters())
+                moe = self.cfg.moe
+                n -= experts * (moe.experts - moe.top_k) // moe.experts
         return 6 * n + 12 * self.cfg.n_layer * seq_len * self.cfg.n_embd
 
     @torch.inference_mode()

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.moe.routing import HookedRouter
 from engine.numerics.chunked_ce import HeadLoss
 from engine.parallel.pipeline import NotSplittable
 from trainer.config.errors import UserError
@@ -182,6 +183,15 @@ class CumulusHooks:
     config: Any
     context_shard: Any  # dist.cp: the SequenceShard `context_parallel` was given
     transformers_class: type  # the transformers class this one extends (`_with_hooks`)
+
+    moe_routers: list[HookedRouter]  # set by `causal_lm`
+
+    def routers(self) -> list[HookedRouter]:
+        """The routers of a mixture-of-experts family (transformers' `*TopKRouter` modules,
+        Qwen3-MoE's and Mixtral's), observed by hooks (engine/moe/routing.py's `HasRouters`);
+        none in a dense model. The model's own per-micro-batch auxiliary loss stays off
+        (`output_router_logits` false): cumulus balances the whole step (moe.balance)."""
+        return self.moe_routers
 
     def pipeline_stage(self, blocks: Sequence[int], first: bool, last: bool) -> nn.Module:
         """`dist.pp`: a stage sharing this model's parameters: `GPT2Stage` for GPT-2, else
@@ -442,6 +452,7 @@ def causal_lm(
         model = model_cls(hf_config)
     model.config.architectures = [cls.__name__]  # what save_pretrained records
     model.context_shard = None  # dist.cp: `context_parallel` sets it
+    model.moe_routers = transformers_routers(model)
     # Training builds no cache, whatever the saved config says: with one, transformers no
     # longer keeps packed documents (position ids restarting at 0) from attending to each
     # other. generate() passes use_cache itself.
@@ -449,3 +460,29 @@ def causal_lm(
     if not isinstance(getattr(model, "vocab_size", None), int):  # Llama sets it, GPT-2 not
         model.vocab_size = int(hf_config.vocab_size)  # what the trainer checks the data against
     return model
+
+
+def transformers_routers(model: nn.Module) -> list[HookedRouter]:
+    """Hooks on a transformers model's top-k routers, in forward order (module order)."""
+    routers = [
+        HookedRouter(m, int(m.num_experts), int(m.top_k))
+        for m in model.modules()
+        if type(m).__name__.endswith("TopKRouter")
+    ]
+    if routers:  # its own loss would be added per micro-batch to the whole step's
+        model.config.output_router_logits = False
+        return routers
+    fields = model.config.to_dict()
+    experts = [k for k in MOE_FIELDS if isinstance(fields.get(k), int) and fields[k] > 0]
+    if experts:
+        raise ValueError(
+            f"family: {model.config.model_type} is a mixture of experts ({experts[0]}="
+            f"{fields[experts[0]]}) whose routers cumulus cannot observe: it balances "
+            "transformers' top-k router modules (`*TopKRouter`, which return the router "
+            "logits), as model=hf_qwen3_moe and model=hf_mixtral have"
+        )
+    return routers
+
+
+# Config fields that make a transformers model a mixture of experts.
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")

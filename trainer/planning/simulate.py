@@ -37,6 +37,7 @@ from trainer.run.assemble import Assembly, assemble, check_layout
 from trainer.run.batch_plan import BatchPlan
 from trainer.run.build import build_context, build_step, run_shape
 from trainer.run.memory import MemoryReport, StepPeaks, report
+from trainer.run.moe import refuse_mixture
 
 STEPS = 2  # the first builds the optimizer's state; the second is a steady step
 
@@ -230,9 +231,10 @@ def simulate_rank(
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         progress.what = f"{role}: building the model and reading the data"
         parts = assemble(cfg, info, dims, building=mode, simulated=book)
+        refuse_mixture(parts)
         window = worst_window(parts, plan, mode)  # integers real, floats faked
         with mode:
-            ctx = build_context(cfg, parts, info)
+            ctx = build_context(cfg, parts, info, dims)
             step_fn = build_step(cfg.step)
             check_layout(parts.parallel, run_shape(cfg, step_fn, ctx, plan))
             ctx.callbacks.setup(ctx)

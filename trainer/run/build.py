@@ -15,6 +15,7 @@ from engine.callbacks.grad_stats import GradNormsPerLayer
 from engine.distributed import DistInfo
 from engine.numerics.precision import Precision
 from engine.parallel.base import RunShape
+from engine.parallel.dims import ParallelDims
 from engine.step import StepContext, StepStrategy
 from engine.steps.accumulate import AccumulateStep
 from engine.steps.dp_sgd import DPSGDStep, PrivacySpent, check_per_sample_model
@@ -31,6 +32,7 @@ from trainer.run.assemble import Assembly, assemble, check_layout
 from trainer.run.auto_batch import setup_auto
 from trainer.run.batch_plan import AUTO, BatchPlan
 from trainer.run.fit import Run, RunSettings, plain_step_window
+from trainer.run.moe import balanced_task, check_moe_step
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import StopRequest
 from trainer.run.state import (
@@ -99,15 +101,16 @@ def attach_privacy(
     ctx.callbacks.named["privacy"] = PrivacySpent(step_fn)
 
 
-def build_context(cfg: Config, parts: Assembly, info: DistInfo) -> StepContext:
+def build_context(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDims) -> StepContext:
     """The step's runtime objects: the optimizer (after wrapping: FSDP shards the
-    parameters), its schedule, the precision and the callbacks."""
+    parameters), its schedule, the precision and the callbacks; a mixture of experts' task
+    balances its routers (trainer/run/moe.py)."""
     optimizer = build_optimizer(cfg.optim, parts.model)
     return StepContext(
         model=parts.wrapped,
         optimizer=optimizer,
         scheduler=build_scheduler(cfg.scheduler, optimizer, cfg.train.max_steps),
-        task=parts.task,
+        task=balanced_task(cfg, parts, info, dims),
         precision=Precision(cfg.train.precision, info.device.type),
         dist=info,
         parallel=parts.parallel,
@@ -184,8 +187,9 @@ def build_run(
     plan = BatchPlan.from_config(cfg.train, dims.dp)
     parts = assemble(cfg, info, dims)
     parallel = parts.parallel
-    ctx = build_context(cfg, parts, info)
+    ctx = build_context(cfg, parts, info, dims)
     step_fn = step_for_task(build_step(cfg.step), ctx, cfg, plan)
+    check_moe_step(ctx.task, step_fn, ctx.callbacks)
     check_layout(parallel, run_shape(cfg, step_fn, ctx, plan))
     step_fn, plan, auto_window = setup_auto(cfg, ctx, parts.data, step_fn, plan)
     batches = build_train_batches(parts.data, parts.data_extras, cfg.seed, info, plan, parallel)

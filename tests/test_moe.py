@@ -1,0 +1,458 @@
+"""Mixture of experts with the load-balancing loss of the whole step (model.moe.*, moe.*).
+
+One SGD step over a data set of exactly one global batch (24 samples of 64 tokens): the
+gradient the optimizer applies (no clipping: the update is -lr times it) must equal the
+float64 gradient of
+
+    mean CE + aux_coef * aux + z_coef * z      over the whole batch at once
+
+computed here on the same weights, whatever the split (micro x accum 24x1, 4x6, 2 ranks x 3 x
+4 under DDP and FSDP2, with activation checkpointing). aux = E * sum_i f_i * P_i per MoE layer,
+averaged over the layers (f: the share of the top-k assignments, P: the mean router
+probability); z = the mean of logsumexp(router logits)^2. Both are computed here from the
+router's logits, captured by a hook on its gate, with their own softmax and top-k. The data
+set is the whole batch, so the reference needs no knowledge of the sampler's order.
+
+`moe.balance=micro` (the peers' per-micro-batch balancing) misses the same gradient by a
+measured amount: the negative control, and the README's number. `moe.balance=bias` moves
+each router's bias by the whole step's assignments, on one rank or two, and resumes exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import TINY, stdlib_text, train_in_process, train_records
+from tests.ranks import explain, launch_all, torchrun
+from trainer.data.text import TextCfg, load_splits
+from trainer.models.gpt import GPT
+from trainer.models.moe import MoE, MoEConfig
+
+E, K, HIDDEN = 8, 2, 48
+AUX, Z = 1.0, 0.1  # large enough that the balancing terms weigh on the routers' gradients
+MOE = [f"+model.moe.experts={E}", f"+model.moe.top_k={K}", f"+model.moe.hidden={HIDDEN}"]
+SPLITS = {"24x1": (24, 1), "4x6": (4, 6)}
+REL = 1e-5
+RATE = 0.25  # moe.bias_rate: a step that shows (the default 0.001 would too)
+TEXT_BYTES = 1750  # 24 training samples of 65 tokens (block 64), 2 for validation
+
+
+def common(text: Path, balance: str = "global") -> list[str]:
+    return [
+        *TINY,
+        *MOE,
+        f"moe={balance}",
+        f"moe.aux_coef={AUX}",
+        f"moe.z_coef={Z}",
+        f"data.path={text}",
+        "data.block_size=64",  # (a transformers model's default: its longest sequence)
+        "optim=sgd",
+        "optim.lr=0.1",
+        "scheduler=constant",
+        "scheduler.warmup_steps=0",
+        "train.clip_grad_norm=null",
+        "train.max_steps=1",
+    ]
+
+
+def load_dump(run_dir: Path) -> dict[str, Any]:
+    """DumpFirstStep's weights and gradients of step 1, and the buffers after it."""
+    dumped = torch.load(run_dir / "step1.pt")
+    dumped["buffers"] = torch.load(run_dir / "step1.pt.buffers")
+    return dumped
+
+
+def dump(run_dir: Path) -> str:
+    return (
+        f"+callbacks.dump={{_target_: tests.moe_support.DumpFirstStep, path: {run_dir}/step1.pt}}"
+    )
+
+
+class Runs:
+    """The runs, each made once, on first use."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.text = stdlib_text(root / "text.txt", TEXT_BYTES)
+        self.made: dict[Any, Any] = {}
+
+    def once(self, key: Any, make: Any) -> Any:
+        if key not in self.made:
+            self.made[key] = make()
+        return self.made[key]
+
+    def split(self, micro: int, accum: int, *extra: str) -> list[str]:
+        return [f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}", *extra]
+
+    def one(self, name: str, balance: str = "global", *extra: str) -> tuple[dict, dict]:
+        """One in-process run: (its step-1 dump, its training record)."""
+        return self.once((name, balance, extra), lambda: self._one(name, balance, *extra))
+
+    def _one(self, name: str, balance: str, *extra: str) -> tuple[dict, dict]:
+        run_dir = self.root / f"{name}-{balance}-{len(self.made)}"
+        micro, accum = SPLITS[name.split("-")[0]]
+        args = [*common(self.text, balance), *self.split(micro, accum, *extra)]
+        records = train_in_process([*args, dump(run_dir), f"hydra.run.dir={run_dir}"], run_dir)
+        return load_dump(run_dir), train_records(records)[-1]
+
+    def two_ranks(self) -> dict[str, tuple[dict, dict]]:
+        """DDP and FSDP2, 2 ranks x micro 3 x accum 4, launched together."""
+        return self.once("two ranks", self._two_ranks)
+
+    def _two_ranks(self) -> dict[str, Any]:
+        from tests.conftest import read_metrics
+
+        layouts = {
+            "ddp": ["dist.strategy=ddp"],
+            "fsdp": ["dist.strategy=fsdp"],
+            "ddp-bias": ["dist.strategy=ddp", "moe=bias", f"moe.bias_rate={RATE}"],
+        }
+        cmds, dirs = {}, {}
+        for name, extra in layouts.items():
+            run_dir = dirs[name] = self.root / name
+            args = [*common(self.text), *self.split(3, 4), *extra]
+            cmds[name] = torchrun(2, [*args, dump(run_dir), f"hydra.run.dir={run_dir}"])
+        refused = [*TINY, *MOE, f"data.path={self.text}", "dist.tp=2"]
+        cmds["tp"] = torchrun(2, [*refused, f"hydra.run.dir={self.root / 'tp'}"])
+        procs = launch_all(cmds, timeout=300)
+        out: dict[str, Any] = {"tp": procs.pop("tp")}
+        for name, proc in procs.items():
+            assert proc.returncode == 0, explain(proc)
+            out[name] = (load_dump(dirs[name]), train_records(read_metrics(dirs[name]))[-1])
+        return out
+
+    def reference(self) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
+        """The float64 gradient of the whole batch's loss on the runs' first weights, and the
+        whole batch's aux and z (from the 24x1 run's weights: every run starts from them)."""
+        return self.once("reference", self._reference)
+
+    def _reference(self) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
+        weights = self.one("24x1")[0]["weights"]
+        samples = load_splits(TextCfg(path=str(self.text), block_size=64)).train
+        batch = torch.stack(list(samples))  # (24, 65)
+        return whole_batch_gradient(weights, batch)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("moe"))
+
+
+def tiny_moe() -> GPT:
+    return GPT(
+        vocab_size=256,
+        block_size=64,
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        moe=dict(experts=E, top_k=K, hidden=HIDDEN),
+    )
+
+
+def whole_batch_gradient(
+    weights: dict[str, torch.Tensor], batch: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
+    """The gradient of mean CE + AUX * aux + Z * z over `batch` at once (float64), aux, z,
+    and each layer's assignments per expert (L, E)."""
+    model = tiny_moe().double()
+    model.load_state_dict({n: w.double() for n, w in weights.items()}, strict=False)
+    logits: list[torch.Tensor] = []
+    for router in model.routers():
+        router.gate.register_forward_hook(lambda m, a, out: logits.append(out))
+    x, y = batch[:, :-1], batch[:, 1:]
+    out = model(x)
+    ce = F.cross_entropy(out.flatten(0, 1), y.flatten())
+    aux, z, counts = [], [], []
+    for lg in logits:  # (N, E) each
+        probs = lg.softmax(-1)
+        chosen = probs.topk(K, dim=-1).indices
+        f = (
+            torch.zeros(E, dtype=torch.float64).index_add_(
+                0, chosen.flatten(), torch.ones(chosen.numel(), dtype=torch.float64)
+            )
+            / chosen.numel()
+        )
+        counts.append(f * chosen.numel())
+        aux.append(E * (f * probs.mean(0)).sum())
+        z.append(torch.logsumexp(lg, -1).pow(2).mean())
+    aux_loss, z_loss = torch.stack(aux).mean(), torch.stack(z).mean()
+    (ce + AUX * aux_loss + Z * z_loss).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return grads, aux_loss.item(), z_loss.item(), torch.stack(counts).detach()
+
+
+def rel_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per parameter: max |got - want| / max |want|."""
+    assert set(got) == set(want), set(got) ^ set(want)
+    return {n: ((got[n].double() - want[n]).abs().max() / want[n].abs().max()).item() for n in want}
+
+
+def assert_exact(dumped: dict, runs: Runs) -> None:
+    want = runs.reference()[0]
+    errs = rel_error(dumped["grads"], want)
+    worst = max(errs, key=errs.__getitem__)
+    assert errs[worst] <= REL, f"{worst}: relative error {errs[worst]:.2e} > {REL:.0e}"
+
+
+# ---------------------------------------------------------------- the model's mixture
+
+
+def test_mixture_equals_every_expert_on_every_token() -> None:
+    """The sorted dispatch gives what a dense reference does: every expert on every token,
+    weighted by the renormalized top-k softmax (0 for experts not chosen), float64."""
+    torch.manual_seed(0)
+    moe = MoE(16, MoEConfig(experts=4, top_k=2, hidden=24, shared_experts=1), True, 0.0)
+    moe.init_weights(2)
+    moe = moe.double()
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    flat = x.reshape(15, 16)
+    probs = moe.router.gate(flat).softmax(-1)
+    top = probs.topk(2, dim=-1)
+    gates = torch.zeros_like(probs).scatter(1, top.indices, top.values)
+    gates = gates / gates.sum(-1, keepdim=True)
+    ex = moe.experts
+    every = torch.stack(
+        [F.gelu(flat @ ex.fc[i] + ex.fc_bias[i]) @ ex.proj[i] + ex.proj_bias[i] for i in range(4)]
+    )  # (E, N, C)
+    want = (gates.T[:, :, None] * every).sum(0) + moe.shared(flat)
+    torch.testing.assert_close(moe(x).reshape(15, 16), want, rtol=1e-12, atol=1e-12)
+
+
+def test_flops_and_export_count_a_mixture_as_it_runs() -> None:
+    """FLOPs per token count the top-k experts a token goes through, not all of them; the
+    dense GPT-2 export refuses a mixture (one sentence) and takes the dense model."""
+    from trainer.models.export import export_support
+
+    moe, dense = tiny_moe(), GPT(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    experts = sum(p.numel() for b in moe.blocks for p in b.mlp.experts.parameters())
+    active = moe.num_params() - moe.pos_emb.weight.numel() - experts * (E - K) // E
+    assert moe.flops_per_token(64) == 6 * active + 12 * 2 * 64 * 32
+    assert export_support(dense) is None
+    assert "model.moe.experts=0" in (export_support(moe) or "")
+
+
+# ---------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_one_step_is_the_whole_batch_gradient(runs: Runs, split: str) -> None:
+    """micro x accum 24x1 and 4x6: the whole batch's CE + aux + z gradient to 1e-5."""
+    assert_exact(runs.one(split)[0], runs)
+
+
+def test_activation_checkpointing_counts_once(runs: Runs) -> None:
+    """Recomputing each block in backward routes again; nothing is counted twice."""
+    dumped, record = runs.one("4x6-ckpt", "global", "model.activation_checkpointing=true")
+    assert_exact(dumped, runs)
+    assert record["train/moe_aux_loss"] == pytest.approx(runs.reference()[1], rel=1e-6)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_are_the_whole_batch_gradient(runs: Runs, strategy: str) -> None:
+    """2 ranks x micro 3 x accum 4, under DDP and FSDP2 (experts sharded like any weight)."""
+    dumped, record = runs.two_ranks()[strategy]
+    assert_exact(dumped, runs)
+    assert record["train/moe_aux_loss"] == pytest.approx(runs.reference()[1], rel=1e-6)
+
+
+def test_records_are_the_whole_batch_values(runs: Runs) -> None:
+    """`train/moe_aux_loss` and `train/moe_z_loss` are the whole batch's, the same for every
+    split to 1e-6; `train/moe_load_max` is at least 1 (the mean)."""
+    _, want_aux, want_z, _ = runs.reference()
+    for split in SPLITS:
+        record = runs.one(split)[1]
+        assert record["train/moe_aux_loss"] == pytest.approx(want_aux, rel=1e-6), split
+        assert record["train/moe_z_loss"] == pytest.approx(want_z, rel=1e-6), split
+        assert record["train/moe_load_max"] >= 1.0
+
+
+def test_micro_balancing_is_not_the_whole_batch_gradient(runs: Runs) -> None:
+    """moe.balance=micro at 4x6 (each micro-batch's own f and P) misses the router's gradient
+    by a measured amount; at 24x1 (one micro-batch) it is the global loss."""
+    want = runs.reference()[0]
+    errs = rel_error(runs.one("4x6", "micro")[0]["grads"], want)
+    gates = {n: e for n, e in errs.items() if n.endswith("router.gate.weight")}
+    print(f"moe.balance=micro at 4x6: router gate relative error {max(gates.values()):.3e}")
+    assert max(gates.values()) > 1e-3, gates  # measured: see the README's MoE section
+    assert_exact(runs.one("24x1", "micro")[0], runs)
+
+
+def test_dropout_routes_alike_in_both_passes(runs: Runs) -> None:
+    """With dropout the routing pass replays each micro-batch's random state: the backward
+    pass routes every token as counted (the step checks the counts and would raise)."""
+    _, record = runs.one("4x6-dropout", "global", "model.dropout=0.2")
+    assert 0 < record["train/moe_aux_loss"] < E and record["train/moe_load_max"] >= 1.0
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "says"),
+    [
+        ([f"+model.moe.experts={E}", f"+model.moe.top_k={E + 1}"], "model.moe.top_k", "between 1"),
+        (["+model.moe.top_k=2"], "model.moe.experts", "dense"),
+        ([f"+model.moe.experts={E}", "+model.moe.width=3"], "model.moe.width", "valid"),
+        (["moe.balance=batch"], "moe.balance", "global, micro, bias, none"),
+        ([*MOE, "step=sam"], "moe.balance", "step=accumulate"),
+    ],
+    ids=["top_k>experts", "zero-experts", "unknown-key", "balance", "step"],
+)
+def test_bad_input_is_one_paragraph(
+    runs: Runs, overrides: list[str], key: str, says: str, tmp_path: Path
+) -> None:
+    from trainer.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        train_in_process(
+            [*TINY, f"data.path={runs.text}", *overrides, f"hydra.run.dir={tmp_path}"], tmp_path
+        )
+    assert err.value.key == key and says in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.multiproc
+def test_tensor_parallel_is_refused(runs: Runs) -> None:
+    """dist.tp with a mixture: one paragraph naming the key (not built yet)."""
+    proc = runs.two_ranks()["tp"]
+    assert proc.returncode != 0
+    assert "invalid config `dist.tp`: must be 1 with a mixture-of-experts model" in (
+        proc.stderr + proc.stdout
+    ), explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+
+
+# ---------------------------------------------------------------- moe.balance=bias
+
+
+def assert_bias_step(buffers: dict[str, torch.Tensor], runs: Runs) -> None:
+    """Each router's bias after step 1 is RATE * sign(mean load - load), the loads being the
+    whole batch's assignments at the first weights (the bias starts at 0)."""
+    counts = runs.reference()[3]  # (L, E)
+    for layer, c in enumerate(counts):
+        want = RATE * torch.sign(c.mean() - c)
+        got = buffers[f"blocks.{layer}.mlp.router.bias"].double()
+        assert torch.equal(got, want), (layer, got, want, c)
+    assert any(bool(b.any()) for n, b in buffers.items() if n.endswith("router.bias"))
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_bias_moves_by_the_whole_step_counts(runs: Runs, split: str) -> None:
+    """moe.balance=bias: the update after step 1 is the whole step's, at 24x1 and 4x6."""
+    dumped, _ = runs.one(split, "bias", f"moe.bias_rate={RATE}")
+    assert_bias_step(dumped["buffers"], runs)
+
+
+@pytest.mark.multiproc
+def test_bias_counts_every_rank(runs: Runs) -> None:
+    """DDP 2 ranks x 3 x 4: the counts are summed over the ranks before the update."""
+    assert_bias_step(runs.two_ranks()["ddp-bias"][0]["buffers"], runs)
+
+
+def test_bias_resumes_exactly(runs: Runs, tmp_path: Path) -> None:
+    """The biases travel in the checkpoint with the model: steps 3-4 resumed from step 2
+    repeat the uninterrupted run's records bit for bit (routing depends on the biases)."""
+    import shutil
+
+    args = [
+        *common(runs.text, "bias"),
+        *runs.split(24, 1),
+        f"moe.bias_rate={RATE}",
+        "train.max_steps=4",
+        "checkpoint.every_steps=2",
+    ]
+    whole = train_records(
+        train_in_process([*args, f"hydra.run.dir={tmp_path / 'a'}"], tmp_path / "a")
+    )
+    step2 = "checkpoints/step_00000002"
+    shutil.copytree(tmp_path / "a" / step2, tmp_path / "b" / step2)
+    resumed = train_records(
+        train_in_process([*args, f"hydra.run.dir={tmp_path / 'b'}"], tmp_path / "b")
+    )
+    assert [r["step"] for r in resumed] == [3, 4]
+    for key in ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_load_max"):
+        assert [r[key] for r in resumed] == [r[key] for r in whole[2:]], key
+
+
+# ---------------------------------------------------------------- transformers MoE models
+
+
+def hf_reference(
+    family: str, weights: dict[str, torch.Tensor], batch: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The float64 gradient of mean CE + AUX * aux + Z * z over `batch`, on transformers'
+    model of `family` (configs/model/hf_<family>.yaml) with the run's first weights; router
+    logits from a hook on each `*TopKRouter`, softmax and top-k computed here."""
+    import yaml
+
+    from trainer.models.hf import causal_lm
+
+    node = yaml.safe_load(
+        (Path(__file__).parent.parent / f"configs/model/hf_{family}.yaml").read_text()
+    )
+    model = causal_lm(node["family"], node["config"]).double()
+    model.load_state_dict({n: w.double() for n, w in weights.items()})
+    logits: list[torch.Tensor] = []
+    for m in model.modules():
+        if type(m).__name__.endswith("TopKRouter"):
+            m.register_forward_hook(lambda mod, a, out: logits.append(out[0]))
+    x, y = batch[:, :-1], batch[:, 1:]
+    ce = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+    aux, z = [], []
+    for lg in logits:  # (N, E) each
+        probs = lg.softmax(-1)
+        chosen = probs.topk(K, dim=-1).indices
+        f = torch.bincount(chosen.flatten(), minlength=E).double() / chosen.numel()
+        aux.append(E * (f * probs.mean(0)).sum())
+        z.append(torch.logsumexp(lg, -1).pow(2).mean())
+    (ce + AUX * torch.stack(aux).mean() + Z * torch.stack(z).mean()).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_transformers_moe_is_the_whole_batch_gradient(runs: Runs, family: str) -> None:
+    """model=hf_qwen3_moe and hf_mixtral at micro 4 x accum 6: the whole batch's gradient to
+    1e-5, their own auxiliary loss off, cumulus's from their routers' logits."""
+    pytest.importorskip("transformers")
+    dumped, record = runs.one("4x6", "global", f"model=hf_{family}", "~model.moe")
+    samples = load_splits(TextCfg(path=str(runs.text), block_size=64)).train
+    want = hf_reference(family, dumped["weights"], torch.stack(list(samples)))
+    errs = rel_error(dumped["grads"], want)
+    worst = max(errs, key=errs.__getitem__)
+    assert errs[worst] <= REL, f"{worst}: relative error {errs[worst]:.2e} > {REL:.0e}"
+    assert record["train/moe_load_max"] >= 1.0
+
+
+def test_transformers_moe_without_observable_routers_is_refused() -> None:
+    """A transformers mixture whose routers are not top-k router modules returning their
+    logits (DeepSeek-V3's sigmoid router) is refused in one sentence naming model.family
+    (the trainer names the key from the message's first word), not trained unbalanced."""
+    pytest.importorskip("transformers")
+    from trainer.models.hf import causal_lm
+
+    tiny = {
+        "vocab_size": 256,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 0,
+        "n_group": 1,
+        "topk_group": 1,
+        "q_lora_rank": None,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+    }
+    with pytest.raises(ValueError, match=r"^family: deepseek_v3 is a mixture of experts"):
+        causal_lm("deepseek_v3", tiny)

@@ -1,0 +1,97 @@
+"""Mixture-of-experts models in a run: the task wrapped with the load-balancing loss of the
+routers the model declares (engine/moe/), its records, and what it cannot run with yet."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.callbacks import Callback
+from engine.distributed import DistInfo
+from engine.moe.balance import BalanceCfg, BalancedTask, balanced
+from engine.moe.routing import HasRouters
+from engine.parallel.dims import ParallelDims
+from engine.steps.accumulate import AccumulateStep
+from engine.window_task import WindowTask
+from trainer.config.errors import ConfigError
+from trainer.config.schema import Config
+from trainer.run.assemble import Assembly
+
+
+class MoERecords(Callback):
+    """`train/moe_aux_loss`, `train/moe_z_loss`, `train/moe_load_max` of the recorded step;
+    with `moe.balance=bias`, the routers' biases updated after each step (their state is the
+    model's: buffers in its checkpoint)."""
+
+    state_optional = True
+
+    def __init__(self, task: BalancedTask) -> None:
+        self.task = task
+
+    def on_after_optimizer_step(self, ctx: Any, step: int) -> None:
+        del ctx, step
+        self.task.update_bias()
+
+    def metrics(self) -> dict[str, Any]:
+        return self.task.metrics()
+
+
+def balanced_task(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDims) -> Any:
+    """The run's task, wrapped with the balancing when the model declares routers."""
+    routers = list(parts.model.routers()) if isinstance(parts.model, HasRouters) else []
+    if not routers:
+        return parts.task
+    if isinstance(parts.task, WindowTask):
+        raise ConfigError(
+            "task",
+            "a mixture-of-experts model's load balancing (moe.balance) needs a task with a loss "
+            "per micro-batch (task=causal_lm, classification, token_classification); a loss of "
+            "the whole window (step=cached) does not combine with it yet",
+        )
+    for key, degree in (("dist.tp", dims.tp), ("dist.pp", dims.pp), ("dist.cp", dims.cp)):
+        if degree > 1:
+            raise ConfigError(
+                key,
+                f"must be 1 with a mixture-of-experts model (got {degree}): the routers' "
+                "load-balancing loss (moe.balance) is counted over whole tokens and whole "
+                "experts on each data-parallel rank; tensor, pipeline and context parallelism "
+                "would split them and are not built for it yet. Use dist.strategy=ddp or fsdp",
+            )
+    balance = BalanceCfg(
+        cfg.moe.balance,
+        cfg.moe.aux_coef,
+        cfg.moe.z_coef,
+        bias_rate=cfg.moe.bias_rate,
+        # A forward under sharded parameters or compilation runs whole (its collectives and
+        # graphs would be cut short by the routing pass's early stop).
+        stop_early=not parts.parallel.shards_parameters and not cfg.train.compile,
+    )
+    try:
+        return balanced(parts.task, routers, balance, info, parts.parallel.dp_group)
+    except ValueError as exc:
+        raise ConfigError("model.moe", str(exc)) from None
+
+
+def refuse_mixture(parts: Assembly) -> None:
+    """trainer.plan: a mixture's routing depends on the values (fake tensors have none)."""
+    if isinstance(parts.model, HasRouters) and parts.model.routers():
+        raise ConfigError(
+            "model.moe.experts",
+            "trainer.plan does not plan mixture-of-experts models yet: how many tokens each "
+            "expert gets depends on the weights' values, which the planner's fake tensors do "
+            "not have. Plan the dense model of the same active width for now (model.moe.experts=0)",
+        )
+
+
+def check_moe_step(task: Any, step_fn: Any, callbacks: Any) -> None:
+    """`moe.balance=global` runs its routing pass in the accumulation step; records join."""
+    if not isinstance(task, BalancedTask):
+        return
+    if task.cfg.balance == "global" and not isinstance(step_fn, AccumulateStep):
+        raise ConfigError(
+            "moe.balance",
+            f"global counts the whole window's routing before any backward, which "
+            f"step=accumulate does; {type(step_fn).__name__} does not. Use step=accumulate, "
+            "or moe.balance=micro|none",
+        )
+    # First: the biases are updated before any other callback sees the finished step.
+    callbacks.named = {"moe": MoERecords(task), **callbacks.named}
