@@ -34,6 +34,7 @@ from trainer.data import DataSplits, as_splits
 from trainer.data.checks import check_samples
 from trainer.models.lora import Adapter
 from trainer.models.lora import check_layout as check_adapter_layout
+from trainer.run.preference import attach_reference
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -262,6 +263,7 @@ def assemble(
         attach_loss_parameters(model, task, info.device)
     except ValueError as exc:
         raise ConfigError("task", str(exc)) from None
+    attach_reference(task, model, adapter)  # task=dpo: the initial policy, before layout
     with building:
         wrapped = parallelize(
             model,

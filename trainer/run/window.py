@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.callbacks import Callback
-from engine.step import StepContext, StepStrategy
+from engine.callbacks.item_means import ItemMeans
+from engine.step import ItemSums, StepContext, StepStrategy
 from engine.steps.accumulate import AccumulateStep
 from engine.steps.cached import CachedStep
 from engine.window_task import WindowTask
@@ -37,6 +38,8 @@ def window_step(step_fn: StepStrategy, ctx: StepContext, cfg: Config, plan: Batc
     auto = cfg.train.micro_batch_size == AUTO
     one_micro_batch = plan.accum == 1 and ctx.dist.world_size == 1 and not auto
     if not isinstance(task, WindowTask):
+        if isinstance(task, ItemSums):  # the task's exact means in each record (task=dpo)
+            ctx.callbacks.named["task"] = ItemMeans(task)
         if isinstance(step_fn, CachedStep):
             raise ConfigError(
                 "step",

@@ -1,0 +1,31 @@
+"""`task=dpo`'s reference model, chosen and attached when the run is assembled."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.preference import DPOTask, adapters_disabled, frozen_copy
+from trainer.config.errors import ConfigError
+from trainer.models.lora import Adapter
+
+
+def attach_reference(task: object, model: nn.Module, adapter: Adapter | None) -> None:
+    """`task.reference` of a DPO task, before the model is laid out over the ranks: `copy`
+    (the default without an adapter) copies the initial policy, frozen; `adapter` (the
+    default under adapter=lora) scores with the base, its adapters disabled; `none` (simpo)
+    has no reference. Any other task: nothing to do."""
+    if not isinstance(task, DPOTask) or task.reference == "none":
+        return
+    mode = task.reference or ("adapter" if adapter is not None else "copy")
+    if mode == "adapter":
+        if adapter is None:
+            raise ConfigError(
+                "task.reference",
+                "adapter scores the reference as the policy's base with its adapters disabled, "
+                "and this run has no adapter (adapter=none): select adapter=lora, or "
+                "task.reference=copy (a frozen copy of the initial model)",
+            )
+        task.attach_reference(adapters_disabled(adapter.peft_model, model))
+    else:
+        task.attach_reference(frozen_copy(model))
+    task.reference = mode
