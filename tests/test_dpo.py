@@ -86,6 +86,9 @@ TWO_STEPS = [
 ]
 
 
+LORA = ["adapter=lora", "adapter.r=4", "adapter.alpha=8"]
+
+
 def batch(micro: int, ranks: int = 1) -> list[str]:
     """All the pairs in each step: `micro` pairs per micro-batch on each rank."""
     accum = PAIRS // (micro * ranks)
@@ -128,6 +131,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "ddp": two_steps("ddp", "sigmoid", batch(2, 2), 2),
         "ipo": two_steps("ipo", "ipo", batch(2)),
         "simpo": two_steps("simpo", "simpo", batch(2)),
+        # LoRA: the base with its adapters disabled (the default), and a frozen copy.
+        "lora_adapter": two_steps("lora_adapter", "sigmoid", batch(2), 1, *LORA),
+        "lora_copy": two_steps("lora_copy", "sigmoid", batch(2), 1, *LORA, "task.reference=copy"),
     }
     procs = launch_all(cmds, TIMEOUT)
     rows = {"train": pair_rows(PAIRS, seed=5), "val": pair_rows(2, seed=6)}
@@ -279,6 +285,26 @@ def test_records_are_the_exact_means_over_the_pairs(
         got = {k: records[step][f"train/{k}"] for k in want}
         assert got == pytest.approx(want, rel=1e-4, abs=1e-6), (name, step)
     assert records[2]["train/reward_margin"] != 0.0
+
+
+@pytest.mark.multiproc
+def test_lora_scores_the_reference_with_the_adapters_disabled(runs: dict[str, Any]) -> None:
+    """adapter=lora: the reference is the base with the adapters off (peft's
+    disable_adapter(), no copy of the weights). LoRA's B starts at 0, so the initial model
+    is the base: the step-2 gradient of the adapters equals that of a frozen copy of the
+    initial model (task.reference=copy), and the rewards are not 0 (the reference did not
+    follow the policy's step 1)."""
+    procs, root = runs["procs"], runs["root"]
+    for name in ("lora_adapter", "lora_copy"):
+        assert procs[name].returncode == 0, explain(procs[name])
+    assert "task.reference" not in " ".join(procs["lora_adapter"].args)
+    adapter = torch.load(root / "lora_adapter.pt", weights_only=True)
+    frozen = torch.load(root / "lora_copy.pt", weights_only=True)
+    assert adapter and all("lora_" in n for n in adapter), sorted(adapter)
+    assert relative_error(adapter, {n: g.double() for n, g in frozen.items()}) <= TOL
+    records = {r["step"]: r for r in train_records(read_metrics(root / "lora_adapter"))}
+    assert records[1]["train/reward_margin"] == 0.0
+    assert abs(records[2]["train/reward_chosen"]) > 1e-4
 
 
 # --------------------------------------------------------------------------- bad input
