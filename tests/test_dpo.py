@@ -404,3 +404,33 @@ def test_evaluation_reports_the_val_means(
     # The sample continues the first validation pair's prompt (its chosen side's).
     last_user = runs["rows"]["val"][0]["chosen"][-2]["content"]
     assert last_user in val[0]["val/sample"], val[0]["val/sample"]
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_one(bad_root: Path) -> None:
+    """A run resumed from its step-2 checkpoint repeats steps 3-4 bit for bit: the reference
+    is the initial model again (rebuilt as the run builds it, never the resumed policy)."""
+    import shutil
+
+    path = write_jsonl(bad_root / "resume.jsonl", pair_rows(8, seed=3))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    args = [
+        *data_args(bad_root, path, val),
+        *task_args("sigmoid"),
+        "logger=none",
+        "optim=sgd",
+        "scheduler=constant",
+        "train.max_steps=4",
+        "train.log_every=1",
+        "train.micro_batch_size=2",
+        "train.grad_accum_steps=2",
+        "eval.every_steps=0",
+        "checkpoint.every_steps=2",
+    ]
+    whole = train_records(train_in_process(args, bad_root / "whole"))
+    name = "checkpoints/step_00000002"
+    shutil.copytree(bad_root / "whole" / name, bad_root / "resumed" / name)
+    resumed = train_records(train_in_process(args, bad_root / "resumed"))
+    assert [r["step"] for r in resumed] == [3, 4]
+    keys = ["train/loss", "train/reward_chosen", "train/reward_margin", "train/reward_accuracy"]
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole[2:]]
+    assert whole[3]["train/reward_margin"] != 0.0

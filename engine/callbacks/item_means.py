@@ -27,6 +27,7 @@ class ItemMeans(Callback):
 
     def setup(self, ctx: StepContext) -> None:
         self.ctx = ctx
+        self.task.take_item_sums()  # forwards before training (micro-batch probes) are no step's
 
     def on_after_optimizer_step(self, ctx: StepContext, step: int) -> None:
         del ctx, step
