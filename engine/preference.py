@@ -1,8 +1,10 @@
 """`task=dpo`: preference tuning on pairs (a prompt, a chosen and a rejected answer).
 
-A batch holds whole pairs: `input_ids` and `shift_labels` of shape (pairs, 2, T), side 0 the
-chosen sequence and side 1 the rejected one (trainer/data/preference.py), `shift_labels[..., t]`
-the token position t predicts, -100 outside the answer. A loss item is a pair: each pair's
+A batch holds whole pairs (trainer/data/preference.py): `input_ids` and `shift_labels` of
+shape (pairs, 2, T), side 0 the chosen sequence and side 1 the rejected one, `shift_labels[...,
+t]` the token position t predicts, -100 outside the answer; or packed, one row per pair,
+(pairs, T), with `position_ids` restarting at 0 where the rejected side starts (two documents)
+and `pair_side` (0 chosen, 1 rejected, -1 padding). A loss item is a pair: each pair's
 loss needs the summed log-probabilities of both answers under the policy and (but for
 `simpo`) under a frozen reference, so `loss_sum` is the sum of per-pair losses and
 `count_items` the number of pairs. The accumulation step divides by the pairs of the whole
@@ -121,7 +123,7 @@ class DPOTask:
 
     # ---- the loss contract ----
     def count_items(self, batch: Any) -> torch.Tensor:
-        return torch.tensor(self._fields(batch)[0].shape[0], dtype=torch.int64)
+        return torch.tensor(self._fields(batch)[0].shape[0], dtype=torch.int64)  # pairs
 
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
         losses, rewards = self._pair_losses(model, batch)
@@ -148,6 +150,15 @@ class DPOTask:
                 f"(pairs, 2, positions) (data=preference); got {kind}"
             )
         ids, labels = batch["input_ids"], batch["shift_labels"]
+        if "pair_side" in batch:  # packed: (pairs, T), one row per pair
+            if ids.dim() != 2 or labels.shape != ids.shape or batch["pair_side"].shape != ids.shape:
+                raise TaskOutputError(
+                    f"{self.name}: packed pairs are `input_ids`, `shift_labels` and `pair_side` "
+                    f"of one shape (pairs, positions); got {tuple(ids.shape)}, "
+                    f"{tuple(labels.shape)} and {tuple(batch['pair_side'].shape)}"
+                )
+            rest = {k: v for k, v in batch.items() if k not in ("input_ids", "shift_labels")}
+            return ids, labels, rest
         if ids.dim() != 3 or ids.shape[1] != 2 or labels.shape != ids.shape:
             raise TaskOutputError(
                 f"{self.name}: `input_ids` and `shift_labels` must both be (pairs, 2, positions),"
@@ -160,15 +171,21 @@ class DPOTask:
         """Summed log-probabilities of each side's answer tokens, (pairs, 2), and the answer
         tokens per side, (pairs, 2)."""
         ids, labels, rest = self._fields(batch)
-        flat = {k: v.flatten(0, 1) for k, v in rest.items()}  # (2P, T) like the ids
-        logits = logits_of(model(input_ids=ids.flatten(0, 1), **flat), self.name)  # (2P, T, V)
+        side = rest.pop("pair_side", None)
+        if side is None:  # (P, 2, T) -> (2P, T): each side its own row
+            ids, labels = ids.flatten(0, 1), labels.flatten(0, 1)
+            rest = {k: v.flatten(0, 1) for k, v in rest.items()}
+        logits = logits_of(model(input_ids=ids, **rest), self.name)  # (rows, T, V)
         if logits.dtype != torch.float64:
             logits = logits.float()  # log-softmax in fp32 even under autocast
-        targets = labels.flatten(0, 1)  # (2P, T)
-        mask = targets != IGNORE_INDEX
-        picked = logits.log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1))
-        per_token = picked.squeeze(-1) * mask  # (2P, T)
-        return per_token.sum(-1).view(ids.shape[:2]), mask.sum(-1).view(ids.shape[:2])
+        mask = labels != IGNORE_INDEX  # (rows, T)
+        picked = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1))
+        per_token = picked.squeeze(-1) * mask  # (rows, T)
+        if side is None:
+            return per_token.sum(-1).view(-1, 2), mask.sum(-1).view(-1, 2)
+        # Packed: each row's positions of side 0 and of side 1 summed apart, (P, 2).
+        of_side = torch.stack([side == 0, side == 1], 1)  # (P, 2, T)
+        return (per_token.unsqueeze(1) * of_side).sum(-1), (mask.unsqueeze(1) & of_side).sum(-1)
 
     def _pair_losses(
         self, model: nn.Module, batch: Any

@@ -1,11 +1,13 @@
 """task=dpo on data=preference is exact: the second SGD step's gradient (the policy moved by
 the first, the reference still the initial model) equals the float64 gradient of the loss over
 the whole set of pairs, for sigmoid DPO (with label smoothing) on one process as one
-micro-batch, as 4 micro-batches of 2 pairs, and on 2 DDP ranks, and for ipo and simpo against
-their own references; the records `train/reward_*` equal the reference's means over the pairs.
-Bad input: rows without a side or with content that is not text are counted, a pair whose
-prompts differ and a set with no pair are one paragraph, task.reference=adapter without an
-adapter names the key.
+micro-batch, as 4 micro-batches of 2 pairs (padded, and packed: each pair one row, its sides
+two documents), and on 2 DDP ranks, and for ipo and simpo against their own references; the
+records `train/reward_*` and `val/*` equal the reference's means over the pairs. Under LoRA
+the reference is the base with the adapters disabled; a resumed run repeats the uninterrupted
+one. Bad input: rows without a side or with content that is not text are counted, a pair
+whose prompts differ and a set with no pair are one paragraph, task.reference=adapter without
+an adapter names the key.
 
 The reference is computed here: transformers renders and tokenizes each side (its chat
 template with generation markers; the answer is the marked tokens after the prompt rendered
@@ -36,7 +38,7 @@ from trainer.run.assemble import build_data
 
 transformers = pytest.importorskip("transformers")
 
-MAX_LENGTH = 128
+MAX_LENGTH = 256  # the pairs packed fit whole
 PAIRS = 8
 LR = 2.0
 TOL = 1e-5  # relative, fp32 runs against the float64 reference
@@ -131,6 +133,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "ddp": two_steps("ddp", "sigmoid", batch(2, 2), 2),
         "ipo": two_steps("ipo", "ipo", batch(2)),
         "simpo": two_steps("simpo", "simpo", batch(2)),
+        "packed": two_steps("packed", "sigmoid", batch(2), 1, "data.packed=true"),
         # LoRA: the base with its adapters disabled (the default), and a frozen copy.
         "lora_adapter": two_steps("lora_adapter", "sigmoid", batch(2), 1, *LORA),
         "lora_copy": two_steps("lora_copy", "sigmoid", batch(2), 1, *LORA, "task.reference=copy"),
@@ -253,6 +256,7 @@ def references(runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 LOSS_OF = {"whole": "sigmoid", "accum": "sigmoid", "ddp": "sigmoid", "ipo": "ipo", "simpo": "simpo"}
+LOSS_OF["packed"] = "sigmoid"  # each pair one row, its sides two documents
 
 
 @pytest.mark.multiproc
@@ -333,7 +337,7 @@ def test_unreadable_rows_are_counted_in_one_line(bad_root: Path) -> None:
             "chosen": [{"role": "user", "content": "hi"}],
             "rejected": [{"role": "user", "content": "hi"}],
         },
-        {"prompt": "what " * 150, "chosen": "yes", "rejected": "no"},  # longer than max_length
+        {"prompt": "what " * 400, "chosen": "yes", "rejected": "no"},  # longer than max_length
     ]
     data = open_data(bad_root, rows, "mixed")
     assert len(data.train) == 4
@@ -344,7 +348,7 @@ def test_unreadable_rows_are_counted_in_one_line(bad_root: Path) -> None:
 
 
 def test_cut_keeps_the_first_tokens_of_a_long_pair(bad_root: Path) -> None:
-    rows = [{"prompt": "what is it", "chosen": "yes " * 150, "rejected": "no"}]
+    rows = [{"prompt": "what is it", "chosen": "yes " * 400, "rejected": "no"}]
     data = open_data(bad_root, rows, "cut", "data.truncation=cut")
     assert len(data.train) == 1
     sample = data.train[0]

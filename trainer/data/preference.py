@@ -222,15 +222,18 @@ class PairSelection:
     not_text: int = 0
     no_answer: int = 0
     too_long: int = 0
+    packed: bool = False  # too long: the two sides together
 
     @property
     def dropped(self) -> int:
         return self.missing + self.not_text + self.no_answer + self.too_long
 
 
-def select_pairs(store: TokenStore, candidates: np.ndarray, max_length: int, cut: bool):
+def select_pairs(
+    store: TokenStore, candidates: np.ndarray, max_length: int, cut: bool, packed: bool = False
+) -> PairSelection:
     """Of the store's rows `candidates`, the pairs whose two sides keep an answer token within
-    `max_length` tokens (`cut`) or fit whole (drop)."""
+    `max_length` tokens (`cut`) or fit whole (drop): each side, or packed both together."""
     status = store.doc_extra("status")[candidates]
     total = np.diff(store.doc_offsets)[candidates]
     chosen = store.doc_extra("chosen_len")[candidates]
@@ -245,7 +248,10 @@ def select_pairs(store: TokenStore, candidates: np.ndarray, max_length: int, cut
     ok = status == OK
     no_answer = ok & (first < 0).any(1)
     ok &= ~no_answer
-    fits = (first < max_length).all(1) if cut else (sides <= max_length).all(1)
+    if packed:
+        fits = sides.sum(1) <= max_length
+    else:
+        fits = (first < max_length).all(1) if cut else (sides <= max_length).all(1)
     keep = ok & fits
     return PairSelection(
         docs=candidates[keep],
@@ -254,6 +260,7 @@ def select_pairs(store: TokenStore, candidates: np.ndarray, max_length: int, cut
         not_text=int((status == NOT_TEXT).sum()),
         no_answer=int((status == NO_ANSWER).sum() + no_answer.sum()),
         too_long=int((ok & ~fits).sum()),
+        packed=packed,
     )
 
 
@@ -261,8 +268,8 @@ class PreferenceSamples:
     """The pairs of `selection` (a map-style dataset): sample i is pair i, its two sides read
     from the memory-mapped store."""
 
-    def __init__(self, store: TokenStore, selection: PairSelection) -> None:
-        self.store, self.selection = store, selection
+    def __init__(self, store: TokenStore, selection: PairSelection, packed: bool = False) -> None:
+        self.store, self.selection, self.packed = store, selection, packed
         self.starts = store.doc_offsets[selection.docs]
         self.chosen = store.doc_extra("chosen_len")[selection.docs]
 
@@ -281,6 +288,8 @@ class PreferenceSamples:
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         sides = self.sides(i)
+        if self.packed:
+            return self._packed(sides)
         width = max(len(t) for t, _ in sides)
         ids = np.zeros((2, width), np.int64)
         labels = np.full((2, width), IGNORE_INDEX, np.int64)
@@ -290,10 +299,37 @@ class PreferenceSamples:
             labels[k, : len(tokens) - 1] = np.where(mask[1:] == 1, tokens[1:], IGNORE_INDEX)
         return {"input_ids": torch.from_numpy(ids), "shift_labels": torch.from_numpy(labels)}
 
+    @staticmethod
+    def _packed(sides: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
+        """One row: the chosen side then the rejected one, two documents (positions from 0
+        each, `pair_side` 0 and 1); no target crosses from one to the other."""
+        ids, labels, positions, side = [], [], [], []
+        for k, (tokens, mask) in enumerate(sides):
+            shift = np.full(len(tokens), IGNORE_INDEX, np.int64)
+            shift[:-1] = np.where(mask[1:] == 1, tokens[1:], IGNORE_INDEX)
+            ids.append(tokens)
+            labels.append(shift)
+            positions.append(np.arange(len(tokens), dtype=np.int64))
+            side.append(np.full(len(tokens), k, np.int64))
+        return {
+            key: torch.from_numpy(np.concatenate(parts))
+            for key, parts in (
+                ("input_ids", ids),
+                ("shift_labels", labels),
+                ("position_ids", positions),
+                ("pair_side", side),
+            )
+        }
 
-def collate() -> PadCollate:
-    """Pads the pairs of a micro-batch to its longest side: (pairs, 2, T)."""
-    return PadCollate(pad={"input_ids": 0, "shift_labels": IGNORE_INDEX})
+
+def collate(packed: bool = False) -> PadCollate:
+    """Pads the pairs of a micro-batch to its longest side, (pairs, 2, T); packed, to its
+    longest row, (pairs, T): padding positions 0 (each padding token its own document, after
+    the pair's) and `pair_side` -1."""
+    pad: dict[str, int] = {"input_ids": 0, "shift_labels": IGNORE_INDEX}
+    if packed:
+        pad |= {"position_ids": 0, "pair_side": -1}
+    return PadCollate(pad=pad)
 
 
 def _source(path: str) -> tuple[Source, Source | None]:
@@ -310,10 +346,10 @@ def _check(truncation: str, max_length: int | None, val_every_nth: int, packed: 
         raise ValueError(f"max_length must be at least 2 tokens, got {max_length}")
     if val_every_nth < 2:
         raise ValueError("val_every_nth must be at least 2")
-    if packed:
+    if packed and truncation == "cut":
         raise ValueError(
-            "packed: data=preference pads each pair (packed=false); packing a pair's two sides "
-            "into one row is not built yet"
+            "truncation: cut is for padded pairs (data.packed=false); packed, a pair longer "
+            "than data.max_length is dropped (truncation=drop)"
         )
 
 
@@ -359,7 +395,8 @@ def preference_data(
     else:
         parts = [(store, every), (val_store, np.arange(len(val_store.doc_offsets) - 1))]
     train, val = (
-        PreferenceSamples(s, select_pairs(s, c, length, truncation == "cut")) for s, c in parts
+        PreferenceSamples(s, select_pairs(s, c, length, truncation == "cut", packed), packed)
+        for s, c in parts
     )
     if not len(train):
         raise UserError(_nothing(path, train.selection, length))
@@ -373,7 +410,7 @@ def preference_data(
     return DataSplits(
         train=train,
         val=val,
-        collate_fn=collate(),
+        collate_fn=collate(packed),
         vocab_size=max(len(tok), store.max_id + 1),
         seq_len=length,
         decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
@@ -403,7 +440,12 @@ def _dropped(sel: PairSelection) -> str:
         (sel.missing, "without chosen or rejected"),
         (sel.not_text, "whose content is not text messages"),
         (sel.no_answer, "with no answer after the prompt"),
-        (sel.too_long, "with a side longer than data.max_length"),
+        (
+            sel.too_long,
+            "whose two sides together are longer than data.max_length"
+            if sel.packed
+            else "with a side longer than data.max_length",
+        ),
     ]
     said = [f"{n} {why}" for n, why in parts if n]
     return f"{sel.dropped} pairs dropped ({', '.join(said)})" if said else ""
@@ -424,6 +466,7 @@ def _description(
     cache = "token cache reused: " if store.reused else "tokenized into "
     return (
         f"{len(train)} train / {len(val)} val pairs from {path}"
-        f"{'; ' + dropped if dropped else ''}, each side padded to at most {length} tokens "
+        f"{'; ' + dropped if dropped else ''}, "
+        f"{'each pair one row' if train.packed else 'each side'} of at most {length} tokens "
         f"({cache}{store.root})"
     )
