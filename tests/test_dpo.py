@@ -2,7 +2,7 @@
 the first, the reference still the initial model) equals the float64 gradient of the loss over
 the whole set of pairs, for sigmoid DPO (with label smoothing) on one process as one
 micro-batch, as 4 micro-batches of 2 pairs (padded, and packed: each pair one row, its sides
-two documents), and on 2 DDP ranks, and for ipo and simpo against their own references; the
+two documents), on 2 DDP and 2 FSDP2 ranks, and for ipo and simpo against their own references; the
 records `train/reward_*` and `val/*` equal the reference's means over the pairs. Under LoRA
 the reference is the base with the adapters disabled; a resumed run repeats the uninterrupted
 one. Bad input: rows without a side or with content that is not text are counted, a pair
@@ -131,6 +131,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "whole": two_steps("whole", "sigmoid", batch(PAIRS), 1, "eval.every_steps=2"),
         "accum": two_steps("accum", "sigmoid", batch(2)),
         "ddp": two_steps("ddp", "sigmoid", batch(2, 2), 2),
+        # FSDP2: the policy sharded, the reference a whole frozen copy on each rank.
+        "fsdp": two_steps("fsdp", "sigmoid", batch(2, 2), 2, "dist.strategy=fsdp"),
         "ipo": two_steps("ipo", "ipo", batch(2)),
         "simpo": two_steps("simpo", "simpo", batch(2)),
         "packed": two_steps("packed", "sigmoid", batch(2), 1, "data.packed=true"),
@@ -257,6 +259,7 @@ def references(runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 LOSS_OF = {"whole": "sigmoid", "accum": "sigmoid", "ddp": "sigmoid", "ipo": "ipo", "simpo": "simpo"}
 LOSS_OF["packed"] = "sigmoid"  # each pair one row, its sides two documents
+LOSS_OF["fsdp"] = "sigmoid"
 
 
 @pytest.mark.multiproc
@@ -438,3 +441,12 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(bad_root: Path) -> None:
     keys = ["train/loss", "train/reward_chosen", "train/reward_margin", "train/reward_accuracy"]
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole[2:]]
     assert whole[3]["train/reward_margin"] != 0.0
+
+
+def test_cut_of_packed_pairs_names_the_key(bad_root: Path) -> None:
+    with pytest.raises(UserError) as err:
+        open_data(
+            bad_root, pair_rows(4, seed=1), "packed_cut", "data.packed=true", "data.truncation=cut"
+        )
+    message = str(err.value)
+    assert "data.truncation" in message and "data.packed=false" in message, message
