@@ -26,6 +26,7 @@ times the length-normalized log-probability), their margin, and whether chosen b
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -45,8 +46,6 @@ Reference = Callable[[nn.Module], contextlib.AbstractContextManager[nn.Module]]
 
 def frozen_copy(model: nn.Module) -> Reference:
     """`task.reference=copy`: the policy's module now, copied once, frozen and in eval mode."""
-    import copy
-
     ref = copy.deepcopy(model).eval()
     ref.requires_grad_(False)
 
@@ -60,8 +59,9 @@ def frozen_copy(model: nn.Module) -> Reference:
 
 def adapters_disabled(peft_model: Any, inner: nn.Module) -> Reference:
     """`task.reference=adapter`: the policy's base with its adapters off (peft's
-    `disable_adapter()`): no second copy of the weights. `inner` is the module that runs
-    (peft's model, outside any data-parallel wrapper: the reference takes no gradient)."""
+    `disable_adapter()`): no second copy of the weights. `inner` is the module that runs: the
+    user's model with peft's layers in it, outside any data-parallel wrapper (the reference
+    takes no gradient, so no wrapper's hooks are needed)."""
 
     @contextlib.contextmanager
     def scoring(policy: nn.Module) -> Iterator[nn.Module]:

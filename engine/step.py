@@ -72,7 +72,29 @@ class ItemSums(Protocol):
     and `items`, their number of loss items; the trainer takes them after every optimizer
     step and records each as `train/NAME` = its sum over every micro-batch and rank divided
     by the items' (engine/callbacks/item_means.py): an exact mean over the step's items.
-    `item_sum_names`: the names it reports (a rank with no items reports zeros)."""
+    `item_sum_names`: the names it reports (a rank with no items reports zeros).
+
+    Example (a classifier that also records the mean confidence of its predictions)::
+
+        class ConfidentTask(ClassificationTask):
+            item_sum_names = ("confidence",)
+
+            def __init__(self):
+                self.pending = {}
+
+            def loss_sum(self, model, batch):
+                logits, labels = self._logits(model, batch)
+                if model.training:
+                    top = logits.detach().softmax(-1).amax(-1).sum().double()
+                    items = torch.tensor(float(len(labels)), dtype=torch.float64)
+                    for name, value in {"confidence": top, "items": items}.items():
+                        self.pending[name] = self.pending.get(name, 0) + value
+                return F.cross_entropy(logits, labels, reduction="sum")
+
+            def take_item_sums(self):
+                out, self.pending = self.pending, {}
+                return out
+    """
 
     item_sum_names: tuple[str, ...]
 
