@@ -450,3 +450,13 @@ def test_cut_of_packed_pairs_names_the_key(bad_root: Path) -> None:
         )
     message = str(err.value)
     assert "data.truncation" in message and "data.packed=false" in message, message
+
+
+def test_preference_data_with_another_task_names_task_dpo(bad_root: Path) -> None:
+    path = write_jsonl(bad_root / "ok.jsonl", pair_rows(4, seed=2))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    with pytest.raises(UserError) as err:
+        train_in_process([*data_args(bad_root, path, val), "logger=none"], bad_root / "lm")
+    message = str(err.value)
+    assert message.startswith("invalid config `task`: data=preference gives pairs"), message
+    assert "task=dpo" in message

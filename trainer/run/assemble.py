@@ -34,7 +34,7 @@ from trainer.data import DataSplits, as_splits
 from trainer.data.checks import check_samples
 from trainer.models.lora import Adapter
 from trainer.models.lora import check_layout as check_adapter_layout
-from trainer.run.preference import attach_reference
+from trainer.run.preference import attach_reference, check_pairs_task
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -252,6 +252,7 @@ def assemble(
     length_key = "data.max_length" if "max_length" in cfg.data else "data.block_size"
     check_fits(model, data, cfg.model, length_key)
     task = build_task(cfg.task)
+    check_pairs_task(task, cfg.data["_target_"])
     # Of the whole model, before pipeline stages prune it to their own parameters.
     flops = flops_per_token(model, data.seq_len)
     n_params = sum(p.numel() for p in model.parameters())

@@ -8,6 +8,20 @@ from engine.preference import DPOTask, adapters_disabled, frozen_copy
 from trainer.config.errors import ConfigError
 from trainer.models.lora import Adapter
 
+PAIRS_DATA = "trainer.data.preference.preference_data"
+
+
+def check_pairs_task(task: object, data_target: str | None) -> None:
+    """data=preference's batches are whole pairs (pairs, 2, positions): only a preference
+    task reads them."""
+    if data_target == PAIRS_DATA and not isinstance(task, DPOTask):
+        raise ConfigError(
+            "task",
+            f"data=preference gives pairs of a chosen and a rejected answer, which train with "
+            f"task=dpo (task.loss_type=sigmoid|ipo|simpo); {type(task).__name__} reads other "
+            "batches. Select task=dpo, or data=chat to fine-tune on the conversations",
+        )
+
 
 def attach_reference(task: object, model: nn.Module, adapter: Adapter | None) -> None:
     """`task.reference` of a DPO task, before the model is laid out over the ranks: `copy`
