@@ -20,6 +20,7 @@ reference: at step 1 the policy is the reference and every log-ratio is 0.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -460,3 +461,20 @@ def test_preference_data_with_another_task_names_task_dpo(bad_root: Path) -> Non
     message = str(err.value)
     assert message.startswith("invalid config `task`: data=preference gives pairs"), message
     assert "task=dpo" in message
+
+
+def test_sequence_and_pipeline_splits_are_refused_naming_the_key(bad_root: Path) -> None:
+    """dist.cp would cut the (pairs, 2, positions) batch along its sides; dist.pp runs the
+    loss on the last stage alone: both refused before anything trains."""
+    from engine.distributed import DistInfo
+    from trainer.config.cli import to_config as config_of
+    from trainer.run.assemble import assemble
+
+    path = write_jsonl(bad_root / "ok.jsonl", pair_rows(4, seed=2))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    cfg = config_of(compose_config([*data_args(bad_root, path, val), "task=dpo"]))[0]
+    for key in ("cp", "pp"):
+        dims = dataclasses.replace(cfg.dist.dims(2), **{key: 2})
+        with pytest.raises(UserError) as err:
+            assemble(cfg, DistInfo(), dims)
+        assert str(err.value).startswith(f"invalid config `dist.{key}`: task=dpo"), err.value

@@ -34,7 +34,7 @@ from trainer.data import DataSplits, as_splits
 from trainer.data.checks import check_samples
 from trainer.models.lora import Adapter
 from trainer.models.lora import check_layout as check_adapter_layout
-from trainer.run.preference import attach_reference, check_pairs_task
+from trainer.run.preference import attach_reference, check_pairs_layout, check_pairs_task
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -238,6 +238,7 @@ def assemble(
     `simulated` (trainer.plan), this rank runs alone in a simulated world."""
     dims = dims or cfg.dist.dims(info.world_size)
     check_adapter_layout(cfg.adapter, dims)
+    check_pairs_layout(cfg.task, dims)
     parallel = build_parallelism(dims, info)
     if simulated is not None:
         parallel.simulate_world(simulated)

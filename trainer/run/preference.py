@@ -1,14 +1,32 @@
-"""`task=dpo`'s reference model, chosen and attached when the run is assembled."""
+"""`task=dpo` in the run's assembly: the layouts and data it takes (refused otherwise, in one
+paragraph naming the key), and its reference model, chosen and attached."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from engine.parallel.dims import ParallelDims
 from engine.preference import DPOTask, adapters_disabled, frozen_copy
 from trainer.config.errors import ConfigError
 from trainer.models.lora import Adapter
 
 PAIRS_DATA = "trainer.data.preference.preference_data"
+DPO_TASK = "engine.preference.DPOTask"
+
+
+def check_pairs_layout(task_node: dict, dims: ParallelDims) -> None:
+    """task=dpo under sequence or pipeline splits: refused before anything is built."""
+    if task_node.get("_target_") != DPO_TASK:
+        return
+    for key, degree in (("dist.cp", dims.cp), ("dist.pp", dims.pp)):
+        if degree > 1:
+            raise ConfigError(
+                key,
+                f"task=dpo is not available with {key}={degree}: a pair's loss needs the summed "
+                "log-probabilities of both its sequences, each whole on one rank, and splitting "
+                "sequences over ranks (cp) or the model into stages (pp) is not built for "
+                "pairs. Use dist.strategy=ddp or fsdp",
+            )
 
 
 def check_pairs_task(task: object, data_target: str | None) -> None:
