@@ -127,7 +127,9 @@ class DPOTask:
 
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
         losses, rewards = self._pair_losses(model, batch)
-        if model.training and torch.is_grad_enabled():  # the step's forwards, not checks
+        # The step's forwards, not the no-grad check of the sum (a transformers model loaded
+        # with from_pretrained trains in eval mode: `model.training` cannot tell them apart).
+        if torch.is_grad_enabled():
             self._accumulate(rewards, len(losses))
         return losses.sum()
 

@@ -176,7 +176,8 @@ def log_probs(model: torch.nn.Module, pairs: list[Any]) -> tuple[torch.Tensor, t
     sums, counts = [], []
     for pair in pairs:
         for ids, mask in pair:
-            logits = model(torch.tensor(ids)[None])[0, :-1]  # position t predicts t + 1
+            out = model(torch.tensor(ids)[None])
+            logits = (out if isinstance(out, torch.Tensor) else out.logits)[0, :-1]  # t -> t + 1
             picked = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
             keep = torch.tensor(mask[1:], dtype=torch.float64)
             sums.append((picked * keep).sum())
@@ -215,14 +216,23 @@ def losses(
     return out, means
 
 
-def reference(name: str, pairs: list[Any], val: list[Any], frozen: bool = True) -> dict[str, Any]:
-    """Two float64 SGD steps over the whole set (the mean over pairs): the step-2 gradient,
-    each step's loss and rewards, and the loss and rewards of the `val` pairs after them.
-    `frozen=False`: the textbook bug, the reference following the policy."""
+def reference(
+    name: str,
+    pairs: list[Any],
+    val: list[Any],
+    frozen: bool = True,
+    policy: torch.nn.Module | None = None,
+) -> dict[str, Any]:
+    """Two float64 SGD steps over the whole set (the mean over pairs) of `policy` (default: the
+    run's gpt_tiny): the step-2 gradient, each step's loss and rewards, and the loss and
+    rewards of the `val` pairs after them. `frozen=False`: the textbook bug, the reference
+    following the policy."""
     from trainer.models.gpt import GPT
 
-    torch.manual_seed(1337)  # the trainer's seed, right before it builds the model
-    policy = GPT(vocab_size=320, block_size=MAX_LENGTH, n_layer=2, n_head=2, n_embd=32).double()
+    if policy is None:
+        torch.manual_seed(1337)  # the trainer's seed, right before it builds the model
+        policy = GPT(vocab_size=320, block_size=MAX_LENGTH, n_layer=2, n_head=2, n_embd=32)
+    policy = policy.double()
     ref = copy.deepcopy(policy).requires_grad_(False)
     out: dict[str, Any] = {}
     for step in (1, 2):
@@ -478,3 +488,41 @@ def test_sequence_and_pipeline_splits_are_refused_naming_the_key(bad_root: Path)
         with pytest.raises(UserError) as err:
             assemble(cfg, DistInfo(), dims)
         assert str(err.value).startswith(f"invalid config `dist.{key}`: task=dpo"), err.value
+
+
+def test_a_pretrained_transformers_model_records_its_rewards(bad_root: Path) -> None:
+    """model=hf_llama from a pretrained directory (which transformers loads in eval mode):
+    the step-2 gradient and the records of both steps equal the float64 reference's."""
+    from tests.chat_support import DumpAllGrads, pretrained
+
+    model_dir, tok = pretrained(bad_root / "llama")
+    rows, val_rows = pair_rows(4, seed=7), pair_rows(2, seed=6)
+    path = write_jsonl(bad_root / "llama.jsonl", rows)
+    val = write_jsonl(bad_root / "val.jsonl", val_rows)
+    args = [
+        "model=hf_llama",
+        f"model.pretrained={model_dir}",
+        "data=preference",
+        f"data.path={path}",
+        f"data.val_path={val}",
+        f"data.max_length={MAX_LENGTH}",
+        "data.tokenize_workers=1",
+        *task_args("sigmoid"),
+        *TWO_STEPS,
+        "train.micro_batch_size=2",
+        "train.grad_accum_steps=2",
+        f"+callbacks.dump._target_={DumpAllGrads.__module__}.DumpAllGrads",
+        f"+callbacks.dump.path={bad_root / 'llama.pt'}",
+        "+callbacks.dump.step=2",
+    ]
+    records = {r["step"]: r for r in train_records(train_in_process(args, bad_root / "llama_run"))}
+    llama = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    llama.config.use_cache = False
+    pairs, val_pairs = [sides(tok, r) for r in rows], [sides(tok, r) for r in val_rows]
+    want = reference("sigmoid", pairs, val_pairs, policy=llama)
+    got = torch.load(bad_root / "llama.pt", weights_only=True)
+    assert relative_error(got, want["grads"]) <= TOL
+    for step in (1, 2):
+        recorded = {k: records[step][f"train/{k}"] for k in want[step]}
+        assert recorded == pytest.approx(want[step], rel=1e-4, abs=1e-6), step
+    assert records[2]["train/reward_margin"] != 0.0
