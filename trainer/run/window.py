@@ -1,5 +1,6 @@
 """Tasks whose loss is of the whole window (engine/window_task.py): the step they train with,
-chosen by itself, what it refuses, and the task's own records (`train/temperature`)."""
+chosen by itself, what it refuses, and the task's own records (`train/temperature`; a task's
+exact item means, engine/step.py's `ItemSums`: task=dpo's `train/reward_*`)."""
 
 from __future__ import annotations
 
