@@ -44,17 +44,25 @@ REWARDS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy
 Reference = Callable[[nn.Module], contextlib.AbstractContextManager[nn.Module]]
 
 
-def frozen_copy(model: nn.Module) -> Reference:
-    """`task.reference=copy`: the policy's module now, copied once, frozen and in eval mode."""
-    ref = copy.deepcopy(model).eval()
-    ref.requires_grad_(False)
+class FrozenCopy:
+    """`task.reference=copy`: the policy's module now, copied once, frozen and in eval mode.
+    `module` may be replaced by the same copy laid out over the ranks (`lay_out`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def lay_out(self, apply: Callable[[nn.Module], nn.Module]) -> None:
+        """The copy sharded as the policy is (FSDP2: every rank holds its shard)."""
+        self.module = apply(self.module).eval()
 
     @contextlib.contextmanager
-    def scoring(policy: nn.Module) -> Iterator[nn.Module]:
+    def __call__(self, policy: nn.Module) -> Iterator[nn.Module]:
         del policy
-        yield ref
+        yield self.module
 
-    return scoring
+
+def frozen_copy(model: nn.Module) -> FrozenCopy:
+    return FrozenCopy(model)
 
 
 def adapters_disabled(peft_model: Any, inner: nn.Module) -> Reference:
@@ -114,10 +122,15 @@ class DPOTask:
         self.beta, self.loss_type = float(beta), loss_type
         self.gamma, self.label_smoothing = float(gamma), float(label_smoothing)
         self.reference = "none" if loss_type == "simpo" else reference
-        self._reference: Reference | None = None
+        self._reference: Reference | FrozenCopy | None = None
         self._pending: dict[str, torch.Tensor] = {}
 
-    def attach_reference(self, reference: Reference | None) -> None:
+    @property
+    def frozen_copy(self) -> FrozenCopy | None:
+        """The reference when it is a frozen copy (to lay out like the policy)."""
+        return self._reference if isinstance(self._reference, FrozenCopy) else None
+
+    def attach_reference(self, reference: Reference | FrozenCopy | None) -> None:
         """The reference the task scores with (None for `none`)."""
         self._reference = reference
 

@@ -283,6 +283,9 @@ def test_second_step_has_the_float64_whole_set_gradient(
     got = torch.load(runs["root"] / f"{name}.pt", weights_only=True)
     error = relative_error(got, references[LOSS_OF[name]]["grads"])
     assert error <= TOL, (name, error)
+    where = "sharded like the policy" if name == "fsdp" else "whole on each rank"
+    if LOSS_OF[name] != "simpo":  # (simpo has no reference)
+        assert f"task.reference=copy: a frozen copy of the initial model, {where}" in proc.stdout
     # The tolerance means something: a reference that follows the policy is far outside it.
     assert relative_error(references["bug"]["grads"], references["sigmoid"]["grads"]) > 100 * TOL
 
@@ -316,6 +319,8 @@ def test_lora_scores_the_reference_with_the_adapters_disabled(runs: dict[str, An
     for name in ("lora_adapter", "lora_copy"):
         assert procs[name].returncode == 0, explain(procs[name])
     assert "task.reference" not in " ".join(procs["lora_adapter"].args)
+    line = "task.reference=adapter: the base with its adapters disabled (no copy of the weights)"
+    assert line in procs["lora_adapter"].stdout
     adapter = torch.load(root / "lora_adapter.pt", weights_only=True)
     frozen = torch.load(root / "lora_copy.pt", weights_only=True)
     assert adapter and all("lora_" in n for n in adapter), sorted(adapter)

@@ -34,7 +34,12 @@ from trainer.data import DataSplits, as_splits
 from trainer.data.checks import check_samples
 from trainer.models.lora import Adapter
 from trainer.models.lora import check_layout as check_adapter_layout
-from trainer.run.preference import attach_reference, check_pairs_layout, check_pairs_task
+from trainer.run.preference import (
+    attach_reference,
+    check_pairs_layout,
+    check_pairs_task,
+    lay_out_reference,
+)
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -273,6 +278,12 @@ def assemble(
             parallel,
             compile=cfg.train.compile,
             precision=cfg.train.precision,
+        )
+        lay_out_reference(
+            task,
+            parallel,
+            lambda ref: parallelize(ref, model_extras, parallel, precision=cfg.train.precision),
+            info.is_main and simulated is None,
         )
     return Assembly(
         model,

@@ -3,8 +3,11 @@ paragraph naming the key), and its reference model, chosen and attached."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
+from engine.parallel.base import Parallelism
 from engine.parallel.dims import ParallelDims
 from engine.preference import DPOTask, adapters_disabled, frozen_copy
 from trainer.config.errors import ConfigError
@@ -61,3 +64,24 @@ def attach_reference(task: object, model: nn.Module, adapter: Adapter | None) ->
     else:
         task.attach_reference(frozen_copy(model))
     task.reference = mode
+
+
+def lay_out_reference(
+    task: object, parallel: Parallelism, apply: Callable[[nn.Module], nn.Module], is_main: bool
+) -> None:
+    """After the policy is laid out: a frozen copy is sharded like it under FSDP2 (`apply`
+    lays a module out as the policy was), so no rank holds a whole second model; one line
+    says where the reference lives."""
+    if not isinstance(task, DPOTask) or task.reference == "none":
+        return
+    ref = task.frozen_copy
+    sharded = parallel.shards_parameters and parallel.name == "fsdp"
+    if ref is not None and sharded:
+        ref.lay_out(apply)
+    if is_main:
+        where = {
+            "adapter": "the base with its adapters disabled (no copy of the weights)",
+            "copy": "a frozen copy of the initial model, "
+            + ("sharded like the policy" if sharded else "whole on each rank"),
+        }
+        print(f"task.reference={task.reference}: {where[task.reference]}", flush=True)
