@@ -38,6 +38,20 @@ class Generates(Protocol):
     def generate(self, idx: Any, max_new_tokens: int, **kwargs: Any) -> Any: ...
 
 
+@runtime_checkable
+class DeclaresVocabulary(Protocol):
+    """A model that says how many token ids it embeds (the in-tree GPT, transformers' Llama)."""
+
+    vocab_size: int | None
+
+
+@runtime_checkable
+class DeclaresContext(Protocol):
+    """A model that says its longest sequence (None: no limit it knows)."""
+
+    max_seq_len: int | None
+
+
 class NoBlocks(ValueError):
     """A feature needs the model's blocks and nothing names them."""
 

@@ -86,6 +86,7 @@ class PhaseClock:
         self.step = 0  # the optimizer step being taken (or the last one taken)
         self.seq = 0  # collectives entered through this clock
         self.waiting_in: str | None = None  # the collective waited in now
+        self.failed_in: str | None = None  # the collective that raised, this step
         self.moves = 0  # switches so far: the rank is moving while this grows
         # Profiler spans (only while a profiler records).
         self._tracing = False
@@ -118,7 +119,7 @@ class PhaseClock:
     def begin_step(self, step: int) -> None:
         """Optimizer step `step` (1-based) starts: its data wait begins."""
         self.steps += 1
-        self.step = step
+        self.step, self.failed_in = step, None
         if self._tracing:
             self._close_phase_span()
             self._close_step_span()
@@ -136,17 +137,23 @@ class PhaseClock:
     @contextlib.contextmanager
     def collective(self, name: str) -> Iterator[None]:
         """Around a collective the step calls: its time is `sync`, and the rank is known to be
-        inside collective `name` (the hang watch's position)."""
+        inside collective `name` (the hang watch's position). A collective that raises (timed
+        out) is kept as `failed_in` until the next step or collective: the hang watch, which
+        reads the position after the exception unwound, then names `sync` and the collective,
+        as the timers and the trace do, not the phase the collective was entered from."""
         previous = self.enter(name)
         try:
             yield
+        except BaseException:
+            self.failed_in = name
+            raise
         finally:
             self.leave(previous)
 
     def enter(self, name: str) -> str | None:
         """This rank starts waiting in collective `name`; returns the phase it leaves."""
         self.seq += 1
-        self.waiting_in = name
+        self.waiting_in, self.failed_in = name, None
         return self.switch("sync")
 
     def leave(self, phase: str | None) -> None:

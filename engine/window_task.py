@@ -34,7 +34,32 @@ LOSS_MODULE = "loss_parameters"
 class WindowTask(Protocol):
     """A loss of the whole window's representations (every micro-batch, every data-parallel
     rank). The window's loss is the sum of `window_loss` over a partition of its rows, divided
-    by the global count of loss items: each rank computes the rows of its own samples."""
+    by the global count of loss items: each rank computes the rows of its own samples.
+
+    Example (in-batch negatives: each anchor against every positive of the window; train
+    with `task._target_=` its import path, and step=cached is chosen by itself)::
+
+        >>> import torch.nn.functional as F
+        >>> class InBatchNegatives:
+        ...     def count_items(self, batch):  # one loss item per pair
+        ...         return torch.tensor(len(batch["anchor"]))
+        ...
+        ...     def represent(self, model, batch):  # (pairs, 2, dim)
+        ...         pairs = torch.stack([batch["anchor"], batch["positive"]], dim=1)
+        ...         return F.normalize(model(pairs), dim=-1)
+        ...
+        ...     def window_loss(self, reps, rows):  # anchors `rows` x every positive
+        ...         logits = reps[rows, 0] @ reps[:, 1].T / 0.05  # (rows, pairs)
+        ...         targets = torch.arange(rows.start, rows.stop)
+        ...         return F.cross_entropy(logits, targets, reduction="sum")
+        >>> task, model = InBatchNegatives(), nn.Linear(8, 4)
+        >>> batch = {"anchor": torch.randn(6, 8), "positive": torch.randn(6, 8)}
+        >>> reps = task.represent(model, batch)
+        >>> whole = task.window_loss(reps, slice(0, 6))
+        >>> parts = task.window_loss(reps, slice(0, 4)) + task.window_loss(reps, slice(4, 6))
+        >>> isinstance(task, WindowTask), torch.allclose(parts, whole)
+        (True, True)
+    """
 
     def count_items(self, batch: Batch) -> torch.Tensor:
         """Loss items in `batch` (usually its samples), without running the model."""
@@ -53,6 +78,24 @@ class WindowTask(Protocol):
         a rank's own rows a chunk at a time, so a (rows x samples) block is the most any call
         should hold. A loss that is not a sum over samples returns its whole value for the
         chunk starting at row 0 and zero for the others."""
+        ...
+
+
+def needs_window_task(task_name: str) -> str:
+    """The refusal of `step=cached` for a task that is not a `WindowTask` (one paragraph)."""
+    return (
+        "step=cached needs a task whose loss is of the whole window (represent(model, batch) "
+        "and window_loss(reps, rows), engine/window_task.py), such as task=contrastive; "
+        f"{task_name} has a loss per micro-batch: use step=accumulate"
+    )
+
+
+@runtime_checkable
+class HasMetrics(Protocol):
+    """A task with values of its own for each training record (a learned temperature)."""
+
+    def metrics(self) -> dict[str, Any]:
+        """Record key -> value after the step's update (`train/temperature`)."""
         ...
 
 
@@ -94,7 +137,7 @@ def attach_loss_parameters(model: nn.Module, task: Any, device: torch.device) ->
 def loss_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name in the model, parameter) of the task's own parameters attached to `model`:
     data parallelism neither wraps, shards nor reduces them (the step does)."""
-    module = getattr(model, LOSS_MODULE, None)
-    if not isinstance(module, nn.Module):
+    module = dict(model.named_children()).get(LOSS_MODULE)
+    if module is None:
         return []
     return [(f"{LOSS_MODULE}.{n}", p) for n, p in module.named_parameters()]

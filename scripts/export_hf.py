@@ -12,10 +12,13 @@ mapping and are refused.
     python scripts/export_hf.py checkpoint=RUN_DIR out=DIR trust=[mypkg]
     python scripts/export_hf.py checkpoint=RUN_DIR out=DIR model.pretrained=BASE_DIR
 
-A run directory means its newest valid checkpoint. The checkpoint's saved config is untrusted
-input: only targets cumulus ships are built from it, others only under `trust=[PKG,...]`; the
-paths it names (`model.pretrained`, `data.tokenizer`...) are given again on the command line
-(`key=value`, as for `trainer.evaluate`) or taken with `saved_paths=true`.
+A run directory means its newest valid checkpoint. A checkpoint of the user's own (its config
+signed with their secret, trainer/config/signing.py) needs no flag. A received one's saved
+config is untrusted input: only targets cumulus ships are built from it, others only under
+`trust=[PKG,...]`; the paths it names (`model.pretrained`, `data.tokenizer`...) are given
+again on the command line (`key=value`, as for `trainer.evaluate`) or taken with
+`saved_paths=true`. A base that moved is named again (`model.pretrained=NEW_DIR`): what the
+run derived from it (`data.pretrained`) follows.
 
 Either checkpoint layout (`full` or `sharded`, any world size) is read in this one process.
 Tied weights (GPT-2's input and output embedding) stay tied in the export.
@@ -47,7 +50,13 @@ from trainer.config.errors import UserError  # noqa: E402
 from trainer.config.schema import Config, register_configs  # noqa: E402
 from trainer.config.trust import parse_saved_paths, parse_trust  # noqa: E402
 from trainer.models.encoder import MeanPooling, encoder_tokenizer  # noqa: E402
-from trainer.models.export import export_support, run_tokenizer, to_gpt2  # noqa: E402
+from trainer.models.export import (  # noqa: E402
+    export_support,
+    run_tokenizer,
+    saved_architecture,
+    to_gpt2,
+)
+from trainer.models.hf import is_transformers_model  # noqa: E402
 from trainer.models.lora import export_adapter  # noqa: E402
 from trainer.run.assemble import CONFIG_DIR, build_adapter, build_model  # noqa: E402
 from trainer.run.evaluation import checkpoint_config, resolve_checkpoint  # noqa: E402
@@ -101,13 +110,14 @@ def export(path: Path, cfg: Config, info: DistInfo, out: Path, merge: bool = Fal
         if done.note:
             print(done.note, flush=True)
         return
-    if not hasattr(model, "save_pretrained"):  # the in-tree GPT
+    if not is_transformers_model(model):  # the in-tree GPT
         model = to_gpt2(model.cpu(), tokenizer.eos_token_id if tokenizer is not None else None)
     model.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     print(
-        f"exported step {ckpt.step} of {path} to {out} as {type(model).__name__}, with {what}",
+        f"exported step {ckpt.step} of {path} to {out} as "
+        f"{saved_architecture(out, type(model).__name__)}, with {what}",
         flush=True,
     )
 

@@ -4,9 +4,13 @@ Launching the trainer in other processes (one or several ranks) is `tests/ranks.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
+import os
+import shutil
 import sysconfig
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,8 @@ from engine.distributed import DistInfo
 from tests import ranks
 from trainer.config.cli import to_config
 from trainer.config.schema import register_configs
+from trainer.config.signing import ENV
+from trainer.config.trust import derived_keys
 from trainer.run.identity import register_resolvers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,6 +42,12 @@ TINY = [
     "checkpoint.every_steps=0",
     "scheduler.warmup_steps=2",
 ]
+
+# This session's own checkpoint secret (trainer/config/signing.py), never the user's
+# ~/.config: the runs it trains are "own" to the evaluations it launches, which inherit it.
+SIGNING_DIR = tempfile.mkdtemp(prefix="cumulus-config-")
+os.environ[ENV] = SIGNING_DIR
+atexit.register(shutil.rmtree, SIGNING_DIR, True)
 
 register_configs()
 register_resolvers()
@@ -75,9 +87,41 @@ def train_in_process(overrides: list[str], run_dir: Path) -> list[dict[str, Any]
     """Run the real trainer in this process (one rank) and return its metrics records."""
     from trainer.run.lifecycle import train
 
-    cfg, plain = to_config(compose_config(overrides))
-    train(cfg, plain, DistInfo(), run_dir)
+    composed = compose_config(overrides)
+    cfg, plain = to_config(composed)
+    train(cfg, plain, DistInfo(), run_dir, derived_keys(composed))
     return read_metrics(run_dir)
+
+
+def rewrite_state(src: Path, dst: Path, change: Any) -> Path:
+    """A copy of checkpoint `src` at `dst` whose `state.pt` `change` rewrote in place, with a
+    manifest consistent with its files (as a careful attacker would leave it)."""
+    import hashlib
+
+    shutil.copytree(src, dst)
+    state = torch.load(dst / "state.pt", weights_only=True)
+    change(state)
+    torch.save(state, dst / "state.pt")
+    manifest = json.loads((dst / "manifest.json").read_text())
+    data = (dst / "state.pt").read_bytes()
+    manifest["files"]["state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def received(src: Path, dst: Path) -> Path:
+    """Checkpoint `src` as another user or machine hands it over: the same files, its config
+    signed with their secret (trainer/config/signing.py), not this session's."""
+    import secrets
+
+    from trainer.config.signing import digest
+    from trainer.run.state import DERIVED, SIGNATURE, signed_config
+
+    def sign_elsewhere(state: dict[str, Any]) -> None:
+        record = signed_config(state["config"], state[DERIVED])
+        state[SIGNATURE] = digest(record, secrets.token_bytes(32))
+
+    return rewrite_state(src, dst, sign_elsewhere)
 
 
 def strict_json(line: str) -> Any:

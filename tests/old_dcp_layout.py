@@ -1,10 +1,14 @@
-"""`python -m tests.old_dcp_layout [overrides]`: `trainer.train` writing `sharded` checkpoints
-in the layout of cumulus before the flattened optimizer state: `get_state_dict`'s default
-(nested) optimizer state dict, whose `param_groups` DCP keys by group index and saves from
-one rank.
+"""The optimizer layouts of older `sharded` checkpoints, written by the old code:
 
-For tests that old sharded checkpoints still resume (tests/test_pipeline.py). This is the old
-code, not a mode of the engine's: `engine.checkpoint.sharded` only reads that layout.
+- `old_state`, cumulus before the flattened optimizer state: `get_state_dict`'s default
+  (nested) optimizer state dict, whose `param_groups` DCP keys by group index and saves from
+  one rank. `python -m tests.old_dcp_layout [overrides]` is `trainer.train` writing it.
+- `flat_state`, cumulus before settings were written once: `get_state_dict`'s flattened
+  optimizer state dict, every setting of every parameter its own key.
+
+For tests that old sharded checkpoints still load and resume (tests/test_pipeline.py,
+tests/test_sharded_checkpoint.py). These are the old code, not modes of the engine's:
+`engine.checkpoint.sharded` only reads those layouts.
 """
 
 from __future__ import annotations
@@ -27,6 +31,31 @@ def old_state(
     assert not trainable_only
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def flat_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
+) -> dict[str, Any]:
+    """`engine.checkpoint.sharded.sharded_model_optimizer_state` as it was (flattened, nested
+    where the optimizer's state cannot be flattened)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from engine.checkpoint.trainable import without_frozen
+
+    def options(flat: bool) -> StateDictOptions:
+        return StateDictOptions(
+            flatten_optimizer_state_dict=flat,
+            ignore_frozen_params=trainable_only,
+            strict=not trainable_only,
+        )
+
+    try:
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options(True))
+    except NotImplementedError:
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options(False))
+    if trainable_only:
+        model_state = without_frozen(model, model_state)
     return {"model": model_state, "optimizer": optimizer_state}
 
 

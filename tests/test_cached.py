@@ -13,6 +13,7 @@ temperature, and is computed 5 rows at a time (chunks that do not divide any ran
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from engine.contrastive import ContrastiveTask
-from tests.cached_support import TINY_BERT, tiny_bert, write_pairs, write_tokenizer
+from tests.cached_support import TINY_BERT, pairs, tiny_bert, write_pairs, write_tokenizer
 from tests.conftest import read_metrics, stdlib_text, train_in_process, train_records
 from tests.ranks import explain, launch_all, python_cmd, run_cli, torchrun
 from trainer.config.errors import ConfigError, UserError
@@ -185,6 +186,23 @@ def test_two_ranks_step_is_the_whole_batch_gradient(
     for phase in ("data", "compute", "sync", "optimizer"):
         assert record[f"time/{phase}_s"] >= 0 and record[f"time/{phase}_rank"] in (0, 1), record
     assert record["time/sync_s"] > 0, record
+
+
+def test_throughput_is_named_by_the_tasks_items(one_process: dict[str, Path]) -> None:
+    """A contrastive run's loss items are pairs: the record says `train/pairs_per_s` (24 pairs
+    a step over the step's time), not `train/tokens_per_s`; the run's report finds it for its
+    throughput chart and its run line."""
+    from trainer.tracking.report import charts, load_run, run_line
+
+    run_dir = one_process["3x8"]
+    (record,) = train_records(read_metrics(run_dir))
+    assert "train/tokens_per_s" not in record
+    per_step = record["train/pairs_per_s"] * record["train/step_time_ms"] / 1000
+    assert per_step == pytest.approx(N_TRAIN, rel=1e-9)
+    run = load_run(run_dir, "3x8")
+    (chart,) = [c for c in charts([run]) if c.title.startswith("Throughput")]
+    assert [line.metric for line in chart.lines] == ["train/pairs_per_s"]
+    assert "median items/s" in run_line(run)
 
 
 def test_temperature_gradient_is_counted_once(
@@ -431,6 +449,17 @@ def test_cached_step_needs_a_loss_of_the_whole_window(tmp_path: Path, tiny: list
         train_in_process([*tiny, "step=cached", f"data.path={text}"], tmp_path / "lm")
 
 
+def test_window_task_example_runs() -> None:
+    """The `Example::` of `WindowTask`'s docstring runs: its task is a `WindowTask`, and its
+    loss over a partition of the rows is the whole window's."""
+    import doctest
+
+    import engine.window_task
+
+    result = doctest.testmod(engine.window_task)
+    assert result.attempted >= 8 and result.failed == 0
+
+
 def test_split_layouts_refuse_the_cached_step() -> None:
     """dist.pp, dist.tp and dist.cp run the window as step=accumulate's: each refuses
     step=cached in one paragraph naming `step`."""
@@ -454,12 +483,118 @@ def test_split_layouts_refuse_the_cached_step() -> None:
     assert info.value.key == "step"
 
 
-def test_bad_pair_rows_are_one_paragraph(files: dict[str, Path], tmp_path: Path) -> None:
+def test_every_bad_pair_row_is_named_in_one_paragraph(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    """16 bad rows of 30 (a missing field, a line that is not JSON, a number for a text,
+    13 rows without an anchor): one paragraph naming the first 10 as FILE:LINE in file order,
+    counting the other 6; no token shard is left."""
+    rows = [json.dumps(r) for r in pairs(30)]
+    rows[1] = json.dumps({"anchor": "w3"})  # line 2
+    rows[4] = '{"anchor": "w1", "positive": '  # line 5
+    rows[6] = json.dumps({"anchor": "w1", "positive": 7})  # line 7
+    for i in range(9, 22):  # lines 10-22
+        rows[i] = json.dumps({"positive": "w4"})
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"anchor": "w1", "positive": "w2"}) + "\n" + '{"anchor": "w3"}\n')
-    with pytest.raises(UserError, match=r"bad.jsonl line 2: no field 'positive'") as info:
-        train_in_process([*contrastive(files), f"data.path={bad}"], tmp_path / "run")
-    assert "\n" not in str(info.value)
+    bad.write_text("\n".join(rows) + "\n")
+    cache = tmp_path / "cache"
+    with pytest.raises(UserError) as info:
+        overrides = [f"data.path={bad}", f"data.cache_dir={cache}", "data.tokenize_workers=2"]
+        train_in_process([*contrastive(files), *overrides], tmp_path / "run")
+    text = str(info.value)
+    assert "\n" not in text and text.startswith(f"data.path: 16 rows of {bad}"), text
+    named = [int(n) for n in re.findall(r"bad\.jsonl:(\d+)", text)]
+    assert named == [2, 5, 7, *range(10, 17)], text
+    assert text.endswith(
+        "and 6 more bad rows. Set data.positive_field= the field holding the "
+        "text. Set data.anchor_field= the field holding the text."
+    ), text
+    assert (
+        "no field 'positive'" in text and "is not JSON" in text and "is not a text: 7 (int)" in text
+    ), text
+    assert not [p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+
+
+def test_max_length_is_the_models_own_limit(
+    files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """data=pairs without data.max_length: a 64-position pretrained BERT trains at 64 tokens
+    (refused at 128 before); a 600-position one keeps a 600-word text to 512 tokens (cut at
+    128 before, with no word); model.config's positions without a directory; the start-up
+    line says where the number comes from."""
+    from trainer.data.pairs import pairs_data
+    from trainer.models.encoder import encoder
+
+    def bert(name: str, positions: int) -> Path:
+        folder = tmp_path / name
+        encoder(config={**TINY_BERT, "max_position_embeddings": positions}).save_pretrained(folder)
+        return write_tokenizer(folder)
+
+    short = bert("short", 64)
+    overrides = [o for o in contrastive(files) if "max_position_embeddings" not in o]
+    overrides = [o for o in overrides if not o.startswith("data.tokenizer=")]
+    steps = ["train.max_steps=1", "train.micro_batch_size=4", "train.grad_accum_steps=1"]
+    records = train_in_process(
+        [*overrides, *steps, f"model.pretrained={short}", "eval.every_steps=0"], tmp_path / "run"
+    )
+    assert train_records(records)
+    out = capsys.readouterr().out
+    assert f"max_length 64 from the positions of model.pretrained={short}" in out, out
+
+    long = bert("long", 600)
+    rows = tmp_path / "long.jsonl"
+    rows.write_text(json.dumps({"anchor": " ".join(["w1"] * 600), "positive": "w2"}) + "\n")
+    data = pairs_data(str(rows), str(files["val"]), tokenizer=str(long), pretrained=str(long))
+    assert data.seq_len == 512 and len(data.train[0]["anchor"]) == 512
+    assert "max_length 512 from the positions of model.pretrained=" in data.description
+    assert "600, capped at 512" in data.description and "1 texts cut" in data.description
+    data = pairs_data(str(rows), str(files["val"]), tokenizer=str(long), context=48)
+    assert data.seq_len == 48 and len(data.train[0]["anchor"]) == 48
+    assert "from model.config.max_position_embeddings" in data.description
+
+
+def test_pairs_are_tokenized_once_into_a_cache(files: dict[str, Path], tmp_path: Path) -> None:
+    """data=pairs tokenizes into token shards once: a second start reuses them (one build
+    logged) and reads the same ids, the tokenizer's own encoding cut to max_length; another
+    max_length, another tokenizer or an edited file is tokenized again."""
+    from tokenizers import Tokenizer
+
+    from trainer.data.pairs import pairs_data
+
+    train = tmp_path / "train.jsonl"
+    train.write_text(files["train"].read_text())
+    cache = tmp_path / "cache"
+
+    def start(tokenizer: Path = files["tokenizer"], max_length: int = 6) -> Any:
+        return pairs_data(
+            str(train),
+            str(files["val"]),
+            tokenizer=str(tokenizer),
+            max_length=max_length,
+            cache_dir=str(cache),
+        )
+
+    first, again = start(), start()
+    assert "tokenized into" in first.description, first.description
+    assert "token cache reused" in again.description, again.description
+    logs = sorted(cache.rglob("builds.log"))
+    assert len(logs) == 2 and all(len(log.read_text().splitlines()) == 1 for log in logs)
+    tok = Tokenizer.from_file(str(files["tokenizer"] / "tokenizer.json"))
+    tok.enable_truncation(6)
+    rows = [json.loads(line) for line in train.read_text().splitlines()]
+    for i, row in enumerate(rows):
+        for side in ("anchor", "positive"):
+            assert again.train[i][side].tolist() == tok.encode(row[side]).ids, (i, side)
+    assert first.train[5]["positive"].tolist() == again.train[5]["positive"].tolist()
+    assert "tokenized into" in start(max_length=7).description
+    other = write_tokenizer(tmp_path / "other")
+    (other / "tokenizer.json").write_text(
+        (other / "tokenizer.json").read_text().replace('"w0"', '"w00"')
+    )
+    assert "tokenized into" in start(tokenizer=other).description
+    train.write_text(train.read_text() + json.dumps({"anchor": "w1", "positive": "w2"}) + "\n")
+    edited = start()
+    assert "tokenized into" in edited.description and len(edited.train) == len(rows) + 1
 
 
 # ----------------------------------------------------------------- pretrained dir, export
@@ -535,6 +670,40 @@ def test_pretrained_directory_trains_and_exports_as_an_encoder(
         ours = trained(batch["input_ids"], batch["attention_mask"])
     assert torch.allclose(theirs, ours, atol=1e-6), (theirs - ours).abs().max()
     assert not torch.allclose(ours, encoder(pretrained=str(pretrained)).eval()(**batch))
+
+
+def test_a_bert_with_its_pooler_loads_without_a_report(tmp_path: Path) -> None:
+    """A BERT directory with its pooler, as BERT checkpoints come: model=hf_encoder builds no
+    pooler and says nothing of the pooler weights it leaves (transformers' load report, a
+    warning of its logger, named them at every start and export); another weight that fits
+    nothing is still reported."""
+    import logging
+    import logging.handlers
+
+    from safetensors.torch import load_file, save_file
+    from transformers import BertConfig, BertModel
+
+    from trainer.models.encoder import encoder
+
+    folder = tmp_path / "bert"
+    BertModel(BertConfig(**TINY_BERT)).save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    assert any(k.startswith("pooler.") for k in weights)
+    said = logging.handlers.BufferingHandler(capacity=1000)
+    logging.getLogger("transformers").addHandler(said)  # the library's root: propagates none
+    try:
+        model = encoder(pretrained=str(folder))
+        quiet = [r.getMessage() for r in said.buffer]
+        save_file({**weights, "extra.weight": torch.zeros(2)}, folder / "model.safetensors")
+        said.buffer.clear()
+        encoder(pretrained=str(folder))
+        loud = [r.getMessage() for r in said.buffer]
+    finally:
+        logging.getLogger("transformers").removeHandler(said)
+    assert not [m for m in quiet if "LOAD REPORT" in m or "pooler.dense" in m], quiet
+    assert not [n for n, _ in model.named_parameters() if "pooler" in n]
+    (report,) = [m for m in loud if "LOAD REPORT" in m]
+    assert "extra.weight" in report and "pooler.dense" not in report, report
 
 
 class BatchNormEncoder(torch.nn.Module):

@@ -207,6 +207,62 @@ def test_a_bad_row_is_one_paragraph_naming_file_and_line_and_leaves_no_cache(
     assert not [p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
 
 
+def test_every_bad_row_is_named_in_one_paragraph_in_file_order(
+    model_dir: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """Four bad rows and a line that is not JSON (last in the file): one paragraph naming each
+    as FILE:LINE in file order, the rows' shared advice said once, with 2 tokenizer workers."""
+    path, _ = model_dir
+    rows = [json.dumps(r) for r in conversations(30, seed=11, max_turns=1)]
+    bad_lines = {5: "neither", 9: "role", 12: "content", 20: "rejected"}
+    for line, case in bad_lines.items():
+        rows[line - 1] = json.dumps(BAD_ROWS[case][0])
+    rows[24] = '{"messages": [{"role": "user", "content": "hi"}'  # line 25: not JSON
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    template = tmp_path / "alternate.jinja"
+    template.write_text(ALTERNATE)
+    cache = tmp_path / "cache"
+    with pytest.raises(UserError) as err:
+        chat_data(
+            str(data),
+            tokenizer=str(path),
+            chat_template=str(template),
+            max_length=MAX_LENGTH,
+            tokenize_workers=2,
+            cache_dir=str(cache),
+        )
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("data.path: 5 rows of"), text
+    named = [int(n) for n in __import__("re").findall(r"chat\.jsonl:(\d+)", text)]
+    assert named == [*bad_lines, 25], text
+    for case in bad_lines.values():
+        assert __import__("re").search(BAD_ROWS[case][1], text), (case, text)
+    assert "chat.jsonl:25 is not JSON" in text and "line 25 of" not in text, text
+    assert text.count("data=chat reads rows") == 1, text
+    assert not [p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+
+
+def test_reading_stops_after_enough_bad_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """data=hf with a wrong data.text_field on every row of a file of many chunks: the reading
+    stops once BadRows.STOP bad rows are found (a large corpus is not read to the end to say
+    so), and the paragraph says there may be more."""
+    from trainer.data import shards
+    from trainer.data.hf import hf_data
+
+    monkeypatch.setattr(shards, "CHUNK_BYTES", 200)  # about 8 rows a chunk
+    monkeypatch.setattr(shards.BadRows, "STOP", 20)
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"body": f"row {i}"} for i in range(400)])
+    with pytest.raises(UserError) as err:
+        hf_data(str(path), cache_dir=str(tmp_path / "cache"), tokenize_workers=1)
+    text = str(err.value)
+    count = int(__import__("re").search(r"data.text_field: (\d+) or more rows of", text)[1])
+    assert 20 <= count < 40 and "reading stopped there" in text and "\n" not in text, text
+    assert text.count("has no field 'text'") == 10, text
+
+
 def test_a_data_set_with_nothing_to_supervise_is_refused(
     model_dir: tuple[Path, Any], tmp_path: Path
 ) -> None:
@@ -219,6 +275,38 @@ def test_a_data_set_with_nothing_to_supervise_is_refused(
     with pytest.raises(UserError, match=r"no conversation of .* has a supervised token") as err:
         chat_data(str(data), tokenizer=str(path), max_length=MAX_LENGTH, tokenize_workers=1)
     assert "12 have no supervised token" in str(err.value) or "no supervised" in str(err.value)
+
+
+def test_the_main_process_loads_the_tokenizer_once(
+    model_dir: tuple[Path, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening chat data loads the tokenizer once in this process (the real loader, counted):
+    the encoder (its vocabulary, the workers it forks) uses that one. Each row's training
+    sample and what trainer.preview shows of it are one `TextSequence`."""
+    path, _ = model_dir
+    loaded: list[str] = []
+    real = transformers.AutoTokenizer.from_pretrained.__func__
+
+    def counted(cls: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+        loaded.append(str(name))
+        return real(cls, name, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(counted))
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations(20, seed=4, max_turns=1))
+    splits = chat_data(
+        str(data),
+        tokenizer=str(path),
+        max_length=MAX_LENGTH,
+        tokenize_workers=1,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    assert loaded == [str(path)]
+    from trainer.data.preview import show_row
+
+    for row in range(3):
+        labels = splits.train[row]["shift_labels"]
+        shown = show_row(splits.train, row, splits.decode).splitlines()[0]
+        assert f", {int((labels != -100).sum())} supervised ===" in shown, shown
 
 
 # --------------------------------------------------------------------------- packing

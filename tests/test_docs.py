@@ -1,8 +1,10 @@
 """The code in docs/extending.md and docs/your-model.md runs as documented: in plain Python,
-from Python through the trainer, and from the command line."""
+from Python through the trainer, and from the command line; the README's table of common
+overrides names every `train.*` key."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -11,11 +13,29 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, read_metrics, train_records
+from tests.conftest import REPO, TINY, read_metrics, received, train_records
 from tests.ranks import explain, launch, launch_all
 from tests.user_project import commands, write_project
 
 DOC = REPO / "docs" / "extending.md"
+
+
+def overrides_table() -> str:
+    """The README's table of common overrides: the first table of its Training section."""
+    training = (REPO / "README.md").read_text().split("\n## Training\n", 1)[1]
+    rows = re.search(r"\n\| key \| meaning \|\n(?:\|.*\n)+", training.split("\n## ", 1)[0])
+    assert rows, "README: no key table in the Training section"
+    return rows.group(0)
+
+
+def test_readme_overrides_table_names_every_train_key() -> None:
+    """Every key of the schema's `train` section is in the README's table of common overrides
+    (where a user looks first: `train.log_every` and `train.device` were missing)."""
+    from trainer.config.schema import TrainCfg
+
+    named = set(re.findall(r"`train\.(\w+)", overrides_table()))
+    missing = [f"train.{f.name}" for f in dataclasses.fields(TrainCfg) if f.name not in named]
+    assert not missing, f"README's table of common overrides lacks {missing}"
 
 
 def python_blocks() -> list[str]:
@@ -99,20 +119,24 @@ def test_your_model_doc_runs(tmp_path: Path) -> None:
     assert proc.returncode == 0, explain(proc)
     loss = [line.split() for line in proc.stdout.splitlines() if line.startswith("train/loss ")]
     assert loss and loss[0][1] == "15", proc.stdout  # every record (train.log_every=10)
-    evaluate = [sys.executable, "-m", "trainer.evaluate", f"checkpoint={project}/runs/tagger"]
+    evaluate = [sys.executable, "-m", "trainer.evaluate"]
+    run = f"checkpoint={project}/runs/tagger"
+    theirs = received(project / "runs/tagger/checkpoints/step_00000150", tmp_path / "theirs")
     results = launch_all(
         {
-            "folder": [*evaluate, f"hydra.searchpath=[file://{project}/my_configs]"],
-            "bare": evaluate,
+            "folder": [*evaluate, run, f"hydra.searchpath=[file://{project}/my_configs]"],
+            "bare": [*evaluate, run],  # the run is this user's own: no flag needed
+            "received": [*evaluate, f"checkpoint={theirs}"],
         },
         120,
         cwd=project,
     )
-    proc = results["folder"]
-    assert proc.returncode == 0, explain(proc)
-    # Without the config folder the checkpoint's own targets are not trusted.
-    assert results["bare"].returncode == 2 and "trust=[" in results["bare"].stderr
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["step"] == 150
-    assert got["val/accuracy"] == evals[-1]["val/accuracy"]
-    assert got["val/loss"] == pytest.approx(evals[-1]["val/loss"], rel=1e-12)
+    # Received, without the config folder the checkpoint's targets are not trusted.
+    assert results["received"].returncode == 2 and "trust=[" in results["received"].stderr
+    for name in ("folder", "bare"):
+        proc = results[name]
+        assert proc.returncode == 0, f"{name}\n{explain(proc)}"
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert got["step"] == 150
+        assert got["val/accuracy"] == evals[-1]["val/accuracy"]
+        assert got["val/loss"] == pytest.approx(evals[-1]["val/loss"], rel=1e-12)

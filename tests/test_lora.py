@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import read_metrics, stdlib_text, train_in_process, train_records
+from tests.conftest import (
+    read_metrics,
+    received,
+    stdlib_text,
+    train_in_process,
+    train_records,
+)
 from tests.ranks import explain, launch_all, python_cmd, torchrun
 
 transformers = pytest.importorskip("transformers")
@@ -96,10 +103,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     for name, proc in first.items():
         assert proc.returncode == 0, f"{name}: {explain(proc)}"
-    # Paths in a checkpoint's config are data: the base is named again for the export, and
-    # taken from the run's own config with saved_paths=true for the evaluation.
-    export = [sys.executable, "scripts/export_hf.py", f"checkpoint={root / 'one'}"]
-    export.append(f"model.pretrained={base}")
+    # The runs are this session's own (signed with its secret): the README's commands, with
+    # no flag. A copy of the one-process run as another user hands it over, its base moved:
+    # naming the new base is enough for the export (data.pretrained follows it).
+    theirs = received(ckpt(root / "one", 4), root / "theirs")
+    moved = shutil.copytree(base, root / "moved_base")
+    export = [sys.executable, "scripts/export_hf.py"]
     second = launch_all(
         {
             "one_from_fsdp": python_cmd(
@@ -117,19 +126,32 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                     f"hydra.run.dir={root / 'fsdp_from_one'}",
                 ],
             ),
-            "export": [*export, f"out={root / 'peft'}"],
-            "merged": [*export, f"out={root / 'merged'}", "merge=true"],
+            "export": [*export, f"checkpoint={root / 'one'}", f"out={root / 'peft'}"],
+            "merged": [
+                *export,
+                f"checkpoint={theirs}",
+                f"model.pretrained={moved}",
+                f"out={root / 'merged'}",
+                "merge=true",
+            ],
             "evaluate": python_cmd(
                 "trainer.evaluate",
                 f"checkpoint={root / 'fsdp'}",
-                "saved_paths=true",
                 "eval.max_batches=2",
                 "eval.batch_size=8",
             ),
         },
         TIMEOUT,
     )
-    return {"root": root, "base": base, "text": text, "first": first, "second": second}
+    return {
+        "root": root,
+        "base": base,
+        "text": text,
+        "first": first,
+        "second": second,
+        "theirs": theirs,
+        "moved": moved,
+    }
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -247,6 +269,29 @@ def test_checkpoints_hold_the_adapters_alone_and_move_between_world_sizes_bitwis
 
 
 @pytest.mark.multiproc
+def test_sharded_checkpoint_writes_the_optimizer_settings_once(runs: dict) -> None:
+    """2 FSDP ranks: the settings of the optimizer's one group (lr, momentum...) are one value
+    naming its 28 adapters, not a value per adapter and setting (280 of ~1.2 KB each); the
+    shards stay within 5x the full layout's state.pt of the same adapters and optimizer (4.2x
+    measured: DCP stores each tensor, each rank's shard of it, as its own ~1.2 KB torch.save)."""
+    from engine.checkpoint.sharded import load_shards, read_metadata
+
+    root = runs["root"]
+    path = ckpt(root / "fsdp", 4) / "shards"
+    keys = read_metadata(path).state_dict_metadata
+    settings = [k for k in keys if k.startswith("optimizer.") and ".state." not in k]
+    assert len(settings) == 1, (len(settings), settings[:3])
+    group = {"optimizer": {settings[0].removeprefix("optimizer."): None}}
+    load_shards(group, path)
+    values, names = next(iter(group["optimizer"].values()))
+    assert sorted(names) == sorted(trainable_state(ckpt(root / "one", 1))), names
+    assert values["lr"] == LR and values["momentum"] == 0.9, values
+    shards = sum(f.stat().st_size for f in path.iterdir())
+    full = (ckpt(root / "one", 4) / "state.pt").stat().st_size
+    assert shards < 5 * full, (shards, full)
+
+
+@pytest.mark.multiproc
 def test_memory_report_counts_optimizer_state_of_the_adapters_only(runs: dict) -> None:
     """FSDP2 on 2 ranks: each rank's momentum buffers are its shards of the adapters."""
     report = json.loads((runs["root"] / "fsdp" / "memory_report.json").read_text())
@@ -293,7 +338,7 @@ def cumulus_model(path: Path) -> Any:
     from trainer.run.evaluation import checkpoint_config
     from trainer.run.state import RunState
 
-    cfg = OmegaConf.to_object(checkpoint_config(path, [], saved_paths=True))  # its own run
+    cfg = OmegaConf.to_object(checkpoint_config(path, []))  # its own run: no flag
     info = DistInfo()
     seed_everything(cfg.seed)  # a random-init base is its seed's
     model, _ = build_model(cfg.model, info)
@@ -331,15 +376,39 @@ def test_peft_loads_the_export_and_the_merged_model_gives_the_same_logits(runs: 
     assert (theirs - plain).abs().max() > 1e-3, "premise: the adapters change the logits"
     merged = transformers.AutoModelForCausalLM.from_pretrained(root / "merged")
     assert not any("lora" in n for n, _ in merged.named_parameters())
+    # The console names the class config.json names (not cumulus's own subclass of it).
+    (arch,) = json.loads((root / "merged" / "config.json").read_text())["architectures"]
+    assert arch == type(merged).__name__ == "LlamaForCausalLM"
+    assert f"as the merged model ({arch})," in second["merged"].stdout, second["merged"].stdout
     torch.testing.assert_close(logits_of(merged, ids), theirs, rtol=0, atol=1e-4)
 
 
 @pytest.mark.multiproc
+def test_a_moved_base_is_named_again_and_what_it_gave_follows(runs: dict) -> None:
+    """A received checkpoint (signed elsewhere: its paths are data) whose base was moved:
+    `model.pretrained=NEW_DIR` is enough for the export, and with the data named again for
+    the evaluation. `data.pretrained`, which the run derived from `model.pretrained`, follows
+    the new directory; a key the user set (`data.block_size`) keeps its value. The saved base
+    is still refused when not named. (The fixture's merged export is this checkpoint's.)"""
+    from scripts.export_hf import USES
+    from trainer.config.trust import BUILT_FROM_SAVED, UntrustedConfigError
+    from trainer.run.evaluation import checkpoint_config
+
+    theirs, moved = runs["theirs"], runs["moved"]
+    assert runs["second"]["merged"].returncode == 0, explain(runs["second"]["merged"])
+    for uses, extra in ((USES, []), (BUILT_FROM_SAVED, [f"data.path={runs['text']}"])):
+        cfg = checkpoint_config(theirs, [f"model.pretrained={moved}", *extra], uses=uses)
+        assert cfg.model.pretrained == str(moved) and cfg.data.pretrained == str(moved)
+        assert cfg.data.block_size == BLOCK
+    with pytest.raises(UntrustedConfigError, match=f"`model.pretrained: '{runs['base']}'`"):
+        checkpoint_config(theirs, [], uses=USES)
+
+
+@pytest.mark.multiproc
 def test_evaluate_takes_the_base_from_the_runs_pretrained_directory(runs: dict) -> None:
-    """trainer.evaluate on the FSDP run's sharded adapter checkpoint, in one process, the base
-    taken from the run's `model.pretrained` (with saved_paths=true: a path in a checkpoint's
-    config is used only when the user says so): its validation loss is PEFT's on the same
-    samples."""
+    """trainer.evaluate on the FSDP run's sharded adapter checkpoint, in one process, with no
+    flag (the run is this user's own: its paths are theirs), the base taken from the run's
+    `model.pretrained`: its validation loss is PEFT's on the same samples."""
     proc = runs["second"]["evaluate"]
     assert proc.returncode == 0, explain(proc)
     got = json.loads(proc.stdout.strip().splitlines()[-1])

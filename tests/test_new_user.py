@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import shutil
 from pathlib import Path
@@ -43,6 +44,22 @@ def test_memory_report_is_announced(first: tuple[Path, str]) -> None:
     assert said and f"written to {report}" in out, out
     assert f"  memory report {report}" in out
     assert f"  memory report {report}" in (run_dir / "summary.txt").read_text()
+
+
+def test_memory_report_of_a_one_step_run(tmp_path: Path) -> None:
+    """`train.max_steps=1` with `train.memory_report=true` (a report measures 2 steps): the
+    report is written after the one step there is, and the console says it measured one. Its
+    parameter bytes are the model's own, counted apart from the tracker."""
+    out = io.StringIO()
+    with one_thread(), contextlib.redirect_stdout(out):
+        train_in_process([*FIRST, "train.max_steps=1", "train.memory_report=true"], tmp_path)
+    report = json.loads((tmp_path / "memory_report.json").read_text())
+    assert report["steps"] == 1
+    (rank,) = report["ranks"]
+    assert rank["parameters_bytes"] > 0 and rank["peak_bytes"] >= rank["parameters_bytes"]
+    text = out.getvalue()
+    assert "memory report of step 1 (the run has 1 step to measure of the 2" in text, text
+    assert f"  memory report {tmp_path / 'memory_report.json'}" in text
 
 
 def test_a_warmup_longer_than_half_the_run_gets_a_note(

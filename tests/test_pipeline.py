@@ -602,7 +602,7 @@ def test_sharded_sigkill_then_rerun_continues_bit_for_bit(dcp_runs: Runs, tmp_pa
     run_dir, marker = tmp_path / "run", tmp_path / "killed"
     args = [*PP2_SHARDED, f"hydra.run.dir={run_dir}", *kill_at(5, marker, 1)]
     assert_killed_run_continues(args, run_dir, marker, tmp_path, dcp_runs.records("pp2"))
-    assert optimizer_layout_of(checkpoint(run_dir, 4)) == "flat"
+    assert optimizer_layout_of(checkpoint(run_dir, 4)) == "grouped"
 
 
 # name: (command without resume and run dir, the run whose step-2 checkpoint it resumes)
@@ -656,7 +656,7 @@ def test_sharded_checkpoints_move_between_pipelined_and_not(
 ) -> None:
     """The 2-stage run's step-2 sharded checkpoint resumed on one process, and the 2-rank FSDP
     run's on 2 stages (1 data-parallel rank): DCP reads each rank's parameters by name."""
-    assert optimizer_layout_of(checkpoint(dcp_runs.dir(DCP_RESUMES[name][1]), 2)) == "flat"
+    assert optimizer_layout_of(checkpoint(dcp_runs.dir(DCP_RESUMES[name][1]), 2)) == "grouped"
     check_resumed_at_2(dcp_resumes, dcp_runs, name)
 
 

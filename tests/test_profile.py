@@ -148,6 +148,8 @@ def test_profiling_changes_no_loss(runs: Runs) -> None:
     assert flagged == [2, 3, 4]
     assert all("train/tokens_per_s" not in r for r in on if r["step"] in flagged)
     assert all(r["train/tokens_per_s"] > 0 for r in on if r["step"] not in flagged)
+    # kineto's lines where tracing starts and stops (`USDT:... profiler_start`) are left out.
+    assert "USDT" not in runs.procs["profiled"].stderr, runs.procs["profiled"].stderr[-2000:]
 
 
 def test_profiled_window_is_one_timeline(runs: Runs, timeline: dict[str, Any]) -> None:
@@ -225,6 +227,10 @@ def test_hung_rank_is_named_and_the_job_ends(runs: Runs) -> None:
     text = paragraphs[0]
     assert text.startswith(f"error (rank 0): rank 1 (host {HOST}"), text
     assert "gloo:all_reduce" in text and "step 3" in text and "dist.timeout_s=20" in text
+    # Both ranks' places in the phase clock's names: the hung one in its compute, the one
+    # that waited in the gradient all-reduce in `sync`, as its timers and trace call it.
+    assert "in step 3, phase compute)" in text, text
+    assert "rank 0 entered in step 3, phase sync (gradient sync)" in text, text
     assert "step_00000002" in text
     stuck = json.loads((run_dir / "hang" / "rank1.json").read_text())
     assert any("profile_support.py" in frame for frame in stuck["stack"])

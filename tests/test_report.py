@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import TINY, read_metrics, train_in_process
-from tests.ranks import explain, launch_all, run_cli
+from tests.ranks import explain, launch_all, run_cli, run_torchrun
 from trainer.tracking.plots import MAX_POINTS, reduce
 
 INJECT = "tests.precision_support.InjectNonFinite"
@@ -175,6 +175,40 @@ def test_overlay_of_two_runs(runs: Runs) -> None:
     assert compared.returncode == 1, explain(compared)  # another learning rate: different
     table = compared.stdout.split("\n", 2)[2].strip()  # after the first:/second: lines
     assert html.escape(table) in page
+
+
+@pytest.mark.multiproc
+@pytest.mark.launches
+def test_runs_on_other_worlds_are_told_apart(runs: Runs, tmp_path: Path) -> None:
+    """Run A's config on 2 ranks: the report of both says the configs are the same but the
+    worlds are not, and names each run's world (read from its time_by_rank.json: the config
+    does not hold it). Of three runs, each phase's time is a panel of its own, one line per
+    run in its colour (not runs x phases lines in one)."""
+    two = tmp_path / "two"
+    proc = run_torchrun(2, [*COMMON, f"hydra.run.dir={two}"], timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    pages = {}
+    for name, dirs in {"pair": [runs.dirs["a"], two], "three": [*runs.dirs.values(), two]}.items():
+        out = tmp_path / f"{name}.html"
+        made = run_cli([*map(str, dirs), "-o", str(out)], module="trainer.report", timeout=60)
+        assert made.returncode == 0, explain(made)
+        pages[name] = out.read_text()
+    page = pages["pair"]
+    said = "The runs' configs are the same; they ran on different worlds."
+    assert said in page and "The runs' configs are the same.</p>" not in page
+    worlds = ["1 process, global batch 16", "2 ranks on 1 host: dp 2 (ddp), global batch 32"]
+    row = "<tr><td>world (of the run, not in the config)</td>"
+    assert row + "".join(f"<td>{w}</td>" for w in worlds) + "</tr>" in page, page
+    assert all(f"<td>{w}</td>" in pages["three"] for w in worlds)
+    found = check_page(pages["three"], [*runs.dirs.values(), two])
+    timed = [m for _, m in found if m.startswith("time/")]
+    assert {"time/data_s", "time/compute_s", "time/sync_s", "time/optimizer_s"} <= set(timed)
+    for chart in charts(pages["three"]):
+        series = [p for p in chart.iter("path") if p.get("class") == "series"]
+        metrics = {p.get("data-metric") for p in series}
+        if any(m.startswith("time/") for m in metrics):
+            assert len(metrics) == 1, metrics
+            assert len(series) == len({p.get("data-run") for p in series}) <= 3
 
 
 @pytest.mark.launches

@@ -41,7 +41,7 @@ from engine.checkpoint.sharded import (
     sharded_model_optimizer_state,
 )
 from tests.conftest import CONFIG_DIR, TINY, read_metrics
-from tests.old_dcp_layout import old_state
+from tests.old_dcp_layout import flat_state, old_state
 from tests.ranks import explain, launch, torchrun_cmd
 from trainer.models.gpt import GPT
 from trainer.run.optim import param_groups
@@ -240,6 +240,17 @@ def test_fsdp_writes_the_sharded_layout_by_default(fsdp_run: Path, ddp_ref: Path
         }
         assert stored == shapes  # global shapes, not a rank's shard
         assert any(k.startswith("optimizer.state.") for k in metadata.state_dict_metadata)
+        # AdamW's settings once per group (weight decay on matrices, none elsewhere), naming
+        # every parameter between them: not a value per parameter and setting.
+        keys = metadata.state_dict_metadata
+        settings = [k for k in keys if k.startswith("optimizer.") and ".state." not in k]
+        assert len(settings) == 2, (len(settings), settings[:3])
+        groups = {"optimizer": {k.removeprefix("optimizer."): None for k in settings}}
+        load_shards(groups, path / "shards")
+        assert sorted(v["weight_decay"] for v, _ in groups["optimizer"].values()) == [0.0, 0.1]
+        named = sorted(n for _, names in groups["optimizer"].values() for n in names)
+        moments = [k.split(".", 2)[2] for k in keys if k.endswith(".exp_avg")]
+        assert named == sorted(k.removesuffix(".exp_avg") for k in moments)
         # Each rank wrote its own shard file.
         used = {info.relative_path for info in metadata.storage_data.values()}
         assert used == {"__0_0.distcp", "__1_0.distcp"}
@@ -461,15 +472,15 @@ def _stepped_gpt(seed: int, steps: int) -> tuple[GPT, torch.optim.Optimizer]:
     return model, optimizer
 
 
-@pytest.mark.parametrize("layout", ["nested", "flat"])
-def test_both_optimizer_layouts_load(tmp_path: Path, layout: str) -> None:
-    """The flattened optimizer layout this version writes and the nested one of older sharded
-    checkpoints (written here by the old code) are told apart by their keys, and both load
-    into a fresh model and optimizer exactly: parameters, moments, step and groups, and the
-    next step agrees bit for bit."""
+@pytest.mark.parametrize("layout", ["nested", "flat", "grouped"])
+def test_every_optimizer_layout_loads(tmp_path: Path, layout: str) -> None:
+    """The optimizer layout this version writes (settings once per group) and those of older
+    sharded checkpoints (written here by the old code: nested; flattened, settings once per
+    parameter) are told apart by their keys, and each loads into a fresh model and optimizer
+    exactly: parameters, moments, step and groups, and the next step agrees bit for bit."""
     model, optimizer = _stepped_gpt(0, 2)
-    write = old_state if layout == "nested" else sharded_model_optimizer_state
-    save_shards(write(model, optimizer), tmp_path / "shards")
+    write = {"nested": old_state, "flat": flat_state, "grouped": sharded_model_optimizer_state}
+    save_shards(write[layout](model, optimizer), tmp_path / "shards")
     assert optimizer_layout(tmp_path / "shards") == layout
     fresh, fresh_optimizer = _stepped_gpt(1, 0)
     load_sharded(tmp_path, fresh, fresh_optimizer)
@@ -501,9 +512,9 @@ class _ListStateSGD(torch.optim.SGD):
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_sgd_and_unflattenable_optimizer_state_round_trip(tmp_path: Path, momentum: float) -> None:
-    """SGD without state (momentum 0) and with it saves flattened; an optimizer whose state
-    holds a list saves nested instead, and loads back."""
-    for cls, layout in ((torch.optim.SGD, "flat"), (_ListStateSGD, "nested")):
+    """SGD without state (momentum 0) and with it saves flattened (settings once per group);
+    an optimizer whose state holds a list saves nested instead, and loads back."""
+    for cls, layout in ((torch.optim.SGD, "grouped"), (_ListStateSGD, "nested")):
         path = tmp_path / cls.__name__
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 3)

@@ -19,6 +19,7 @@ from engine.timing import PHASES, STEP_PHASES, PhaseClock, PhaseTimes
 from tests.conftest import TINY, compose_config, train_in_process
 from trainer.config.cli import to_config
 from trainer.config.errors import ConfigError, UserError
+from trainer.run.hang import CollectiveWatch
 from trainer.tracking.phases import TABLE_FILE, PhaseTable, clearly_slowest
 from trainer.tracking.profiler import build_profiler
 
@@ -74,6 +75,27 @@ def test_wait_after_backward_starts_once_every_gradient_is_computed() -> None:
     assert clock.phase == "sync" and clock.waiting_in == "gradient sync" and clock.seq == 1
     clock.after_backward()
     assert clock.phase == "compute" and clock.waiting_in is None
+
+
+def test_a_timed_out_collective_is_named_sync_as_the_timers_count_it() -> None:
+    """A collective that times out (gloo's error, raised inside it) unwinds to the caller,
+    where the hang watch reads the position: it names the wait `sync` and the collective, as
+    the timers counted it and the trace labels it (`sync (NAME)`), not the compute phase the
+    collective was entered from. The next step forgets it."""
+    clock = PhaseClock(CPU, enabled=True)
+    clock.begin_step(3)
+    clock.switch("compute")
+    with pytest.raises(RuntimeError, match="Timed out"), clock.collective("window item count"):
+        time.sleep(0.05)
+        raise RuntimeError("[gloo] Timed out waiting 20000ms for recv operation")
+    times = clock.collect()
+    assert times is not None
+    seconds = dict(zip(PHASES, times.seconds))
+    assert seconds["sync"] >= 0.05 > seconds["compute"]
+    where = CollectiveWatch._where(clock)
+    assert where == "in step 3, phase sync (window item count)", where
+    clock.begin_step(4)
+    assert CollectiveWatch._where(clock) == "in step 4, phase data"
 
 
 def test_timing_off_measures_nothing_but_keeps_the_position(
@@ -149,18 +171,36 @@ def test_one_process_records_phase_times(tmp_path: Path, monkeypatch: pytest.Mon
     (rank 0), and no median or minimum (one rank has none to give). The device is given a
     peak FLOP/s, as a known GPU has: the record's MFU and its phase times come together (the
     MFU's arithmetic once overwrote the ranks' times, and every CUDA run on an H100 or H200
-    died at its first record)."""
+    died at its first record).
+
+    Evaluations and checkpoints every 2 steps of 3: those of step 2 are in step 3's record
+    (done between the two records); the final evaluation and checkpoint (step 3), after the
+    last record, are in time_by_rank.json's `final` and the summary, and the table's totals
+    are the records' and the final ones' together (they were lost)."""
     monkeypatch.setattr("trainer.tracking.records.device_peak_flops", lambda device: 1e12)
-    on = train_in_process([*TINY, "train.max_steps=2"], tmp_path / "on")
+    every = ["eval.every_steps=2", "eval.max_batches=2", "checkpoint.every_steps=2"]
+    on = train_in_process([*TINY, "train.max_steps=3", *every], tmp_path / "on")
     train = [r for r in on if "train/loss" in r]
-    assert len(train) == 2
+    assert len(train) == 3
     for record in train:
         assert record["train/mfu"] > 0
         for phase in STEP_PHASES:
             assert record[f"time/{phase}_rank"] == 0
             assert record[f"time/{phase}_s"] >= 0.0
         assert not any(k.endswith("_median_s") for k in record)
-    assert (tmp_path / "on" / TABLE_FILE).is_file()
+    assert [r["step"] for r in train if "time/eval_s" in r] == [3]
+    assert [r["step"] for r in train if "time/checkpoint_s" in r] == [3]
+    table = json.loads((tmp_path / "on" / TABLE_FILE).read_text())
+    final = table["final"]
+    assert final["eval_s"] > 0 and final["checkpoint_s"] > 0
+    assert final["eval_rank"] == final["checkpoint_rank"] == 0
+    (rank,) = table["ranks"]
+    for phase in ("eval", "checkpoint"):
+        total = train[2][f"time/{phase}_s"] + final[f"{phase}_s"]
+        assert rank["total_s"][phase] == pytest.approx(total, rel=1e-9), phase
+    summary = (tmp_path / "on" / "summary.txt").read_text()
+    shown = f"evaluation {final['eval_s']:.2f} s (rank 0), checkpoint {final['checkpoint_s']:.2f} s"
+    assert f"  after the last record: {shown} (rank 0) ({TABLE_FILE} `final`)" in summary, summary
 
 
 @pytest.mark.parametrize(
@@ -176,6 +216,29 @@ def test_one_process_records_phase_times(tmp_path: Path, monkeypatch: pytest.Mon
 def test_bad_profile_settings_name_their_key(override: str, key: str) -> None:
     with pytest.raises(UserError, match=key.replace(".", r"\.")):
         to_config(compose_config(["profile=torch", override]))
+
+
+def test_a_profile_window_after_the_last_step_is_refused() -> None:
+    """`profile.steps` that start after `train.max_steps` would trace nothing (the run exited 0
+    with an empty profile/): refused with the config, naming both keys. Without profile=torch
+    the window is not read."""
+    bad = ["profile=torch", "profile.steps=[11,12]", "train.max_steps=10"]
+    with pytest.raises(ConfigError, match=r"`profile\.steps`.*train\.max_steps=10"):
+        to_config(compose_config(bad))
+    to_config(compose_config(bad[1:]))
+
+
+def test_a_profile_window_past_the_last_step_is_clipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A window that starts inside the run and ends after it (steps 2-5 of 2) is clipped at
+    the last step, said at start-up: the trace of step 2 is written and the summary names
+    steps 2-2."""
+    train_in_process([*TINY, "train.max_steps=2", "profile=torch", "profile.steps=[2,5]"], tmp_path)
+    out = capsys.readouterr().out
+    assert "profile.steps=[2, 5] ends after the run's last step (train.max_steps=2)" in out, out
+    assert (tmp_path / "profile" / "rank0.trace.json.gz").is_file()
+    assert "profile: steps 2-2 of rank(s) 0" in (tmp_path / "summary.txt").read_text()
 
 
 def test_profiled_rank_outside_the_world_is_refused(tmp_path: Path) -> None:

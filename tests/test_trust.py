@@ -9,8 +9,8 @@ control run with `trust=[...]` shows that it would run (the sentinel appears) wh
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import pickle
 import shutil
 import sys
@@ -18,9 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from tests.conftest import REPO, TINY, read_metrics, stdlib_text, train_records
+from tests.conftest import (
+    REPO,
+    TINY,
+    read_metrics,
+    received,
+    rewrite_state,
+    stdlib_text,
+    train_records,
+)
 from tests.ranks import explain, launch, launch_all
 from trainer.config.errors import UserError
 
@@ -103,16 +110,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def craft(src: Path, dst: Path, mutate: Any) -> Path:
     """A copy of checkpoint `src` at `dst` whose saved config `mutate` rewrote, with a manifest
-    consistent with its files (as a careful attacker would leave it)."""
-    shutil.copytree(src, dst)
-    state = torch.load(dst / "state.pt", weights_only=True)
-    mutate(state["config"])
-    torch.save(state, dst / "state.pt")
-    manifest = json.loads((dst / "manifest.json").read_text())
-    data = (dst / "state.pt").read_bytes()
-    manifest["files"]["state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (dst / "manifest.json").write_text(json.dumps(manifest))
-    return dst
+    consistent with its files (as a careful attacker would leave it). The checkpoint was this
+    session's own: its signature no longer matches the edited config."""
+    return rewrite_state(src, dst, lambda state: mutate(state["config"]))
 
 
 def place(where: str, spec: dict[str, Any]) -> Any:
@@ -225,16 +225,23 @@ def test_interpolations_in_a_saved_config_are_refused(
 
 
 @pytest.mark.launches
-def test_users_own_model_needs_trust(world: dict[str, Any]) -> None:
-    """A checkpoint of a model from a package outside cumulus: refused without trust, naming
-    `trust=[extpkg]`; with it, or with the target restated, evaluated to the metrics the run
-    logged at that step."""
+def test_users_own_model_is_trusted_in_own_checkpoints_only(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    """A checkpoint of a model from a package outside cumulus, written here (signed with this
+    user's secret): evaluated with no flag at all, its target and data path the user's own.
+    The same checkpoint received from elsewhere (signed with another secret): refused without
+    trust, naming `trust=[extpkg]`; with it, or with the target restated, evaluated. Each to
+    the metrics the run logged at that step."""
     run = world["ext_run"]
     logged = [r for r in read_metrics(run) if "val/loss" in r][-1]
     py = f"{world['root']}:{REPO}"
-    base = [sys.executable, "-m", "trainer.evaluate", f"checkpoint={run}", "saved_paths=true"]
+    theirs = received(run / "checkpoints" / f"step_{STEPS:08d}", tmp_path / "theirs")
+    evaluate = [sys.executable, "-m", "trainer.evaluate"]
+    base = [*evaluate, f"checkpoint={theirs}", "saved_paths=true"]
     results = launch_all(
         {
+            "own": [*evaluate, f"checkpoint={run}"],
             "refused": base,
             "trusted": [*base, "trust=[extpkg]"],
             "restated": [*base, "model._target_=extpkg.models.BigramLM"],
@@ -245,7 +252,7 @@ def test_users_own_model_needs_trust(world: dict[str, Any]) -> None:
     refused = results["refused"]
     assert refused.returncode == 2, explain(refused)
     assert "trust=[extpkg]" in refused.stderr and "model._target_" in refused.stderr
-    for name in ("trusted", "restated"):
+    for name in ("own", "trusted", "restated"):
         proc = results[name]
         assert proc.returncode == 0, f"{name}\n{explain(proc)}"
         got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -469,3 +476,141 @@ def test_path_keys_are_known_by_name() -> None:
     assert parse_saved_paths(["a=1"]) == (False, ["a=1"])
     with pytest.raises(UserError, match="saved_paths"):
         parse_saved_paths(["saved_paths=yes"])
+
+
+@pytest.mark.launches
+def test_own_checkpoints_are_known_by_their_signature(
+    world: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run this session trained is its own: its paths are taken with no flag. Edited (one
+    value that names no path or code), signed with another secret, or saved before signing
+    existed (no signature), its config is data again: the path is refused as for any received
+    checkpoint. Deleting the secret revokes: the run's own checkpoint is refused too, and
+    evaluating creates no new secret."""
+    from trainer.config.signing import ENV, SECRET
+    from trainer.config.trust import UntrustedConfigError
+    from trainer.run.evaluation import checkpoint_config
+    from trainer.run.state import DERIVED, SIGNATURE
+
+    ckpt = world["run"] / "checkpoints" / f"step_{STEPS:08d}"
+    cfg = checkpoint_config(ckpt, [])
+    assert cfg.data.path == str(world["text"])
+
+    def edited(cfg: dict[str, Any]) -> None:
+        cfg["eval"]["max_batches"] = 1
+
+    def unsigned(state: dict[str, Any]) -> None:  # as written before signatures
+        del state[SIGNATURE], state[DERIVED]
+
+    others = {
+        "edited": craft(ckpt, tmp_path / "edited", edited),
+        "elsewhere": received(ckpt, tmp_path / "elsewhere"),
+        "unsigned": rewrite_state(ckpt, tmp_path / "unsigned", unsigned),
+    }
+    for name, path in others.items():
+        with pytest.raises(UntrustedConfigError, match=r"sets `data.path: .*saved_paths=true"):
+            checkpoint_config(path, [])
+        again = checkpoint_config(path, [], saved_paths=True)  # as before: by the user's word
+        assert again.data.path == str(world["text"]), name
+
+    # Revoked: the secret deleted (a copy of this session's, so other tests keep theirs).
+    mine = tmp_path / "config"
+    mine.mkdir()
+    shutil.copy(Path(os.environ[ENV]) / SECRET, mine / SECRET)
+    monkeypatch.setenv(ENV, str(mine))
+    checkpoint_config(ckpt, [])
+    (mine / SECRET).unlink()
+    with pytest.raises(UntrustedConfigError, match=r"sets `data.path: "):
+        checkpoint_config(ckpt, [])
+    assert list(mine.iterdir()) == []
+
+
+@pytest.mark.launches
+def test_saved_derived_keys_are_references_only(world: dict[str, Any], tmp_path: Path) -> None:
+    """The keys a checkpoint says its config derives are data too: a derivation through any
+    resolver (`oc.env`, reading the environment) or onto a `_target_` is refused as an
+    alteration, before anything is resolved."""
+    from trainer.config.trust import UntrustedConfigError
+    from trainer.run.evaluation import checkpoint_config
+    from trainer.run.state import DERIVED
+
+    ckpt = world["run"] / "checkpoints" / f"step_{STEPS:08d}"
+    for i, (key, value) in enumerate(
+        [
+            ("data.pretrained", "${oc.env:HOME}"),
+            ("data.pretrained", "${oc.select:model.pretrained,${oc.env:HOME}}"),
+            ("model._target_", "${data.path}"),
+            ("data.path", "/tmp/${seed}"),
+        ]
+    ):
+
+        def derive(state: dict[str, Any], key: str = key, value: str = value) -> None:
+            state[DERIVED][key] = value
+
+        crafted = rewrite_state(ckpt, tmp_path / f"ckpt_{i}", derive)
+        with pytest.raises(UntrustedConfigError, match="altered"):
+            checkpoint_config(crafted, [], saved_paths=True)
+
+
+def test_the_secret_is_created_once_private_and_never_by_a_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Processes that save at once share one secret (mode 0600 in a 0700 directory); checking a
+    signature where there is no secret says "not own" and writes nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainer.config.signing import ENV, SECRET, is_own, sign
+
+    monkeypatch.setenv(ENV, str(tmp_path / "cumulus"))
+    record = {"config": {"a": 1, "b": [1.5, None, "x"]}, "derived": {}}
+    assert not is_own(record, "hmac-sha256:00")
+    assert not (tmp_path / "cumulus").exists()
+    with ThreadPoolExecutor(8) as pool:
+        signatures = set(pool.map(lambda _: sign(record), range(16)))
+    assert len(signatures) == 1 and is_own(record, signatures.pop())
+    assert sorted(p.name for p in (tmp_path / "cumulus").iterdir()) == [SECRET]
+    assert (tmp_path / "cumulus" / SECRET).stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "cumulus").stat().st_mode & 0o777 == 0o700
+    signature = sign(record)
+    assert not is_own({**record, "config": {"a": 1, "b": [1.5, None, "y"]}}, signature)
+    assert not is_own({**record, "config": {"a": True, "b": [1.5, None, "x"]}}, signature)
+    assert not is_own(record, signature.upper()) and not is_own(record, None)
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        ["model=hf_llama", "data=stdlib"],
+        ["model=hf_llama", "data=hf"],
+        ["model=hf_llama", "data=chat"],
+        ["model=hf_encoder", "task=contrastive", "data=pairs"],
+        ["model=gpt_tiny", "data=stdlib"],
+    ],
+)
+def test_derived_keys_follow_what_the_user_gives_now(choice: list[str]) -> None:
+    """A saved config (resolved) with its derived keys, composed again as evaluation and export
+    compose it: with no override, exactly the saved values; with `model.pretrained=NEW_DIR`,
+    every key the run derived from it (`data.pretrained`, `data.tokenizer` for pairs) is the
+    new directory, and a key the user set at training keeps its value."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import compose_config
+    from trainer.config.trust import derived_keys
+    from trainer.run.evaluation import compose_config as compose_saved
+
+    old, new = "/old/base", "/moved/base"
+    pretrained = [f"model.pretrained={old}"] if choice[0].startswith("model=hf") else []
+    composed = compose_config([*choice, *pretrained, "data.packed=false"])
+    saved = OmegaConf.to_container(composed, resolve=True)
+    derived = derived_keys(composed)
+    assert "data.packed" not in derived  # set by the user: saved as given
+    again, _ = compose_saved(saved, [], derived)
+    assert OmegaConf.to_container(again, resolve=True) == saved
+    if not pretrained:
+        return
+    follows = [k for k, v in derived.items() if "model.pretrained" in v]
+    assert follows, derived
+    moved, _ = compose_saved(saved, [f"model.pretrained={new}"], derived)
+    for key in follows:
+        assert OmegaConf.select(moved, key) == new, key
+    assert moved.data.packed is False

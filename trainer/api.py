@@ -40,13 +40,15 @@ def train(
 
     from engine.distributed import init_distributed, shutdown_distributed
     from trainer.config.cli import to_config
+    from trainer.config.trust import derived_keys
     from trainer.run.lifecycle import train as train_run
 
-    cfg, plain = to_config(compose(overrides, config_dir))
+    composed = compose(overrides, config_dir)
+    cfg, plain = to_config(composed)
     info = init_distributed(cfg.dist.backend, cfg.train.device, cfg.dist.timeout_s)
     run_dir = Path(run_dir)
     try:
-        train_run(cfg, plain, info, run_dir)
+        train_run(cfg, plain, info, run_dir, derived_keys(composed))
     finally:
         shutdown_distributed(clean=False)
     metrics = run_dir / "metrics.jsonl"
@@ -66,9 +68,11 @@ def evaluate(
     """Evaluate a checkpoint (or a run directory's newest valid one) in this process and
     return its metrics, as `python -m trainer.evaluate checkpoint=... OVERRIDES` prints them.
 
-    The checkpoint's saved config is untrusted input: targets it names outside what cumulus
-    ships must be under a `trust` prefix (`trust=["mypkg"]`) or in `config_dir`, and paths it
-    sets must be restated in `overrides` (`"data.path=..."`) or taken with `saved_paths=True`.
+    A checkpoint of your own (signed with your secret: README, Security) needs neither. A
+    received checkpoint's saved config is untrusted input: targets it names outside what
+    cumulus ships must be under a `trust` prefix (`trust=["mypkg"]`) or in `config_dir`, and
+    paths it sets must be restated in `overrides` (`"data.path=..."`) or taken with
+    `saved_paths=True`.
     """
     from engine.distributed import init_distributed, shutdown_distributed
     from trainer.config.cli import check_overrides, to_config

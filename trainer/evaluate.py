@@ -8,10 +8,12 @@ exactly as training takes them (`eval.max_batches=null` for the whole validation
 metrics as one JSON object on the last line of stdout. Writes nothing.
 `weights=NAME` evaluates the weights an averaging callback (`ema`) kept instead.
 
-The saved config is untrusted input (trainer/config/trust.py): only targets cumulus ships,
-targets the user restates and those under `trust=[PKG,...]` are built; paths it sets (data,
-tokenizer, pretrained model, cache) are refused unless restated on the command line
-(`data.path=...`) or taken with `saved_paths=true`.
+A checkpoint of the user's own (its config signed with their secret,
+trainer/config/signing.py) is evaluated as trained, with no flag. A received one's saved config
+is untrusted input (trainer/config/trust.py): only targets cumulus ships, targets the user
+restates and those under `trust=[PKG,...]` are built; paths it sets (data, tokenizer,
+pretrained model, cache) are refused unless restated on the command line (`data.path=...`)
+or taken with `saved_paths=true`.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from trainer.config.cli import check_overrides, compose_once, exit_with, run_command
 from trainer.config.errors import UserError
 from trainer.config.schema import register_configs
+from trainer.config.trust import derived_keys
 from trainer.run.identity import register_resolvers
 from trainer.run.lifecycle import remove_if_unused, train
 from trainer.run.preemption import watch_launcher
@@ -27,7 +28,10 @@ def main(cfg: DictConfig) -> None:
     fresh = run_dir.is_dir() and not any(run_dir.iterdir())  # Hydra just made it
     watch_launcher()  # under torchrun: stop if the launcher dies, from start-up on
     try:
-        run_command(cfg, lambda config, plain, info: train(config, plain, info, run_dir))
+        run_command(
+            cfg,
+            lambda config, plain, info: train(config, plain, info, run_dir, derived_keys(cfg)),
+        )
     except SystemExit as exc:
         if exc.code and fresh and os.environ.get("RANK", "0") == "0":
             remove_if_unused(run_dir)

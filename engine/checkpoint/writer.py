@@ -248,6 +248,11 @@ class CheckpointWriter:
         except BaseException as exc:  # agreed on by settle() on the training thread
             self._error = exc
 
+    @property
+    def in_flight(self) -> bool:
+        """A background write has started and is not settled yet (the same on every rank)."""
+        return self._pending is not None
+
     def wait(self) -> BaseException | None:
         """Local, not collective: join this rank's background write; its error, if any. For
         paths where the other ranks may not be here (a failure elsewhere)."""

@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ Task = Any  # engine/step.py's Task: count_items(batch), loss_sum(model, batch)
 
 # A function giving a batch's sums for evaluation: (task, model, batch) -> {"loss": ..., ...}.
 SumsOf = Callable[[Any, Any, Any], dict[str, torch.Tensor]]
+T = TypeVar("T")  # what a guarded moment returns
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class WindowGuard(Protocol):
     """What wraps the window's moments (engine/steps/oom.py's out-of-memory guard); the null
     guard runs each as it is."""
 
-    def micro_batch(self, index: int, count: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def micro_batch(self, index: int, count: int, fn: Callable[[], T]) -> T:
         """Run micro-batch `index` of `count` (`fn`: its forward and backward)."""
         ...
 
@@ -79,7 +80,7 @@ class WindowGuard(Protocol):
 class NoGuard:
     """Runs every moment as it is: the parallelism's own gradient sync."""
 
-    def micro_batch(self, index: int, count: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def micro_batch(self, index: int, count: int, fn: Callable[[], T]) -> T:
         del index, count
         return fn()
 

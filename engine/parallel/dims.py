@@ -54,8 +54,8 @@ class ParallelDims:
             "dist.strategy",
             f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}",
         )
-        for key in ("pp", "pp_virtual", "tp", "cp"):
-            value = getattr(self, key)
+        sizes = {"pp": self.pp, "pp_virtual": self.pp_virtual, "tp": self.tp, "cp": self.cp}
+        for key, value in sizes.items():
             _require(
                 type(value) is int and value > 0,
                 f"dist.{key}",
@@ -107,7 +107,8 @@ class ParallelDims:
         n = self.pp * self.tp * self.cp
         if self.world % n == 0:  # type: ignore[operator]
             return
-        split = [k for k in ("pp", "cp", "tp") if getattr(self, k) > 1]
+        sizes = {"pp": self.pp, "cp": self.cp, "tp": self.tp}
+        split = [k for k, size in sizes.items() if size > 1]
         key = f"dist.{split[0]}"
         what = " x ".join(_NAMES[k] for k in split)
         what += " stages" if split == ["pp"] else " ranks"

@@ -42,7 +42,7 @@ from engine.parallel.base import NO_GUARD, WindowGuard, all_reduce_flat
 from engine.step import Batch, StepContext, StepResult
 from engine.steps.accumulate import StepGuard, Unguarded, apply_update, count_step, count_window
 from engine.tasks import TaskOutputError
-from engine.window_task import WindowTask, loss_parameters
+from engine.window_task import WindowTask, loss_parameters, needs_window_task
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -77,8 +77,11 @@ class CachedStep:
         window_guard = guard.window(ctx) or NO_GUARD
         reps, replays = represent_window(ctx, task, window, window_guard)  # pass 1
         buffers = ModuleBuffers(ctx.model)  # BatchNorm statistics: pass 1 updated them
-        loss = WindowLoss(ctx, task, global_count, self.chunk_size)
-        window_guard.micro_batch(len(window) - 1, len(window), lambda: loss(reps))
+        loss = window_guard.micro_batch(
+            len(window) - 1,
+            len(window),
+            lambda: window_gradient(ctx, task, reps, global_count, self.chunk_size),
+        )
         backward_window(ctx, task, window, replays, loss.grads, global_count, window_guard)
         buffers.restore()  # once per micro-batch, as with step=accumulate
         grad_norm, found_inf, lr = guard.update(ctx, lambda: apply_update(ctx))
@@ -89,11 +92,7 @@ class CachedStep:
 
 def window_task(ctx: StepContext) -> WindowTask:
     if not isinstance(ctx.task, WindowTask):
-        raise TypeError(
-            f"step=cached needs a task whose loss is of the whole window (represent(model, "
-            f"batch) and window_loss(reps, rows), engine/window_task.py); "
-            f"{type(ctx.task).__name__} has none: use step=accumulate"
-        )
+        raise TypeError(needs_window_task(type(ctx.task).__name__))
     return ctx.task
 
 
@@ -185,50 +184,52 @@ def represent_window(
     return torch.cat(reps), replays
 
 
-class WindowLoss:
-    """The window's loss and its gradient with respect to this rank's representations (and
-    the task's own parameters): `grads` (the rows of this rank's window, in order, scaled for
-    the data-parallel wrapper's averaging and the loss scale) and `loss_sum` (this rank's
-    rows' summed loss, detached) once called."""
+@dataclass(frozen=True)
+class WindowGradient:
+    """The window's loss and its gradient with respect to this rank's representations."""
 
-    def __init__(
-        self, ctx: StepContext, task: WindowTask, global_count: torch.Tensor, chunk_size: int
-    ) -> None:
-        self.ctx, self.task, self.chunk_size = ctx, task, chunk_size
-        self.count = global_count.clamp(min=1)  # an all-padding window
-        self.grads = torch.empty(0)
-        self.loss_sum = torch.zeros(())
+    loss_sum: torch.Tensor  # this rank's rows' summed loss, detached
+    # (rows of this rank's window, ...), in order, scaled for the data-parallel wrapper's
+    # averaging and the loss scale
+    grads: torch.Tensor
 
-    def __call__(self, reps: torch.Tensor) -> torch.Tensor:
-        ctx = self.ctx
-        mine = reps.detach().requires_grad_()
-        with ctx.clock.collective("representations gathered"):
-            whole, offset = gather_rows(mine, ctx.parallel.dp_group)  # (window, ...)
-        # The loss's graph ends at a leaf copy of the gathered rows: each chunk's graph is
-        # freed by its own backward, and the gather's backward (a collective) runs once.
-        cut = whole.detach().requires_grad_()
-        loss_sum = torch.zeros((), dtype=cut.dtype, device=cut.device)
-        for start in range(offset, offset + mine.shape[0], self.chunk_size):
-            rows = slice(start, min(start + self.chunk_size, offset + mine.shape[0]))
-            part = self.task.window_loss(cut, rows)
-            if not isinstance(part, torch.Tensor) or part.dim() != 0:
-                raise TaskOutputError(
-                    f"{type(self.task).__name__}.window_loss(reps, rows) must return the summed "
-                    f"loss of those rows as a scalar tensor; it returned {type(part).__name__}"
-                    + (f" of shape {tuple(part.shape)}" if isinstance(part, torch.Tensor) else "")
-                )
-            part = part.float() if part.dtype in _HALF else part
-            if part.requires_grad:
-                ctx.precision.backward(part / self.count.to(part.dtype))
-            loss_sum = loss_sum + part.detach()
-        grad = cut.grad if cut.grad is not None else torch.zeros_like(cut)
-        with ctx.clock.collective("representation gradients summed"):
-            whole.backward(grad)  # summed over ranks: this rank's rows of the whole gradient
-            sync_loss_parameters(ctx)
-        assert mine.grad is not None
-        self.grads = mine.grad * ctx.grad_sync_divisor
-        self.loss_sum = loss_sum
-        return loss_sum
+
+def window_gradient(
+    ctx: StepContext,
+    task: WindowTask,
+    reps: torch.Tensor,
+    global_count: torch.Tensor,
+    chunk_size: int,
+) -> WindowGradient:
+    """The window's loss over this rank's rows of `reps`, `chunk_size` rows at a time, and its
+    gradient with respect to them (the task's own parameters get theirs, summed over ranks)."""
+    count = global_count.clamp(min=1)  # an all-padding window
+    mine = reps.detach().requires_grad_()
+    with ctx.clock.collective("representations gathered"):
+        whole, offset = gather_rows(mine, ctx.parallel.dp_group)  # (window, ...)
+    # The loss's graph ends at a leaf copy of the gathered rows: each chunk's graph is freed
+    # by its own backward, and the gather's backward (a collective) runs once.
+    cut = whole.detach().requires_grad_()
+    loss_sum = torch.zeros((), dtype=cut.dtype, device=cut.device)
+    for start in range(offset, offset + mine.shape[0], chunk_size):
+        rows = slice(start, min(start + chunk_size, offset + mine.shape[0]))
+        part = task.window_loss(cut, rows)
+        if not isinstance(part, torch.Tensor) or part.dim() != 0:
+            raise TaskOutputError(
+                f"{type(task).__name__}.window_loss(reps, rows) must return the summed loss of "
+                f"those rows as a scalar tensor; it returned {type(part).__name__}"
+                + (f" of shape {tuple(part.shape)}" if isinstance(part, torch.Tensor) else "")
+            )
+        part = part.float() if part.dtype in _HALF else part
+        if part.requires_grad:
+            ctx.precision.backward(part / count.to(part.dtype))
+        loss_sum = loss_sum + part.detach()
+    grad = cut.grad if cut.grad is not None else torch.zeros_like(cut)
+    with ctx.clock.collective("representation gradients summed"):
+        whole.backward(grad)  # summed over ranks: this rank's rows of the whole gradient
+        sync_loss_parameters(ctx)
+    assert mine.grad is not None
+    return WindowGradient(loss_sum, mine.grad * ctx.grad_sync_divisor)
 
 
 def sync_loss_parameters(ctx: StepContext) -> None:

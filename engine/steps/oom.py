@@ -263,7 +263,7 @@ class OomGuard:
         return out
 
     # ---- the window's moments (engine/parallel/base.py's WindowGuard) ----
-    def micro_batch(self, index: int, count: int, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def micro_batch(self, index: int, count: int, fn: Callable[[], T]) -> T:
         micro_sum, failed = self.agree.attempt(fn)
         if failed or micro_sum is None:
             assert self.ctx is not None

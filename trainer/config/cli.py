@@ -228,7 +228,7 @@ def to_config(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
 def interpolation_error(cfg: DictConfig, exc: OmegaConfBaseException) -> ConfigError:
     """`${a.b}` that does not resolve: the key holding it, what it refers to, and what
     exists there."""
-    key = getattr(exc, "full_key", None) or "?"
+    key = exc.full_key or "?"
     text = str(exc).strip().splitlines()[0]
     try:
         raw = OmegaConf.to_container(cfg, resolve=False)
@@ -265,7 +265,7 @@ def is_peer_failure(exc: BaseException) -> bool:
     """A collective that failed because another rank died or hung up."""
     import torch.distributed as dist
 
-    if isinstance(exc, getattr(dist, "DistNetworkError", ())):
+    if isinstance(exc, dist.DistNetworkError):
         return True
     text = str(exc)
     return any(
@@ -337,9 +337,9 @@ def user_error(exc: UserError, info: DistInfo | None) -> NoReturn:
     # Others (a data file missing on one node) name their rank. A `quiet` error was printed
     # where it arose, on the rank chosen to say it (`printed`): a hung rank is named by the
     # first rank that waited for it (trainer/run/hang.py).
-    shared = info is None or not info.distributed or getattr(exc, "all_ranks", False)
-    if getattr(exc, "quiet", False):
-        printed = getattr(exc, "printed", False)
+    shared = info is None or not info.distributed or exc.all_ranks
+    if exc.quiet:
+        printed = exc.printed
     elif not shared:
         print(f"error (rank {info.rank}): {exc}", file=sys.stderr, flush=True)
         printed = True

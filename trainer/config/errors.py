@@ -8,6 +8,9 @@ class UserError(Exception):
 
     # True when every rank raises the same error (rank 0 alone prints it).
     all_ranks = False
+    # True when the error was printed where it arose, on the rank that `printed` it.
+    quiet = False
+    printed = False
 
     def __init__(self, message: str, *, all_ranks: bool | None = None) -> None:
         super().__init__(message)

@@ -321,11 +321,18 @@ class AdapterCfg:
             "adapter",
             f"must be one of {', '.join(ADAPTERS)} (adapter=lora), got {self.kind!r}",
         )
-        lora = ("r", "alpha", "dropout", "target_modules", "modules_to_save", "use_dora")
+        lora = {
+            "r": self.r,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "target_modules": self.target_modules,
+            "modules_to_save": self.modules_to_save,
+            "use_dora": self.use_dora,
+        }
         if self.kind == "none":
-            for name in lora:
+            for name, value in lora.items():
                 require(
-                    getattr(self, name) is None,
+                    value is None,
                     f"adapter.{name}",
                     "is set but no adapter is selected: add adapter=lora (the default is "
                     "adapter=none, which trains every weight)",
@@ -449,6 +456,22 @@ class Config:
     profile: ProfileCfg = field(default_factory=ProfileCfg)
     # python -m trainer.plan only (training ignores it).
     plan: PlanCfg = field(default_factory=PlanCfg)
+
+    def __post_init__(self) -> None:
+        # A window that starts after the last step would trace nothing and exit 0 with an
+        # empty profile/. One that starts inside and ends after is clipped at the last step
+        # (trainer/tracking/profiler.py says so at start-up): it still traces what there is,
+        # and a later run extended with a larger train.max_steps traces the window whole.
+        first, last = self.profile.steps
+        require(
+            self.profile.kind == "none" or first <= self.train.max_steps,
+            "profile.steps",
+            f"[{first}, {last}] starts after the run's last step (train.max_steps="
+            f"{self.train.max_steps}), so nothing would be profiled; set profile.steps to a "
+            f"window that starts at a step from 1 to {self.train.max_steps} (e.g. "
+            f"[{min(3, self.train.max_steps)}, {min(4, self.train.max_steps)}]) or raise "
+            "train.max_steps",
+        )
 
 
 COMPONENTS = ("model", "task", "data", "optim", "scheduler", "step")

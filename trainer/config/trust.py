@@ -21,6 +21,11 @@ cache). A path the file sets (one that differs from what this version's configs 
 that the user did not restate) is not used: the user gives it on the command line
 (`data.path=...`) or says `saved_paths=true` to take the file's paths. Nothing is read or
 written where a received file alone says so.
+
+A config this user's secret signed (trainer/config/signing.py) is their own run's: its targets
+and paths are theirs. The keys a run derived from others (`data.pretrained` from
+`model.pretrained`) are saved beside the resolved config as references to other keys
+(`derived_keys`), never through a resolver, and derived again from what the user gives now.
 """
 
 from __future__ import annotations
@@ -74,6 +79,66 @@ def _interpolations(node: Any) -> Iterator[str]:
     """Keys whose value is an OmegaConf interpolation (`${...}`): a saved config is resolved,
     so one there was put by hand, and resolving it could hide what a `_target_` names."""
     return (key for key, value in _leaves(node) if isinstance(value, str) and "${" in value)
+
+
+# A reference to another key: `${a.b}`, `${.sibling}` or `${oc.select:a.b,DEFAULT}` whose
+# default is a literal or another such reference. No other resolver: one could read the
+# environment or a file.
+_REFERENCE = re.compile(r"\$\{(?:oc\.select:)?\.*[A-Za-z_][A-Za-z0-9_.]*(?:,[A-Za-z0-9_.+\-]*)?\}")
+
+
+def is_reference(value: Any) -> bool:
+    """Whether `value` is, as a whole, an interpolation that only copies another key's value
+    (or a literal default): innermost references are folded until one is left."""
+    if not isinstance(value, str) or "${" not in value:
+        return False
+    rest = value
+    while (folded := _REFERENCE.sub("R", rest)) != rest:
+        rest = folded
+    return rest == "R"
+
+
+def derived_keys(cfg: Any) -> dict[str, str]:
+    """The keys of a composed config (a DictConfig) whose value another key gives
+    (`data.pretrained: ${oc.select:model.pretrained,null}`), with their interpolation. A
+    checkpoint saves its config resolved and these beside it, so that evaluation and export
+    derive them again from what the user gives then (`model.pretrained=NEW_DIR`)."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    return {
+        key: value
+        for key, value in _leaves(raw)
+        if "[" not in key
+        and not key.endswith(TARGET)
+        and not key.startswith("hydra.")
+        and is_reference(value)
+    }
+
+
+def check_derived(derived: Any, source: Path) -> dict[str, str]:
+    """The derived keys saved in `source` (none before they were saved), each a reference to
+    another key, as cumulus writes them; refused otherwise."""
+    if derived is None:
+        return {}
+    if not isinstance(derived, dict):
+        raise UntrustedConfigError(
+            f"checkpoint: {source} holds derived keys that are not a mapping (got "
+            f"{type(derived).__name__}); it was not written by cumulus or was altered"
+        )
+    for key, value in derived.items():
+        if not isinstance(key, str) or "[" in key or key.endswith(TARGET):
+            raise UntrustedConfigError(
+                f"checkpoint: {source} derives {key!r}, which cumulus never derives; it was "
+                "altered and is not used. Nothing from it was imported or run."
+            )
+        if not is_reference(value):
+            raise UntrustedConfigError(
+                f"checkpoint: {source} derives `{key}` as {value!r}, which is not a reference "
+                "to another key as cumulus saves them; it was altered and is not used. Nothing "
+                "from it was imported or run."
+            )
+    return derived
 
 
 def _yaml_targets(folder: Path) -> set[str]:

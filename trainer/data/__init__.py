@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from trainer.config.errors import ConfigError
 from trainer.data.collate import PadCollate, pad_collate
@@ -46,14 +46,18 @@ class DataSplits:
 FIELDS = [f.name for f in dataclasses.fields(DataSplits)]
 
 
+@runtime_checkable
+class MapStyle(Protocol):
+    """A map-style dataset: its length, and a sample by index."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> Any: ...
+
+
 def _is_map_style(ds: Any) -> bool:
     from torch.utils.data import IterableDataset
 
-    return (
-        not isinstance(ds, IterableDataset)
-        and hasattr(ds, "__len__")
-        and hasattr(ds, "__getitem__")
-    )
+    return not isinstance(ds, IterableDataset) and isinstance(ds, MapStyle)
 
 
 def as_splits(obj: Any, target: str) -> DataSplits:
@@ -79,8 +83,7 @@ def as_splits(obj: Any, target: str) -> DataSplits:
             f"{target} returned a {type(obj).__name__}; it must return "
             '{"train": Dataset, "val": Dataset, "collate_fn": optional} (or DataSplits)',
         )
-    for name in ("train", "val"):
-        ds = getattr(splits, name)
+    for name, ds in (("train", splits.train), ("val", splits.val)):
         if not _is_map_style(ds):
             raise ConfigError(
                 "data._target_",

@@ -14,8 +14,9 @@ conversation left with no supervised target is dropped, and every drop is counte
 (trainer/data/packing.py); a batch then carries `position_ids` that restart at 0 with each
 conversation, which is how the models keep each conversation attending only to itself.
 
-A sample is a dict of `input_ids`, `shift_labels` (the token each position predicts, -100
-where it predicts nothing: prompts, the last token of each conversation, padding) and, packed,
+A row is a `TextSequence` (trainer/data/sequence.py, which aligns the labels); its sample is
+a dict of `input_ids`, `shift_labels` (the token each position predicts, -100 where it
+predicts nothing: prompts, the last token of each conversation, padding) and, packed,
 `position_ids`. The loss is the cross-entropy summed over the supervised targets, divided by
 their number over the whole window (engine/steps/accumulate.py).
 """
@@ -35,13 +36,14 @@ from engine.tasks import IGNORE_INDEX
 from trainer.config.errors import UserError
 from trainer.data import DataSplits
 from trainer.data.chat_encode import ChatEncoder
-from trainer.data.chat_render import MARKERS, TRAIN_ON, chat_template, load_tokenizer
+from trainer.data.chat_render import MARKERS, TRAIN_ON, chat_template
 from trainer.data.chat_rows import COLUMNS
 from trainer.data.collate import PadCollate
 from trainer.data.hf import sources
 from trainer.data.packing import one_per_row, pack
+from trainer.data.sequence import TextSequence
 from trainer.data.shards import Source, TokenStore, open_shards
-from trainer.data.tokenize import tokenizer_source
+from trainer.data.tokenize import load_hf_tokenizer, tokenizer_source
 
 TRUNCATION = ("drop", "cut")
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -106,7 +108,7 @@ class ChatSamples:
         return self.selection.dropped
 
     def conversations(self, row: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The (token ids, supervision mask) of each conversation of `row`, in row order."""
+        """The (token ids, target mask) of each conversation of `row`, in row order."""
         out = []
         for c in self.conv[self.row_ptr[row] : self.row_ptr[row + 1]].tolist():
             a = int(self.starts[c])
@@ -116,23 +118,12 @@ class ChatSamples:
             )
         return out
 
+    def sequence(self, row: int) -> TextSequence:
+        """Row `row` aligned for next-token prediction (what training and preview read)."""
+        return TextSequence.from_documents(self.conversations(row))
+
     def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
-        ids, labels, positions = [], [], []
-        for tokens, mask in self.conversations(row):
-            # Position t predicts token t + 1 of its own conversation when that one is
-            # supervised; the last token predicts nothing: no target crosses a boundary.
-            shift = np.full(len(tokens), IGNORE_INDEX, np.int64)
-            shift[:-1] = np.where(mask[1:] == 1, tokens[1:], IGNORE_INDEX)
-            ids.append(tokens)
-            labels.append(shift)
-            positions.append(np.arange(len(tokens), dtype=np.int64))
-        sample = {
-            "input_ids": torch.from_numpy(np.concatenate(ids)),
-            "shift_labels": torch.from_numpy(np.concatenate(labels)),
-        }
-        if self.packed:
-            sample["position_ids"] = torch.from_numpy(np.concatenate(positions))
-        return sample
+        return self.sequence(row).as_sample(self.packed)
 
 
 def collate(packed: bool) -> PadCollate:
@@ -178,8 +169,8 @@ def _source(path: str) -> Source:
 
 
 @dataclass
-class Opened:
-    """The tokenizer, the encoder and the stores of a chat data set."""
+class ChatStores:
+    """A chat data set opened: its tokenizer, its encoder and its token stores."""
 
     tok: Any
     encoder: ChatEncoder
@@ -196,8 +187,9 @@ def open_chat(
     pretrained: str | None,
     cache_dir: str | None,
     tokenize_workers: int | None,
-) -> Opened:
-    """Tokenize (once per job) or reuse the data set's shards."""
+) -> ChatStores:
+    """Tokenize (once per job) or reuse the data set's shards. The tokenizer is loaded once
+    here; the encoder (and the workers it forks into) use it."""
     if not path or path == "required":
         raise ValueError("path: data=chat needs data.path= a .jsonl, .parquet or save_to_disk dir")
     tok_path = tokenizer_source(tokenizer, pretrained)
@@ -209,17 +201,17 @@ def open_chat(
             f"one{where}"
         )
     key = "data.tokenizer" if tokenizer else "model.pretrained"
-    tok = load_tokenizer(tok_path, key)
+    tok = load_hf_tokenizer(tok_path, key)
     template = chat_template(tok, chat_template_file, tok_path)
     origin = "data.chat_template" + ("" if chat_template_file else f" (the template of {tok_path})")
-    encoder = ChatEncoder(str(tok_path), template, origin, train_on)
+    encoder = ChatEncoder(str(tok_path), template, origin, train_on, tok)
     train_src = _source(path)
     val_src = _source(val_path) if val_path else None
 
     def load(src: Source) -> TokenStore:
         return open_shards(src, None, cache_dir, tokenize_workers, encoder=encoder)
 
-    return Opened(tok, encoder, load(train_src), load(val_src) if val_src else None)
+    return ChatStores(tok, encoder, load(train_src), load(val_src) if val_src else None)
 
 
 def chat_data(
@@ -252,39 +244,39 @@ def chat_data(
         import tempfile
 
         cache_dir = tempfile.mkdtemp(prefix="cumulus-shards-")
-    opened = open_chat(
+    stores = open_chat(
         path, val_path, tokenizer, chat_template, train_on, pretrained, cache_dir, tokenize_workers
     )
-    train, val = _splits(opened, length, truncation == "cut", packed, val_every_nth, seed)
+    train, val = _splits(stores, length, truncation == "cut", packed, val_every_nth, seed)
     if not len(train):
-        raise UserError(_nothing_to_train(path, train.selection, length, opened.encoder))
+        raise UserError(_nothing_to_train(path, train.selection, length, stores.encoder))
     if not len(val):
         raise UserError(
             f"data.path: {path} leaves no validation conversation (data.val_every_nth="
             f"{val_every_nth}); give more rows, or data.val_path="
         )
-    tok = opened.tok
+    tok = stores.tok
     return DataSplits(
         train=train,
         val=val,
         collate_fn=collate(packed),
-        vocab_size=max(len(tok), opened.train.max_id + 1),
+        vocab_size=max(len(tok), stores.train.max_id + 1),
         seq_len=length,
         decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
-        description=_description(path, opened, train, val, length),
+        description=_description(path, stores, train, val, length),
     )
 
 
 def _splits(
-    opened: Opened, length: int, cut: bool, packed: bool, val_every_nth: int, seed: int
+    stores: ChatStores, length: int, cut: bool, packed: bool, val_every_nth: int, seed: int
 ) -> tuple[ChatSamples, ChatSamples]:
-    store = opened.train
+    store = stores.train
     every = np.arange(len(store.doc_offsets) - 1)
-    if opened.val is None:  # every n-th conversation validates
+    if stores.val is None:  # every n-th conversation validates
         held = every % val_every_nth == 0
         parts = [(store, every[~held]), (store, every[held])]
     else:
-        parts = [(store, every), (opened.val, np.arange(len(opened.val.doc_offsets) - 1))]
+        parts = [(store, every), (stores.val, np.arange(len(stores.val.doc_offsets) - 1))]
     out = []
     for k, (s, candidates) in enumerate(parts):
         chosen = select(s, candidates, length, cut)
@@ -305,10 +297,10 @@ def _nothing_to_train(path: str, sel: Selection, length: int, encoder: ChatEncod
 
 
 def _description(
-    path: str, opened: Opened, train: ChatSamples, val: ChatSamples, length: int
+    path: str, stores: ChatStores, train: ChatSamples, val: ChatSamples, length: int
 ) -> str:
     sel = train.selection
-    masks = "generation markers" if MARKERS.search(opened.encoder.template) else "prefix method"
+    masks = "generation markers" if MARKERS.search(stores.encoder.template) else "prefix method"
     dropped = (
         f"; {sel.dropped} dropped ({sel.too_long} longer than data.max_length, "
         f"{sel.unsupervised} with no supervised token)"
@@ -316,9 +308,9 @@ def _description(
         else ""
     )
     rows = f"packed into {len(train)} rows" if train.packed else f"{len(train)} rows"
-    cache = "token cache reused: " if opened.train.reused else "tokenized into "
+    cache = "token cache reused: " if stores.train.reused else "tokenized into "
     return (
         f"{len(sel.docs)} train / {len(val.selection.docs)} val conversations from {path}"
         f"{dropped}, {rows} of up to {length} tokens, masks from {masks} ({cache}"
-        f"{opened.train.root})"
+        f"{stores.train.root})"
     )

@@ -14,84 +14,37 @@ supervised (`data.train_on`).
 - `completion`: everything after the prompt rendered with its generation prompt (the same
   check), trailing whitespace left out; `all`: every character.
 
-Characters become tokens through the tokenizer's offsets: a token is supervised from the one
-holding a span's first character through the one holding its last.
+Which tokens those characters are is trainer/data/chat_encode.py's (`token_mask`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from trainer.config.errors import UserError
 from trainer.data.chat_rows import Conversation
 from trainer.data.encoding import BadRecord
-from trainer.data.tokenize import EXTRA
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 TRAIN_ON = ("assistant", "last_assistant", "completion", "all")
 MARKERS = re.compile(r"\{%-?\s*generation\s*-?%\}")
-# Files of a tokenizer directory that decide its ids and the text its template renders.
-TOKENIZER_FILES = re.compile(
-    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|chat_template.*|vocab.*|"
-    r"merges.*|.*\.model|.*\.tiktoken)$"
-)
 Span = tuple[int, int]
 
 
 class TemplateRefused(BadRecord):
     """The chat template cannot tell the supervised tokens apart (not prefix-preserving)."""
 
-
-def load_tokenizer(path: str | Path, key: str = "data.tokenizer") -> Any:
-    """A transformers fast tokenizer from a tokenizer directory (`AutoTokenizer`, never running
-    code from it) or a bare tokenizer.json; one paragraph when it cannot be read."""
-    try:
-        import transformers
-    except ImportError:
-        raise UserError(
-            f"{key}: data=chat renders with transformers' chat templates, which is not "
-            f"installed; install the extra: pip install 'cumulus[{EXTRA}]'"
-        ) from None
-    p = Path(path).expanduser()
-    try:
-        if p.is_dir():
-            tok = transformers.AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
-        elif p.is_file():
-            tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(p))
-        else:
-            raise FileNotFoundError(f"{p} does not exist")
-    except Exception as exc:  # transformers raises many kinds; the message is what matters
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(
-            f"{key}: {path} is not a tokenizer transformers can load ({first[:200]}): expected "
-            "a tokenizer directory (save_pretrained: tokenizer.json, tokenizer_config.json) or "
-            "a tokenizer.json file"
-        ) from None
-    if not getattr(tok, "is_fast", False):
-        raise UserError(
-            f"{key}: {path} loads as a slow (Python) tokenizer; data=chat needs a fast one "
-            "(a tokenizer.json) for the characters each token covers"
-        )
-    return tok
+    of_row = False  # about the template: reported at once, not as one of the bad rows
 
 
-def directory_identity(path: str | Path) -> str:
-    """A digest of the files that decide a tokenizer's ids and its rendering (not weights)."""
-    p = Path(path).expanduser()
-    files = [p] if p.is_file() else sorted(f for f in p.iterdir() if TOKENIZER_FILES.match(f.name))
-    digest = hashlib.sha256()
-    for f in files:
-        if f.is_file():
-            digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    return "sha256:" + digest.hexdigest()
-
-
-def chat_template(tok: Any, template_file: str | None, tokenizer_path: str | Path) -> str:
+def chat_template(
+    tok: PreTrainedTokenizerFast, template_file: str | None, tokenizer_path: str | Path
+) -> str:
     """`data.chat_template`'s file, else the tokenizer's own template."""
     if template_file:
         p = Path(template_file).expanduser()
@@ -102,7 +55,7 @@ def chat_template(tok: Any, template_file: str | None, tokenizer_path: str | Pat
                 f"data.chat_template: {template_file} cannot be read ({exc}); it names a Jinja "
                 "file (a chat template)"
             ) from None
-    template = getattr(tok, "chat_template", None)
+    template = tok.chat_template
     if isinstance(template, dict):  # named templates: the default one
         template = template.get("default")
     if not isinstance(template, str) or not template.strip():
@@ -128,11 +81,11 @@ class Renderer:
     def __post_init__(self) -> None:
         self.markers = bool(MARKERS.search(self.template))
 
-    def render(
+    def apply_template(
         self, convs: list[list[dict[str, Any]]], generation_prompt: bool, where: str
     ) -> tuple[list[str], list[list[Span]]]:
-        """Texts of `convs` (and the generation markers' spans); a template error as a
-        `BadRecord` naming the row."""
+        """The template applied to message lists `convs`: their texts (and the generation
+        markers' spans); a template error as a `BadRecord` naming the row."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
         try:
@@ -155,7 +108,7 @@ class Renderer:
     def supervised(self, conv: Conversation, train_on: str, where: str) -> tuple[str, list[Span]]:
         """The conversation's rendering and its supervised character spans."""
         messages = conv.messages
-        (full,), (marked,) = self.render([messages], False, where)
+        (full,), (marked,) = self.apply_template([messages], False, where)
         if train_on == "all":
             return full, [(0, len(full))]
         if train_on == "completion":
@@ -175,7 +128,7 @@ class Renderer:
         return full, [self._turn(messages, i, full, where) for i in turns]
 
     def _prefix(self, head: list[dict[str, Any]], full: str, where: str, what: str) -> str:
-        (prefix,), _ = self.render([head], True, where)
+        (prefix,), _ = self.apply_template([head], True, where)
         if not full.startswith(prefix):
             raise self._refuse(where, what, prefix, full, "with add_generation_prompt=True")
         return prefix
@@ -187,7 +140,7 @@ class Renderer:
         if i + 1 == len(messages):
             through = full
         else:
-            (through,), _ = self.render([messages[: i + 1]], False, where)
+            (through,), _ = self.apply_template([messages[: i + 1]], False, where)
             if not full.startswith(through):
                 raise self._refuse(where, f"message {i + 1} (assistant)", through, full, "")
         if not through.startswith(prefix) or len(through) <= len(prefix):
@@ -206,23 +159,6 @@ class Renderer:
             "content and end-of-turn token; pass such a template with "
             "data.chat_template=FILE."
         )
-
-
-def token_mask(offsets: np.ndarray, spans: list[Span]) -> np.ndarray:
-    """(n_tokens,) uint8: 1 for the tokens from the one holding each span's first character
-    through the one holding its last (`offsets`: (n_tokens, 2) character ranges)."""
-    mask = np.zeros(len(offsets), np.uint8)
-    if not len(offsets):
-        return mask
-    starts, ends = offsets[:, 0], offsets[:, 1]
-    for a, b in spans:
-        if b <= a:
-            continue
-        first = int(np.searchsorted(ends, a, side="right"))  # first token ending after a
-        last = int(np.searchsorted(starts, b, side="left")) - 1  # last token starting before b
-        if first <= last:
-            mask[first : last + 1] = 1
-    return mask
 
 
 def default_train_on(conv: Conversation) -> str:

@@ -21,6 +21,7 @@ EXPECTED = (
     + ", ".join(ROLES)
     + ') or of "prompt" and "completion" (strings, or message lists)'
 )
+HINT = EXPECTED + "."  # said once after all the bad rows of a file
 
 
 @dataclass
@@ -37,27 +38,30 @@ def _message(raw: Any, where: str, field: str, n: int) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise BadRecord(
             f"{what} is a {type(raw).__name__} ({repr(raw)[:60]}), not an object with "
-            f'"role" and "content". {EXPECTED}.'
+            f'"role" and "content".',
+            HINT,
         )
     message = {k: v for k, v in raw.items() if v is not None}
     role = message.get("role")
     if role not in ROLES:
         raise BadRecord(
-            f"{what} has role {role!r}; valid roles: {', '.join(ROLES)}. {EXPECTED}."
+            f"{what} has role {role!r}; valid roles: {', '.join(ROLES)}."
             if "role" in message
-            else f"{what} has no role (its keys: {', '.join(map(repr, raw)) or 'none'}). "
-            f"{EXPECTED}."
+            else f"{what} has no role (its keys: {', '.join(map(repr, raw)) or 'none'}).",
+            HINT,
         )
     content = message.get("content")
     if content is None and not message.get("tool_calls"):
         raise BadRecord(
             f"{what} ({role}) has no content (only an assistant message with tool_calls may "
-            f"leave it out). {EXPECTED}."
+            f"leave it out).",
+            HINT,
         )
     if content is not None and not isinstance(content, str):
         raise BadRecord(
             f"{what} ({role}) has content of type {type(content).__name__} "
-            f"({repr(content)[:60]}); content must be a string. {EXPECTED}."
+            f"({repr(content)[:60]}); content must be a string.",
+            HINT,
         )
     return message
 
@@ -70,10 +74,11 @@ def _messages(value: Any, where: str, field: str, as_role: str) -> list[dict[str
         kinds = "a list of messages" + ("" if field == "messages" else " or a string")
         raise BadRecord(
             f"data.path: {where}: {field!r} is a {type(value).__name__} "
-            f"({repr(value)[:60]}), expected {kinds}. {EXPECTED}."
+            f"({repr(value)[:60]}), expected {kinds}.",
+            HINT,
         )
     if not value:
-        raise BadRecord(f"data.path: {where}: {field!r} is an empty list. {EXPECTED}.")
+        raise BadRecord(f"data.path: {where}: {field!r} is an empty list.", HINT)
     return [_message(m, where, field, i) for i, m in enumerate(value, 1)]
 
 
@@ -84,11 +89,12 @@ def conversation(record: dict[str, Any], where: str) -> Conversation:
         return Conversation(_messages(record["messages"], where, "messages", "user"))
     if "prompt" in record:
         if "completion" not in record:
-            raise BadRecord(f'data.path: {where} has a "prompt" but no "completion". {EXPECTED}.')
+            raise BadRecord(f'data.path: {where} has a "prompt" but no "completion".', HINT)
         prompt = _messages(record["prompt"], where, "prompt", "user")
         completion = _messages(record["completion"], where, "completion", "assistant")
         return Conversation(prompt + completion, len(prompt))
     raise BadRecord(
         f'data.path: {where} has neither "messages" nor "prompt" (its fields: '
-        f"{', '.join(map(repr, record)) or 'none'}). {EXPECTED}."
+        f"{', '.join(map(repr, record)) or 'none'}).",
+        HINT,
     )

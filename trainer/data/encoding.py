@@ -11,6 +11,7 @@ tokens. `identity()` joins the cache key. A record the encoder cannot read raise
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,10 +20,29 @@ import numpy as np
 
 from trainer.config.errors import UserError
 
+# Files of a tokenizer directory that decide its ids and the text its template renders.
+TOKENIZER_FILES = re.compile(
+    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|chat_template.*|vocab.*|"
+    r"merges.*|.*\.model|.*\.tiktoken)$"
+)
+
 
 class BadRecord(UserError):
-    """A record of the data is not what the reader or encoder expects (named by file and line
-    or row). The shards of that data are deleted: they could never be completed."""
+    """A record of the data is not what the reader or encoder expects (named by file and line,
+    `FILE:LINE`, or row). The shards of that data are deleted: they could never be completed.
+
+    `message` says what is wrong with the record; `hint` what would be valid (said once when
+    several records are reported together). `of_row`: false for a refusal that is not about
+    one record (a chat template that cannot be read by prefixes): reported at once, alone."""
+
+    of_row = True
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(f"{message} {hint}" if hint else message)
+        self.message, self.hint = message, hint
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a tokenizer worker process
+        return type(self), (self.message, self.hint)
 
 
 @dataclass
@@ -95,6 +115,24 @@ class TextEncoder:
 
 
 def tokenizer_identity(tokenizer: Path | None) -> str:
+    """A `tokenizer.json`'s digest (None: UTF-8 bytes)."""
     if tokenizer is None:
         return "bytes"
     return "sha256:" + hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+
+
+def tokenizer_files_identity(path: str | Path) -> str:
+    """A digest of the files that decide a tokenizer's ids and its rendering (not weights):
+    a tokenizer.json, or those of a tokenizer directory (`TOKENIZER_FILES`)."""
+    p = Path(path).expanduser()
+    files = [p] if p.is_file() else sorted(f for f in p.iterdir() if TOKENIZER_FILES.match(f.name))
+    digest = hashlib.sha256()
+    for f in files:
+        if f.is_file():
+            digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return "sha256:" + digest.hexdigest()
+
+
+def text_identity(text: str) -> str:
+    """A text's digest (a chat template's)."""
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()

@@ -1,19 +1,21 @@
-"""`data=pairs`: (anchor, positive) text pairs for `task=contrastive`, from local JSON Lines or
-Parquet files.
+"""`data=pairs`: (anchor, positive) text pairs for `task=contrastive`, from local JSON Lines,
+Parquet or `save_to_disk` data.
 
 Each row holds an anchor text and its positive (`anchor_field`, `positive_field`). Both are
-tokenized once, when the data is built, with the model directory's tokenizer (`tokenizer`:
-by default `model.pretrained`; a `tokenizer.json` or a directory holding one), special tokens
-added (BERT's [CLS] ... [SEP]) and cut to `max_length` tokens. A sample is the pair of token
-id arrays; a micro-batch pads both to the longest of the micro-batch into `input_ids` and
-`attention_mask` of shape (samples, 2, length). Validation: `val_path`, else every
-`val_every_nth`-th row.
+tokenized with the model directory's tokenizer (`tokenizer`: by default `model.pretrained`; a
+`tokenizer.json` or a directory holding one), special tokens added (BERT's [CLS] ... [SEP])
+and cut to `max_length` tokens: by default the model's own limit (`model.pretrained`'s
+config.json, else `model.config.max_position_embeddings`), at most `MAX_LENGTH`. They are
+tokenized once per job by the corpus machinery (trainer/data/shards.py): memory-mapped shards
+keyed by the files, the tokenizer, the fields and `max_length`, reused by later runs. A sample
+is the pair of token id arrays; a micro-batch pads both to the longest of the micro-batch into
+`input_ids` and `attention_mask` of shape (samples, 2, length). Validation: `val_path`, else
+every `val_every_nth`-th row.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,108 +25,110 @@ import torch
 
 from trainer.config.errors import UserError
 from trainer.data import DataSplits
-from trainer.data.tokenize import EXTRA, load_tokenizer
+from trainer.data.chat import model_context
+from trainer.data.encoding import BadRecord, Encoded, tokenizer_identity
+from trainer.data.hf import sources
+from trainer.data.shards import Source, TokenStore, open_shards
+from trainer.data.tokenize import load_tokenizer, tokenizer_file
 
-SUFFIXES = (".jsonl", ".parquet")
 PAD_NAMES = ("[PAD]", "<pad>", "<|pad|>")
-
-
-def read_rows(path: Path, fields: tuple[str, str], key: str) -> Iterator[tuple[str, str]]:
-    """(anchor, positive) of every row of a .jsonl or .parquet file; a bad row is one
-    paragraph naming the file and line (or row) and what is wrong."""
-    if not path.is_file():
-        raise UserError(
-            f"{key}: {path} does not exist; data=pairs reads a JSON Lines (.jsonl) or Parquet "
-            "(.parquet) file of rows with an anchor and a positive text, from local disk"
-        )
-    if path.suffix == ".jsonl":
-        yield from _jsonl_rows(path, fields)
-    elif path.suffix == ".parquet":
-        yield from _parquet_rows(path, fields, key)
-    else:
-        raise UserError(
-            f"{key}: {path} has suffix {path.suffix!r}; data=pairs reads "
-            f"{' or '.join(SUFFIXES)} files"
-        )
+# The longest default max_length: BERT's 512 positions. Longer models (8k-position encoders)
+# rarely need it for pairs, and padding to the longest of a micro-batch costs memory.
+MAX_LENGTH = 512
+VERSION = "pairs/1"
+FIELD_KEYS = ("data.anchor_field", "data.positive_field")
 
 
 def _texts(row: Any, fields: tuple[str, str], where: str) -> tuple[str, str]:
     if not isinstance(row, dict):
-        raise UserError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+        raise BadRecord(f"data.path: {where} is a {type(row).__name__}, not a JSON object")
     out = []
-    for name, field in zip(("data.anchor_field", "data.positive_field"), fields):
-        if field not in row:
-            raise UserError(
-                f"{where}: no field {field!r} ({name}); the row has {sorted(row)[:10]}. Set "
-                f"{name}= the field holding the text"
+    for name, field in zip(FIELD_KEYS, fields):
+        if row.get(field) is None:
+            raise BadRecord(
+                f"data.path: {where} has no field {field!r} ({name}; the row has "
+                f"{', '.join(map(repr, sorted(row)[:10])) or 'no field'}).",
+                f"Set {name}= the field holding the text.",
             )
         value = row[field]
         if not isinstance(value, str):
-            raise UserError(
-                f"{where}: field {field!r} ({name}) must be a text, got {type(value).__name__}"
+            raise BadRecord(
+                f"data.path: {where}: field {field!r} ({name}) is not a text: "
+                f"{repr(value)[:60]} ({type(value).__name__})."
             )
         out.append(value)
     return out[0], out[1]
 
 
-def _jsonl_rows(path: Path, fields: tuple[str, str]) -> Iterator[tuple[str, str]]:
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {number}"
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise UserError(f"{where}: not valid JSON ({exc})") from None
-            yield _texts(row, fields, where)
+@dataclass
+class PairEncoder:
+    """The encoder of `data=pairs` for the corpus machinery: a row's anchor and positive,
+    tokenized (special tokens added, cut to `max_length`), stored as one document, the anchor's
+    ids then the positive's; per pair the anchor's length and how many of its texts were cut."""
 
+    tokenizer: Path  # the tokenizer.json
+    fields: tuple[str, str]
+    max_length: int
+    extras: dict[str, tuple[str, str]] = dataclasses.field(
+        default_factory=lambda: {"anchor_len": ("doc", "<i8"), "cut": ("doc", "<i8")}
+    )
 
-def _parquet_rows(path: Path, fields: tuple[str, str], key: str) -> Iterator[tuple[str, str]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise UserError(
-            f"{key}: reading Parquet needs pyarrow; pip install 'cumulus[{EXTRA}]'"
-        ) from None
-    try:
-        table = pq.read_table(path)
-    except Exception as exc:  # pyarrow's own exception types
-        raise UserError(f"{key}: {path} does not read as Parquet ({exc})") from None
-    missing = [f for f in fields if f not in table.column_names]
-    if missing:
-        raise UserError(
-            f"{path}: no column {', '.join(map(repr, missing))} (data.anchor_field / "
-            f"data.positive_field); its columns are {table.column_names[:10]}"
+    def __post_init__(self) -> None:
+        self.tok: Any = None
+
+    def identity(self) -> dict[str, Any]:
+        return {
+            "encoder": VERSION,
+            "tokenizer": tokenizer_identity(self.tokenizer),
+            "fields": list(self.fields),
+            "max_length": self.max_length,
+        }
+
+    def vocab_size(self) -> int:
+        return load_tokenizer(self.tokenizer).get_vocab_size()
+
+    def start(self) -> None:
+        self.tok = load_tokenizer(self.tokenizer)
+        self.tok.no_padding()
+        self.tok.enable_truncation(self.max_length)
+
+    def encode(self, values: list[Any], where: list[str], ends: list[bool] | None) -> Encoded:
+        del ends
+        pairs = [_texts(v, self.fields, w) for v, w in zip(values, where)]
+        sides, cut = [], np.zeros(len(pairs), np.int64)
+        for j in (0, 1):
+            encodings = self.tok.encode_batch([p[j] for p in pairs], add_special_tokens=True)
+            sides.append([e.ids for e in encodings])
+            cut += [bool(e.overflowing) for e in encodings]
+        ids = [np.asarray(a + p, np.int64) for a, p in zip(*sides)]
+        return Encoded(
+            tokens=np.concatenate(ids) if ids else np.zeros(0, np.int64),
+            lengths=np.array([len(i) for i in ids], np.int64),
+            extras={"anchor_len": np.array([len(a) for a in sides[0]], np.int64), "cut": cut},
         )
-    columns = [table.column(f).to_pylist() for f in fields]
-    for number, (a, p) in enumerate(zip(*columns)):
-        yield _texts({fields[0]: a, fields[1]: p}, fields, f"{path} row {number}")
 
 
 class PairSamples:
-    """Tokenized pairs in two flat id arrays with offsets: sample i is
-    `{"anchor": ids, "positive": ids}` (int32 arrays)."""
+    """The pairs `docs` (document indices) of a store: sample i is `{"anchor": ids,
+    "positive": ids}` (int32 arrays, read from the memory-mapped shards)."""
 
-    def __init__(self, anchors: list[list[int]], positives: list[list[int]]) -> None:
-        self.sides = [_flat(anchors), _flat(positives)]
+    def __init__(self, store: TokenStore, docs: np.ndarray) -> None:
+        self.store, self.docs = store, docs
+        self.starts = store.doc_offsets[docs]
+        self.ends = store.doc_offsets[docs + 1]
+        self.anchor_len = store.doc_extra("anchor_len")[docs]
+        self.cut = int(store.doc_extra("cut")[docs].sum())
 
     def __len__(self) -> int:
-        return len(self.sides[0][1]) - 1
+        return len(self.docs)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         i %= len(self)
-        (a, a_off), (p, p_off) = self.sides
-        return {"anchor": a[a_off[i] : a_off[i + 1]], "positive": p[p_off[i] : p_off[i + 1]]}
-
-
-def _flat(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([len(r) for r in rows])
-    flat = np.fromiter((t for r in rows for t in r), dtype=np.int32, count=int(offsets[-1]))
-    return flat, offsets
+        ids = self.store.read(int(self.starts[i]), int(self.ends[i])).astype(np.int32)
+        n = int(self.anchor_len[i])
+        return {"anchor": ids[:n], "positive": ids[n:]}
 
 
 @dataclass(frozen=True)
@@ -157,15 +161,36 @@ def pad_id(tokenizer: Any) -> int:
     return 0  # any id: the attention mask hides padding
 
 
-def tokenize(tokenizer: Any, pairs: list[tuple[str, str]]) -> tuple[PairSamples, int]:
-    """The pairs as token ids (special tokens added, cut to the tokenizer's truncation), and
-    how many texts were cut."""
-    sides, cut = [], 0
-    for j in (0, 1):
-        encodings = tokenizer.encode_batch([p[j] for p in pairs], add_special_tokens=True)
-        sides.append([e.ids for e in encodings])
-        cut += sum(bool(e.overflowing) for e in encodings)
-    return PairSamples(sides[0], sides[1]), cut
+def pair_length(
+    max_length: int | None, pretrained: str | None, context: int | None
+) -> tuple[int, str]:
+    """The tokens per text, and where that number comes from (for the start-up line)."""
+    if max_length is not None:
+        return max_length, "data.max_length"
+    limit = model_context(pretrained, None)
+    origin = f"the positions of model.pretrained={pretrained}"
+    if limit is None:
+        limit, origin = context, "model.config.max_position_embeddings"
+    if limit is None:
+        return MAX_LENGTH, f"the default, {MAX_LENGTH}: the model names no limit"
+    if limit > MAX_LENGTH:
+        return MAX_LENGTH, f"{origin}, {limit}, capped at {MAX_LENGTH}; data.max_length= for more"
+    return limit, origin
+
+
+def _source(path: str, fields: tuple[str, str], key: str) -> Source:
+    src, _ = sources(Path(path).expanduser(), fields[0], "data=pairs")
+    if src.kind == "parquet":  # a missing column: one sentence, not one per row
+        import pyarrow.parquet as pq
+
+        names = pq.read_schema(src.paths[0]).names
+        missing = [f for f in fields if f not in names]
+        if missing:
+            raise UserError(
+                f"{key}: {src.paths[0]} has no column {', '.join(map(repr, missing))} "
+                f"(data.anchor_field / data.positive_field); its columns are {names[:10]}"
+            )
+    return dataclasses.replace(src, columns=fields)
 
 
 def pairs_data(
@@ -174,45 +199,68 @@ def pairs_data(
     anchor_field: str = "anchor",
     positive_field: str = "positive",
     tokenizer: str | None = None,
-    max_length: int = 128,
+    max_length: int | None = None,
     val_every_nth: int = 10,
+    pretrained: str | None = None,
+    context: int | None = None,
+    cache: bool = True,
+    tokenize_workers: int | None = None,
+    cache_dir: str | None = None,
 ) -> DataSplits:
-    """The `data._target_` of `data=pairs`. `tokenizer`: a tokenizer.json or a directory
-    holding one (the config's default: the `model.pretrained` directory)."""
+    """The `data._target_` of `data=pairs` (configs/data/pairs.yaml says what each key does).
+    `tokenizer`: a tokenizer.json or a directory holding one (the config's default: the
+    `model.pretrained` directory). `max_length`: null for the model's own limit (`pretrained`'s
+    config.json, else `context`), at most `MAX_LENGTH`."""
     if not path or path == "required":
         raise ValueError("path: data=pairs needs data.path= a .jsonl or .parquet file of pairs")
-    if type(max_length) is not int or max_length < 2:
-        raise ValueError(f"max_length must be a number >= 2, got {max_length!r}")
+    if max_length is not None and (type(max_length) is not int or max_length < 2):
+        raise ValueError(f"max_length must be a number >= 2 or null, got {max_length!r}")
     if val_every_nth < 2:
         raise ValueError("val_every_nth must be at least 2")
+    if tokenize_workers is not None and tokenize_workers < 0:
+        raise ValueError(f"tokenize_workers must be >= 0 or null, got {tokenize_workers}")
     if not tokenizer:
         raise ValueError(
             "tokenizer: data=pairs tokenizes with the model directory's tokenizer; set "
             "model.pretrained=DIR (a save_pretrained directory with its tokenizer.json) or "
             "data.tokenizer= a tokenizer.json or a directory holding one"
         )
+    length, origin = pair_length(max_length, pretrained, context)
     fields = (anchor_field, positive_field)
     tok = load_tokenizer(tokenizer, key="data.tokenizer")
-    tok.no_padding()
-    tok.enable_truncation(max_length)
-    rows = list(read_rows(Path(path).expanduser(), fields, "data.path"))
-    if val_path is not None:
-        val_rows = list(read_rows(Path(val_path).expanduser(), fields, "data.val_path"))
+    encoder = PairEncoder(tokenizer_file(tokenizer), fields, length)
+    if not cache:
+        import tempfile
+
+        cache_dir = tempfile.mkdtemp(prefix="cumulus-shards-")
+    train_src = _source(path, fields, "data.path")
+    val_src = _source(val_path, fields, "data.val_path") if val_path is not None else None
+
+    def load(src: Source) -> TokenStore:
+        return open_shards(src, None, cache_dir, tokenize_workers, encoder=encoder)
+
+    store = load(train_src)
+    every = np.arange(len(store.doc_offsets) - 1)
+    if val_src is None:  # every n-th row validates
+        held = every % val_every_nth == 0
+        train, val = PairSamples(store, every[~held]), PairSamples(store, every[held])
     else:
-        val_rows = rows[::val_every_nth]
-        rows = [r for i, r in enumerate(rows) if i % val_every_nth]
-    if not rows or not val_rows:
+        val_store = load(val_src)
+        train = PairSamples(store, every)
+        val = PairSamples(val_store, np.arange(len(val_store.doc_offsets) - 1))
+    if not len(train) or not len(val):
         raise UserError(
             f"data.path: {path} holds too few rows for a train/val split "
-            f"({len(rows)} train, {len(val_rows)} val); add rows or set data.val_path"
+            f"({len(train)} train, {len(val)} val); add rows or set data.val_path"
         )
-    (train, cut), (val, _) = tokenize(tok, rows), tokenize(tok, val_rows)
+    cut = f"; {train.cut} texts cut to it" if train.cut else ""
+    cached = "token cache reused: " if store.reused else "tokenized into "
     return DataSplits(
         train=train,
         val=val,
         collate_fn=PairCollate(pad_id(tok)),
         vocab_size=tok.get_vocab_size(),
-        seq_len=max_length,
+        seq_len=length,
         description=f"{len(train)} train / {len(val)} val pairs from {path} (tokenizer "
-        f"{tokenizer}, max_length {max_length}" + (f"; {cut} texts cut to it)" if cut else ")"),
+        f"{tokenizer}, max_length {length} from {origin}{cut}; {cached}{store.root})",
     )

@@ -25,7 +25,6 @@ in the same micro-batch on the same rank, and the loader's batch arithmetic coun
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,20 +37,15 @@ from engine.tasks import IGNORE_INDEX
 from trainer.config.errors import UserError
 from trainer.data import DataSplits
 from trainer.data.chat import model_context
-from trainer.data.chat_render import (
-    Renderer,
-    TemplateRefused,
-    chat_template,
-    directory_identity,
-    load_tokenizer,
-    token_mask,
-)
+from trainer.data.chat_encode import target_mask
+from trainer.data.chat_render import Renderer, TemplateRefused, chat_template
 from trainer.data.chat_rows import Conversation, conversation
 from trainer.data.collate import PadCollate
-from trainer.data.encoding import BadRecord, Encoded
+from trainer.data.encoding import BadRecord, Encoded, text_identity, tokenizer_files_identity
 from trainer.data.hf import sources
+from trainer.data.sequence import TextSequence
 from trainer.data.shards import Source, TokenStore, open_shards
-from trainer.data.tokenize import tokenizer_source
+from trainer.data.tokenize import load_hf_tokenizer, tokenizer_source
 
 VERSION = "preference/1"
 COLUMNS = ("prompt", "chosen", "rejected")
@@ -142,18 +136,18 @@ class PreferenceEncoder:
     def identity(self) -> dict[str, Any]:
         return {
             "encoder": VERSION,
-            "tokenizer": directory_identity(self.tokenizer),
-            "template": "sha256:" + hashlib.sha256(self.template.encode()).hexdigest(),
+            "tokenizer": tokenizer_files_identity(self.tokenizer),
+            "template": text_identity(self.template),
         }
 
     def vocab_size(self) -> int:
         if self._tok is None:
-            self._tok = load_tokenizer(self.tokenizer)
+            self._tok = load_hf_tokenizer(self.tokenizer)
         return len(self._tok)
 
     def start(self) -> None:
         if self._tok is None:
-            self._tok = load_tokenizer(self.tokenizer)
+            self._tok = load_hf_tokenizer(self.tokenizer)
         self._renderer = Renderer(self.template, dict(self._tok.special_tokens_map), self.origin)
 
     def _render(self, record: Any, where: str) -> tuple[list[tuple[str, list]], int]:
@@ -186,8 +180,7 @@ class PreferenceEncoder:
             row_ids, row_masks, firsts = [], [], []
             for _, spans in sides:
                 enc = next(encodings)
-                mask = token_mask(np.asarray(enc.offsets, np.int64).reshape(-1, 2), spans)
-                mask[:1] = 0  # the first token is predicted from nothing
+                mask = target_mask(np.asarray(enc.offsets, np.int64).reshape(-1, 2), spans)
                 hits = np.flatnonzero(mask)
                 row_ids.append(np.asarray(enc.ids, np.int64))
                 row_masks.append(mask)
@@ -288,38 +281,18 @@ class PreferenceSamples:
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         sides = self.sides(i)
-        if self.packed:
-            return self._packed(sides)
-        width = max(len(t) for t, _ in sides)
+        if self.packed:  # one row, two documents (TextSequence aligns: no target crosses)
+            row = TextSequence.from_documents(sides)
+            side = np.repeat(np.arange(2), [len(t) for t, _ in sides])
+            return {**row.as_sample(packed=True), "pair_side": torch.from_numpy(side)}
+        rows = [TextSequence.from_documents([s]) for s in sides]
+        width = max(len(r.input_ids) for r in rows)
         ids = np.zeros((2, width), np.int64)
         labels = np.full((2, width), IGNORE_INDEX, np.int64)
-        for k, (tokens, mask) in enumerate(sides):
-            # Position t predicts token t + 1 when that one is an answer token.
-            ids[k, : len(tokens)] = tokens
-            labels[k, : len(tokens) - 1] = np.where(mask[1:] == 1, tokens[1:], IGNORE_INDEX)
+        for k, r in enumerate(rows):
+            ids[k, : len(r.input_ids)] = r.input_ids
+            labels[k, : len(r.labels)] = r.labels
         return {"input_ids": torch.from_numpy(ids), "shift_labels": torch.from_numpy(labels)}
-
-    @staticmethod
-    def _packed(sides: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
-        """One row: the chosen side then the rejected one, two documents (positions from 0
-        each, `pair_side` 0 and 1); no target crosses from one to the other."""
-        ids, labels, positions, side = [], [], [], []
-        for k, (tokens, mask) in enumerate(sides):
-            shift = np.full(len(tokens), IGNORE_INDEX, np.int64)
-            shift[:-1] = np.where(mask[1:] == 1, tokens[1:], IGNORE_INDEX)
-            ids.append(tokens)
-            labels.append(shift)
-            positions.append(np.arange(len(tokens), dtype=np.int64))
-            side.append(np.full(len(tokens), k, np.int64))
-        return {
-            key: torch.from_numpy(np.concatenate(parts))
-            for key, parts in (
-                ("input_ids", ids),
-                ("shift_labels", labels),
-                ("position_ids", positions),
-                ("pair_side", side),
-            )
-        }
 
 
 def collate(packed: bool = False) -> PadCollate:
@@ -429,7 +402,7 @@ def _encoder(
             "set data.tokenizer=DIR (a tokenizer directory), or model.pretrained=DIR holding "
             f"one{where}"
         )
-    tok = load_tokenizer(tok_path, "data.tokenizer" if tokenizer else "model.pretrained")
+    tok = load_hf_tokenizer(tok_path, "data.tokenizer" if tokenizer else "model.pretrained")
     template = chat_template(tok, template_file, tok_path)
     origin = "data.chat_template" + ("" if template_file else f" (the template of {tok_path})")
     return tok, PreferenceEncoder(str(tok_path), template, origin)

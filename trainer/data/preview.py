@@ -3,8 +3,10 @@ with the supervised tokens marked and the boundaries between packed conversation
 JSON line of counts over the whole training split.
 
 The counts read the per-conversation figures the tokenizer stored (trainer/data/chat_encode.py)
-and, for conversations cut at `data.max_length`, their masks: no row is assembled, so
-thousands of conversations take well under a second once tokenized.
+and, for conversations cut at `data.max_length`, their target masks: no row is assembled, so
+thousands of conversations take well under a second once tokenized. The rows shown are the
+`TextSequence`s training reads (trainer/data/sequence.py): their targets are the tokens the
+loss predicts.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def summary(train: ChatSamples) -> dict[str, Any]:
     targets = store.doc_extra("targets")[sel.docs].copy()
     for i in np.flatnonzero(sel.lengths < whole):  # cut: count within the kept tokens
         a = int(store.doc_offsets[sel.docs[i]])
-        targets[i] = int(store.read_extra("mask", a + 1, a + int(sel.lengths[i])).sum())
+        targets[i] = int(store.read_extra("mask", a, a + int(sel.lengths[i])).sum())
     tokens = int(sel.lengths.sum())
     capacity = len(train) * train.max_length
     return {
@@ -54,10 +56,8 @@ def runs(mask: np.ndarray) -> Iterator[tuple[int, int, bool]]:
         yield a, b, bool(mask[a])
 
 
-def marked(tokens: np.ndarray, mask: np.ndarray, decode: Callable[[list[int]], str]) -> str:
-    """The conversation's text, supervised tokens (targets) between {+ and +}."""
-    targets = mask.copy()
-    targets[:1] = 0  # the first token is predicted from nothing
+def marked(tokens: np.ndarray, targets: np.ndarray, decode: Callable[[list[int]], str]) -> str:
+    """The text of `tokens`, its targets (the tokens the loss predicts) between {+ and +}."""
     parts = []
     for a, b, on in runs(targets):
         text = decode(tokens[a:b].tolist())
@@ -66,17 +66,17 @@ def marked(tokens: np.ndarray, mask: np.ndarray, decode: Callable[[list[int]], s
 
 
 def show_row(train: ChatSamples, row: int, decode: Callable[[list[int]], str]) -> str:
-    convs = train.conversations(row)
-    used = sum(len(t) for t, _ in convs)
-    supervised = sum(int(m[1:].sum()) for _, m in convs)
+    seq = train.sequence(row)
+    targets, convs = seq.targets(), seq.documents()
     lines = [
-        f"=== row {row}: {len(convs)} conversation{'s' * (len(convs) != 1)}, {used} of "
-        f"{train.max_length} tokens, {supervised} supervised ==="
+        f"=== row {row}: {len(convs)} conversation{'s' * (len(convs) != 1)}, "
+        f"{len(seq.input_ids)} of {train.max_length} tokens, {int(targets.sum())} supervised ==="
     ]
-    for k, (tokens, mask) in enumerate(convs, 1):
+    for k, conv in enumerate(convs, 1):
         if len(convs) > 1:
-            lines.append(f"--- conversation {k} of {len(convs)} ({len(tokens)} tokens) ---")
-        lines.append(marked(tokens, mask, decode))
+            n = conv.stop - conv.start
+            lines.append(f"--- conversation {k} of {len(convs)} ({n} tokens) ---")
+        lines.append(marked(seq.input_ids[conv], targets[conv], decode))
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ One pipeline behind `data=hf`, text files with `data.tokenizer`, and `scripts/pr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -117,11 +118,11 @@ class Chunk:
     ends: list[bool] | None = None
 
 
-def _missing(path: Path, field: str, where: str, fields: list[str]) -> UserError:
+def _missing(where: str, field: str, fields: list[str]) -> UserError:
     return BadRecord(
-        f"data.text_field: {where} of {path} has no field {field!r}; its fields: "
-        f"{', '.join(map(repr, fields)) or 'none'}. Set data.text_field= to the field that "
-        "holds the text."
+        f"data.text_field: {where} has no field {field!r} (its fields: "
+        f"{', '.join(map(repr, fields)) or 'none'}).",
+        "Set data.text_field= to the field that holds the text.",
     )
 
 
@@ -129,9 +130,10 @@ def _not_text(field: str, where: str, value: Any) -> BadRecord:
     kind = type(value).__name__
     return BadRecord(
         f"data.text_field: {where} holds a {kind} in field {field!r} ({repr(value)[:60]}), not "
-        "text; data=hf trains on one text field per record and would read the Python text of "
-        f"the {kind}. Conversations (a list of role/content messages) are data=chat "
-        "(data=chat data.path=...); otherwise set data.text_field= to a field holding text."
+        "text;",
+        f"data=hf trains on one text field per record and would read the Python text of the "
+        f"{kind}. Conversations (a list of role/content messages) are data=chat "
+        "(data=chat data.path=...); otherwise set data.text_field= to a field holding text.",
     )
 
 
@@ -155,7 +157,7 @@ def _value(record: Any, source: Source, path: Path, where: str) -> Any:
         return record
     if not isinstance(record, dict) or source.field not in record:
         fields = list(record) if isinstance(record, dict) else []
-        raise _missing(path, source.field, where.removesuffix(f" of {path}"), fields)
+        raise _missing(where, source.field, fields)
     return _text(record[source.field], source.field, where)
 
 
@@ -213,9 +215,7 @@ def _json_array(path: Path, source: Source) -> Iterator[Any]:
     if not isinstance(records, list):
         raise BadRecord(f"data.path: {path} holds a JSON {type(records).__name__}, not an array")
     for n, record in enumerate(records, 1):
-        yield _value(
-            record, source, path, f"{path}: row {n}" if source.columns else f"record {n} of {path}"
-        )
+        yield _value(record, source, path, f"{path}: row {n}")
 
 
 def _parquet_values(path: Path, source: Source) -> Iterator[Any]:
@@ -231,7 +231,7 @@ def _parquet_values(path: Path, source: Source) -> Iterator[Any]:
         return
     field = source.field
     if field not in names:
-        raise _missing(path, field, "the schema", names)
+        raise _missing(f"the schema of {path}", field, names)
     _check_text_column(pf.schema_arrow.field(field).type, field, path)
     for batch in pf.iter_batches(batch_size=1024, columns=[field]):
         yield from (_text(t, field) for t in batch.column(0).to_pylist())
@@ -280,7 +280,7 @@ def _saved_values(path: Path, source: Source) -> Iterator[Any]:
         return
     field = source.field
     if field not in ds.column_names:
-        raise _missing(path, field, "the dataset", ds.column_names)
+        raise _missing(f"the dataset of {path}", field, ds.column_names)
     table = ds.select_columns([field]).with_format("arrow")
     _check_text_column(table.features.arrow_schema.field(field).type, field, path)
     for start in range(0, len(ds), 1024):
@@ -366,36 +366,146 @@ def _where(chunk: Chunk, path: Path, i: int) -> str:
 
 def chunk_values(chunk: Chunk, path: Path, source: Source) -> tuple[list[Any], list[str]]:
     """What the records of one chunk give the encoder (`_value`), and where each is: `FILE:LINE`
-    for JSON Lines, `FILE: row N` otherwise."""
+    for JSON Lines, `FILE: row N` otherwise. Every bad record of the chunk is one `BadRows`."""
+    values, wheres, bad = _read_chunk(chunk, path, source)
+    if bad:
+        raise BadRows.of(bad, path)
+    return values, wheres
+
+
+def _read_chunk(
+    chunk: Chunk, path: Path, source: Source
+) -> tuple[list[Any], list[str], list[tuple[int, BadRecord]]]:
+    """The chunk's good records (values, where each is) and its bad ones (line, refusal)."""
     if chunk.kind == "texts":
         where = [_where(chunk, path, chunk.first + i) for i in range(len(chunk.payload))]
-        return chunk.payload, where
+        return chunk.payload, where, []
     start, end = chunk.payload
     with open(path, "rb") as f:
         f.seek(start)
         lines = f.read(end - start).split(b"\n")
     if lines and not lines[-1]:
         lines.pop()
-    values, wheres = [], []
+    values, wheres, bad = [], [], []
     for n, line in enumerate(lines, chunk.first):
         if not line.strip():
             continue
         where = f"{path}:{n}"
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BadRecord(f"data.path: line {n} of {path} is not JSON ({exc})") from None
-        values.append(
-            _value(record, source, path, where if source.columns else f"line {n} of {path}")
-        )
+            values.append(_value(_json(line, where), source, path, where))
+        except BadRecord as exc:
+            if not exc.of_row:
+                raise
+            bad.append((n, exc))
+            continue
         wheres.append(where)
-    return values, wheres
+    return values, wheres, bad
+
+
+def _json(line: bytes, where: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise BadRecord(f"data.path: {where} is not JSON ({exc})") from None
 
 
 def encode(chunk: Chunk) -> Encoded:
-    """One chunk's documents through the worker's encoder."""
-    values, where = chunk_values(chunk, _WORKER["path"], _WORKER["source"])
-    return _WORKER["encoder"].encode(values, where, chunk.ends)
+    """One chunk's documents through the worker's encoder. A bad record does not stop the
+    reading: every bad record of the chunk is one `BadRows` (the encoder's refusals found by
+    encoding the records one by one, once it refused the chunk)."""
+    path, encoder = _WORKER["path"], _WORKER["encoder"]
+    values, where, bad = _read_chunk(chunk, path, _WORKER["source"])
+    if not bad:
+        try:
+            return encoder.encode(values, where, chunk.ends)
+        except BadRecord as exc:
+            if not exc.of_row:
+                raise
+    ends = chunk.ends or [True] * len(values)
+    for i, (value, at) in enumerate(zip(values, where)):
+        try:
+            encoder.encode([value], [at], [ends[i]])
+        except BadRecord as exc:
+            if not exc.of_row:
+                raise
+            bad.append((_number(at, chunk.first + i), exc))
+    raise BadRows.of(bad, path)
+
+
+def _unkeyed(message: str) -> str:
+    key, _, rest = message.partition(": ")
+    return rest if key.startswith("data.") and rest else message
+
+
+def _number(where: str, fallback: int) -> int:
+    """The line number of a `FILE:LINE` place (else `fallback`): bad rows sort by it."""
+    tail = where.rpartition(":")[2]
+    return int(tail) if tail.isdigit() else fallback
+
+
+@dataclass
+class BadTally:
+    """The bad records of one file, in file order: the first `BadRows.NAMED` kept as (line,
+    message, hint), every one counted, each distinct hint once."""
+
+    rows: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
+    count: int = 0
+    hints: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, line: int, message: str, hint: str) -> None:
+        self.count += 1
+        if len(self.rows) < BadRows.NAMED:
+            self.rows.append((line, message, hint))
+        if hint and hint not in self.hints:
+            self.hints.append(hint)
+
+    def merge(self, other: BadTally) -> None:
+        for row in other.rows:
+            self.add(*row)
+        self.count += other.count - len(other.rows)
+        self.hints += [h for h in other.hints if h not in self.hints]
+
+
+class BadRows(BadRecord):
+    """Every bad record of one file in one paragraph, in file order: the first `NAMED` named
+    (`FILE:LINE` and what is wrong), the rest counted, each distinct hint said once. Reading
+    stops after `STOP` bad records (a wrong field name in a large corpus)."""
+
+    NAMED = 10
+    STOP = 1000
+
+    def __init__(self, message: str, hint: str = "", tally: BadTally | None = None) -> None:
+        super().__init__(message, hint)
+        self.tally = tally or BadTally()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.message, self.hint, self.tally)
+
+    @classmethod
+    def of(cls, bad: list[tuple[int, BadRecord]], path: Path | str) -> BadRows:
+        tally = BadTally()
+        for n, exc in sorted(bad, key=lambda b: b[0]):
+            tally.add(n, exc.message, exc.hint)
+        return cls.joined(tally, path)
+
+    @classmethod
+    def joined(cls, tally: BadTally, path: Path | str, stopped: bool = False) -> BadRows:
+        if tally.count == 1:
+            ((_, message, hint),) = tally.rows
+            return cls(message, hint, tally)
+        key = tally.rows[0][1].partition(": ")[0]
+        # Each row's message without its key (`data.path: `): the paragraph names it once.
+        named = "; ".join(_unkeyed(m).rstrip(".") for _, m, _ in tally.rows)
+        more = tally.count - len(tally.rows)
+        rest = f"; and {more} more bad rows" if more > 0 else ""
+        if stopped:
+            rest += f" (reading stopped there: {cls.STOP} bad rows are enough to say)"
+        return cls(
+            f"{key}: {tally.count}{' or more' if stopped else ''} rows of {path} cannot be "
+            f"used (fix or remove them): {named}{rest}.",
+            " ".join(tally.hints),
+            tally,
+        )
 
 
 def default_workers() -> int:
@@ -540,6 +650,8 @@ def build(
     pending: deque[tuple[int, Chunk, Any]] = deque()
     workers = max(1, workers)
     pool = _pool(workers, encoder, source)
+    bad = BadTally()  # every bad record of the source: read on, then refuse
+    stopped = False
 
     def drain(limit: int) -> None:
         while len(pending) > limit:
@@ -553,6 +665,9 @@ def build(
                     f"than {workers}). Shards committed so far are kept; rerunning continues "
                     "from them."
                 ) from None
+            except BadRows as exc:
+                bad.merge(exc.tally)
+                continue
             except UserError as exc:  # raised in a worker: drop the remote traceback
                 raise type(exc)(str(exc)) from None
             commit(i, n_docs, n_tokens, max_id)
@@ -560,6 +675,9 @@ def build(
 
     try:
         for i, chunk in enumerate(chunks(source)):
+            if bad.count >= BadRows.STOP:
+                stopped = True
+                break
             done = _committed(out, i, dtype.itemsize, encoder.extras)
             if done is not None:  # committed by an interrupted run
                 drain(0)
@@ -570,7 +688,11 @@ def build(
                 progress.add(done[0], done[1], chunk.nbytes)
                 continue
             if pool is None:
-                commit(i, *write_shard(chunk, i, out, dtype.str))
+                try:
+                    commit(i, *write_shard(chunk, i, out, dtype.str))
+                except BadRows as exc:
+                    bad.merge(exc.tally)
+                    continue
                 progress.add(*counts[-1], chunk.nbytes)
                 continue
             pending.append((i, chunk, pool.submit(write_shard, chunk, i, out, dtype.str)))
@@ -579,6 +701,8 @@ def build(
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+    if bad.count:
+        raise BadRows.joined(bad, source.name, stopped)
     index = {
         "format": FORMAT,
         "dtype": dtype.str,

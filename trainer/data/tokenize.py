@@ -1,14 +1,25 @@
-"""Real tokenizers: a `tokenizer.json` of the `tokenizers` library, or a Hugging Face
-tokenizer directory holding one. Corpora are tokenized with them by `trainer.data.shards`.
+"""Loading real tokenizers. Two kinds, by what reads them:
+
+- `load_tokenizer`: a `tokenizers.Tokenizer` from a `tokenizer.json` (or a Hugging Face
+  tokenizer directory holding one), for text, pairs and exports: ids and nothing else.
+- `load_hf_tokenizer`: a transformers fast tokenizer from a tokenizer directory or a
+  tokenizer.json, for data=chat: its chat template, its special tokens, and the characters
+  each token covers (offsets).
+
+Corpora are tokenized with them by `trainer.data.shards`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.config.errors import UserError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
 EXTRA = "hf"
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>")
@@ -28,8 +39,9 @@ def tokenizer_file(path: str | Path, key: str = "data.tokenizer") -> Path:
     return p
 
 
-def load_tokenizer(path: str | Path, key: str = "data.tokenizer") -> Any:
-    """A `tokenizers.Tokenizer`; one paragraph if the extra is missing or the file is bad."""
+def load_tokenizer(path: str | Path, key: str = "data.tokenizer") -> Tokenizer:
+    """A `tokenizers.Tokenizer` (ids only: no chat template, no offsets kept); one paragraph if
+    the extra is missing or the file is bad."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -46,6 +58,39 @@ def load_tokenizer(path: str | Path, key: str = "data.tokenizer") -> Any:
             f"{key}: {file} does not parse as a tokenizers tokenizer.json ({first[:200]}); "
             "write one with scripts/train_tokenizer.py or tokenizer.save(PATH)"
         ) from None
+
+
+def load_hf_tokenizer(path: str | Path, key: str = "data.tokenizer") -> PreTrainedTokenizerFast:
+    """A transformers fast tokenizer from a tokenizer directory (`AutoTokenizer`, never running
+    code from it) or a bare tokenizer.json; one paragraph when it cannot be read."""
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(
+            f"{key}: data=chat renders with transformers' chat templates, which is not "
+            f"installed; install the extra: pip install 'cumulus[{EXTRA}]'"
+        ) from None
+    p = Path(path).expanduser()
+    try:
+        if p.is_dir():
+            tok = transformers.AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
+        elif p.is_file():
+            tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(p))
+        else:
+            raise FileNotFoundError(f"{p} does not exist")
+    except Exception as exc:  # transformers raises many kinds; the message is what matters
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"{key}: {path} is not a tokenizer transformers can load ({first[:200]}): expected "
+            "a tokenizer directory (save_pretrained: tokenizer.json, tokenizer_config.json) or "
+            "a tokenizer.json file"
+        ) from None
+    if not isinstance(tok, transformers.PreTrainedTokenizerFast):
+        raise UserError(
+            f"{key}: {path} loads as a slow (Python) tokenizer; data=chat needs a fast one "
+            "(a tokenizer.json) for the characters each token covers"
+        )
+    return tok
 
 
 def eos_id(tokenizer: Any) -> int | None:

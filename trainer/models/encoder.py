@@ -26,6 +26,7 @@ from torch import nn
 from trainer.models.hf import load_config, require_transformers
 
 EXTRA = "hf"
+POOLER = r"(^|\.)pooler\."  # the pooler's weights in a saved state dict
 # sentence-transformers' files that make an exported directory load with the same pooling.
 ST_MODULES = [
     {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -75,7 +76,15 @@ class MeanPooling:
 @functools.cache
 def _pooling(cls: type) -> type:
     """`cls` with mean pooling; a module-level name so pickling and FSDP see a real class."""
-    body = {"__module__": __name__, "transformers_class": cls}  # export_line names it
+    # The pooler of a BERT-like directory is left out knowingly (no pooling layer is built):
+    # transformers then reports its weights as unexpected at every load, start and export alike.
+    # Any other weight that does not fit is still reported.
+    ignored = [*(cls._keys_to_ignore_on_load_unexpected or ()), POOLER]
+    body = {
+        "__module__": __name__,
+        "transformers_class": cls,  # export_line names it
+        "_keys_to_ignore_on_load_unexpected": ignored,
+    }
     sub = type(f"CumulusEncoder{cls.__name__}", (MeanPooling, cls), body)
     globals()[sub.__name__] = sub
     return sub

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.models.hf import is_transformers_model
+
 GPT_TARGET = "trainer.models.gpt.GPT"
 EXTRA = "hf"
 # data targets whose text, without data.tokenizer, is UTF-8 bytes (ids 0-255)
@@ -36,7 +38,7 @@ def _is_gpt(model: nn.Module) -> bool:
 
 def export_support(model: nn.Module) -> str | None:
     """None when `scripts/export_hf.py` can export `model`, else why not (one sentence)."""
-    if hasattr(model, "save_pretrained") or _is_gpt(model):
+    if is_transformers_model(model) or _is_gpt(model):
         return None
     return (
         f"a {type(model).__name__} has no Hugging Face architecture to map to: "
@@ -54,9 +56,22 @@ def export_line(model: nn.Module) -> str:
             "Face architecture to map it to; it exports the in-tree GPT and transformers models)"
         )
     kind = "GPT2LMHeadModel"
-    if hasattr(model, "save_pretrained"):
+    if is_transformers_model(model):
         kind = getattr(type(model), "transformers_class", type(model)).__name__
     return f"export: scripts/export_hf.py writes it as transformers' {kind}"
+
+
+def saved_architecture(out: Path, fallback: str) -> str:
+    """The architecture `out/config.json` names (what `AutoModel...from_pretrained` builds), for
+    the export's console line; `fallback` where the file names none. cumulus's own subclasses
+    of transformers models save their transformers class there (trainer/models/hf.py)."""
+    import json
+
+    try:
+        names = json.loads((out / "config.json").read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError):
+        return fallback
+    return names[0] if isinstance(names, list) and names and isinstance(names[0], str) else fallback
 
 
 def _transformers() -> Any:
@@ -201,9 +216,9 @@ def run_tokenizer(data: dict[str, Any]) -> tuple[Any, str]:
     source = tokenizer_source(data.get("tokenizer"), data.get("pretrained"))
     template = data.get("chat_template")
     if source and (Path(source).expanduser() / "tokenizer_config.json").is_file():
-        from trainer.data.chat_render import load_tokenizer as load_directory
+        from trainer.data.tokenize import load_hf_tokenizer
 
-        tok = load_directory(source, "data.tokenizer")
+        tok = load_hf_tokenizer(source, "data.tokenizer")
         if template:
             tok.chat_template = Path(str(template)).expanduser().read_text(encoding="utf-8")
         return tok, f"the run's tokenizer ({source})" + (f", template {template}" * bool(template))

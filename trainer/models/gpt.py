@@ -35,9 +35,16 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         # Messages start with the field's name: the trainer names the config key from it.
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be a positive number, got {getattr(self, name)}")
+        sizes = {
+            "vocab_size": self.vocab_size,
+            "block_size": self.block_size,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_embd": self.n_embd,
+        }
+        for name, value in sizes.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd must be divisible by n_head={self.n_head}, got {self.n_embd}")
         if not 0.0 <= self.dropout < 1.0:

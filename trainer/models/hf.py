@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,14 @@ RUNTIME = {"use_cache", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_firs
 # model_types whose causal LM computes `logits = lm_head(last_hidden_state)` and nothing more
 # (no logit scaling or soft-capping): the chunked loss equals theirs (tests/test_chunked_ce.py).
 HEAD_FAMILIES = frozenset({"gpt2", "llama", "mistral", "qwen2"})
+
+
+def is_transformers_model(model: object) -> bool:
+    """A transformers `PreTrainedModel` (model=hf_*, hf_encoder, or what merging its adapters
+    gives): `save_pretrained` writes it as a Hugging Face directory. Imports nothing: where
+    transformers' modeling module was never imported, no such model exists."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
 
 
 def require_transformers() -> Any:

@@ -28,6 +28,7 @@ from engine.checkpoint.fingerprint import fingerprint_difference, frozen_fingerp
 from engine.parallel.dims import ParallelDims
 from trainer.config.errors import ConfigError, UserError
 from trainer.config.schema import AdapterCfg
+from trainer.models.hf import is_transformers_model
 
 EXTRA = "adapter"
 
@@ -254,7 +255,7 @@ def _get_peft_model(peft: Any, model: nn.Module, config: Any, fake: bool) -> Any
 def _causal_lm(model: nn.Module) -> bool:
     """A transformers causal LM (its adapter directory says task_type CAUSAL_LM)."""
     name = type(model).__name__
-    return hasattr(model, "save_pretrained") and name.endswith(("ForCausalLM", "LMHeadModel"))
+    return is_transformers_model(model) and name.endswith(("ForCausalLM", "LMHeadModel"))
 
 
 def one_trainable_dtype(model: nn.Module, is_main: bool) -> None:
@@ -285,7 +286,7 @@ def export_line(adapter: Adapter) -> str:
 
     if export.export_support(adapter.model) is not None:  # no Hugging Face architecture
         return export.export_line(adapter.model)
-    if hasattr(adapter.model, "save_pretrained"):
+    if is_transformers_model(adapter.model):
         return (
             "export: scripts/export_hf.py writes the adapters as a PEFT adapter directory "
             "(merge=true: the merged model)"
@@ -306,17 +307,17 @@ def export_adapter(
     """`out` as a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`
     in peft's key layout, written by peft itself) for `PeftModel.from_pretrained(base, out)`,
     or with `merge` the merged model as a `save_pretrained` directory."""
+    from trainer.models.export import saved_architecture, to_gpt2
+
     model = adapter.model
     if merge:
         merged = adapter.peft_model.merge_and_unload()  # the user's module, weights merged
-        if not hasattr(merged, "save_pretrained"):
-            from trainer.models.export import to_gpt2  # the in-tree GPT
-
+        if not is_transformers_model(merged):  # the in-tree GPT
             eos = tokenizer.eos_token_id if tokenizer is not None else None
             merged = to_gpt2(merged.cpu(), eos)
         merged.save_pretrained(out)
-        return Exported("the merged model", type(merged).__name__)
-    if not hasattr(model, "save_pretrained"):
+        return Exported("the merged model", saved_architecture(out, type(merged).__name__))
+    if not is_transformers_model(model):
         raise UserError(
             f"checkpoint: the adapters of a {type(model).__name__} export merged only "
             "(scripts/export_hf.py ... merge=true): a PEFT adapter directory names its base "

@@ -20,7 +20,7 @@ larger than `SAMPLES[1]`; otherwise, and with `plan.full=true`, every block is s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +61,8 @@ def layer_path(model: Any) -> tuple[tuple[str, ...], int] | None:
     for prefix in ((), ("config",)):
         node = model
         for key in prefix:
-            node = node.get(key) if hasattr(node, "get") else None
-        if not hasattr(node, "get"):
+            node = node.get(key) if isinstance(node, Mapping) else None
+        if not isinstance(node, Mapping):
             continue
         for key in LAYER_KEYS:
             value = node.get(key)
@@ -112,8 +112,12 @@ def memory(a: MemoryReport, b: MemoryReport, at: int) -> MemoryReport:
     line. The peak itself is not one line: with few blocks a stage's peak can be where it
     holds the least activations (its embedding's backward), with many where it holds the
     most (its first block's backward)."""
-    own = ("parameters_bytes", "gradients_bytes", "optimizer_bytes", "buffers_bytes")
-    ints = {name: line(getattr(a, name), getattr(b, name), at) for name in own}
+    ints = {
+        "parameters_bytes": line(a.parameters_bytes, b.parameters_bytes, at),
+        "gradients_bytes": line(a.gradients_bytes, b.gradients_bytes, at),
+        "optimizer_bytes": line(a.optimizer_bytes, b.optimizer_bytes, at),
+        "buffers_bytes": line(a.buffers_bytes, b.buffers_bytes, at),
+    }
     untracked = _lines(a.untracked, b.untracked, at)
     # In the step's order (dicts keep it; a set's order follows the string hash seed): of
     # moments that tie on the total, the first is the peak, as a real run's tracker keeps it.

@@ -16,6 +16,8 @@ from torch import nn
 
 from engine.distributed import DistInfo
 from engine.model import (
+    DeclaresContext,
+    DeclaresVocabulary,
     NoBlocks,
     apply_activation_checkpointing,
     find_blocks,
@@ -62,8 +64,8 @@ def options(group: str) -> list[str]:
 def check_config(cfg: Config) -> None:
     """Every component's target imports and its arguments fit its signature (names, types,
     required ones): a one-paragraph error naming the key, before any work starts."""
-    for group in ("model", "data"):
-        spec, _ = split_extras(getattr(cfg, group), group)
+    for group, node in (("model", cfg.model), ("data", cfg.data)):
+        spec, _ = split_extras(node, group)
         check(spec, group, options=options(group))
     task = split_extras(cfg.task, "task")[0] if isinstance(cfg.task, dict) else cfg.task
     check(task, "task", options=options("task"))
@@ -136,8 +138,7 @@ def check_fits(
 ) -> None:
     """Token ids and sequence lengths the data declares must fit what the model declares
     (`length_key`: the data's key of its sequence length)."""
-    # Optional model attributes (the in-tree GPT and transformers models have them).
-    vocab = getattr(model, "vocab_size", None)
+    vocab = model.vocab_size if isinstance(model, DeclaresVocabulary) else None
     if isinstance(vocab, int) and data.vocab_size is not None and data.vocab_size > vocab:
         key = "model.vocab_size" if "vocab_size" in spec else "model"
         if isinstance(spec.get("config"), dict) and "vocab_size" in spec["config"]:
@@ -148,7 +149,7 @@ def check_fits(
             f"{data.vocab_size - 1}; the model's vocabulary must be at least {data.vocab_size}, "
             f"got {vocab}",
         )
-    longest = getattr(model, "max_seq_len", None)
+    longest = model.max_seq_len if isinstance(model, DeclaresContext) else None
     if isinstance(longest, int) and data.seq_len is not None and data.seq_len > longest:
         raise ConfigError(
             length_key,

@@ -22,6 +22,7 @@ from engine.window_task import WindowTask
 from trainer.config.components import instantiate
 from trainer.config.errors import ConfigError
 from trainer.config.schema import Config, DataExtras, TrainCfg
+from trainer.config.signing import sign
 from trainer.data.batches import build_train_batches, build_val_batches
 from trainer.data.loader import TrainBatches
 from trainer.models.export import export_line
@@ -32,10 +33,17 @@ from trainer.run.batch_plan import AUTO, BatchPlan
 from trainer.run.fit import Run, RunSettings, plain_step_window
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import StopRequest
-from trainer.run.state import ResumeSettings, RunState, TrainingProgress, build_checkpointer, resume
-from trainer.run.window import window_step
+from trainer.run.state import (
+    ResumeSettings,
+    RunState,
+    TrainingProgress,
+    build_checkpointer,
+    resume,
+    signed_config,
+)
+from trainer.run.window import step_for_task
 from trainer.tracking.profiler import build_profiler
-from trainer.tracking.records import TrainMeter
+from trainer.tracking.records import TrainMeter, item_unit
 from trainer.tracking.sinks import Banner, build_sinks
 
 # A step builds the optimizer's state (Adam's moments): the second one is a steady step.
@@ -110,17 +118,27 @@ def build_context(cfg: Config, parts: Assembly, info: DistInfo) -> StepContext:
 
 
 def build_state(
-    cfg: Config, config: dict[str, Any], ctx: StepContext, parts: Assembly, **named: Any
+    cfg: Config,
+    config: dict[str, Any],
+    ctx: StepContext,
+    parts: Assembly,
+    derived: dict[str, str] | None = None,
+    **named: Any,
 ) -> RunState:
-    """What a checkpoint holds: the model and optimizer through the parallelism, the config,
-    and the named stateful components (user components join when they have state)."""
+    """What a checkpoint holds: the model and optimizer through the parallelism, the config
+    (with the keys it derives, `derived`, signed on rank 0 with this user's secret), and the
+    named stateful components (user components join when they have state)."""
     fmt = cfg.checkpoint.format
     sharded = (fmt if fmt != "auto" else parts.parallel.checkpoint_format) == "sharded"
+    derived = derived or {}
+    signature = sign(signed_config(config, derived)) if ctx.dist.is_main else None
     state = RunState(
         parts.model,
         ctx.optimizer,
         parts.parallel,
         config=config,
+        derived=derived,
+        signature=signature,
         sharded=sharded,
         adapter=parts.adapter,
     )
@@ -152,13 +170,22 @@ def run_shape(cfg: Config, step_fn: Any, ctx: StepContext, plan: BatchPlan) -> R
     )
 
 
-def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo) -> Run:
+def build_run(
+    cfg: Config,
+    config: dict[str, Any],
+    run_dir: Path,
+    info: DistInfo,
+    derived: dict[str, str] | None = None,
+) -> Run:
+    """The run `cfg` describes in `run_dir`, resumed from its checkpoints. `config`: the
+    resolved config a checkpoint saves; `derived`: its keys that other keys give
+    (trainer/config/trust.py:derived_keys), saved beside it."""
     dims = cfg.dist.dims(info.world_size)  # the layout and the batch arithmetic first
     plan = BatchPlan.from_config(cfg.train, dims.dp)
     parts = assemble(cfg, info, dims)
     parallel = parts.parallel
     ctx = build_context(cfg, parts, info)
-    step_fn = window_step(build_step(cfg.step), ctx, cfg, plan)
+    step_fn = step_for_task(build_step(cfg.step), ctx, cfg, plan)
     check_layout(parallel, run_shape(cfg, step_fn, ctx, plan))
     step_fn, plan, auto_window = setup_auto(cfg, ctx, parts.data, step_fn, plan)
     batches = build_train_batches(parts.data, parts.data_extras, cfg.seed, info, plan, parallel)
@@ -173,9 +200,12 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
     )
     attach_privacy(step_fn, ctx, batches, parts.data_extras)
     ctx.callbacks.setup(ctx)  # before a checkpoint is restored into their state
-    meter = TrainMeter(info, parts.flops_per_token, run_dir)
+    unit = item_unit(parts.task)  # a task names its loss items (`unit = "tokens"`)
+    meter = TrainMeter(info, parts.flops_per_token, run_dir, unit)
     progress = TrainingProgress(ctx, plan.global_batch, cfg.train.max_steps)
-    state = build_state(cfg, config, ctx, parts, progress=progress, meter=meter, step=step_fn)
+    state = build_state(
+        cfg, config, ctx, parts, derived, progress=progress, meter=meter, step=step_fn
+    )
     checkpointer = build_checkpointer(
         cfg.checkpoint, run_dir / "checkpoints", info, state.sharded, cfg.dist.timeout_s
     )
@@ -202,8 +232,7 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
             if parts.adapter is None
             else adapter_line(parts.adapter),
         )
-        # A task may name its loss items (`unit = "tokens"`), for the progress line's rate.
-        sinks = build_sinks(cfg, config, banner, unit=getattr(parts.task, "unit", "items"))
+        sinks = build_sinks(cfg, config, banner, unit=unit)
     if cfg.train.detect_anomaly:
         torch.autograd.set_detect_anomaly(True)  # slow: for debugging NaNs only
     return Run(
@@ -224,7 +253,7 @@ def build_run(cfg: Config, config: dict[str, Any], run_dir: Path, info: DistInfo
         step_window=measured(auto_window or plain_step_window, cfg, run_dir),
         decode=parts.data.decode,
         data_description=parts.data.description or str(cfg.data.get("_target_")),
-        profiler=build_profiler(cfg.profile, run_dir, info, ctx.clock),
+        profiler=build_profiler(cfg.profile, run_dir, info, ctx.clock, cfg.train.max_steps),
     )
 
 

@@ -29,12 +29,19 @@ from engine.window_task import WindowTask
 from trainer.config.components import current_targets
 from trainer.config.errors import UserError
 from trainer.config.schema import Config
-from trainer.config.trust import BUILT_FROM_SAVED, check_paths, check_saved, check_targets
+from trainer.config.signing import is_own
+from trainer.config.trust import (
+    BUILT_FROM_SAVED,
+    check_derived,
+    check_paths,
+    check_saved,
+    check_targets,
+)
 from trainer.data.batches import build_val_batches
 from trainer.run.assemble import CONFIG_DIR, assemble
 from trainer.run.build import instantiate_callback
 from trainer.run.fit import val_metrics
-from trainer.run.state import RunState, load_state
+from trainer.run.state import DERIVED, SIGNATURE, RunState, load_state, signed_config
 from trainer.tracking.records import EvalProgress
 
 
@@ -42,17 +49,23 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def compose_config(saved: dict[str, Any], overrides: list[str]) -> tuple[DictConfig, DictConfig]:
+def compose_config(
+    saved: dict[str, Any], overrides: list[str], derived: dict[str, str] | None = None
+) -> tuple[DictConfig, DictConfig]:
     """The checkpoint's config with `overrides` applied as training applies them: the
     overrides are composed by Hydra (from this repository's configs and any
     `hydra.searchpath`), then a group selection (`data=NAME`) replaces that whole node of the
-    saved config and a key (`eval.max_batches=...`) that one value. Also returns that fresh
-    composition: what this version's configs give without the file."""
+    saved config and a key (`eval.max_batches=...`) that one value. The keys the run derived
+    from others (`derived`: `data.pretrained: ${oc.select:model.pretrained,null}`) are
+    derived again, so they follow what the user gives now (`model.pretrained=NEW_DIR`). Also
+    returns that fresh composition: what this version's configs give without the file."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         fresh = compose("train", overrides=overrides)
     cfg = OmegaConf.merge(OmegaConf.structured(Config), saved)
+    for key, reference in (derived or {}).items():
+        rederive(cfg, key, reference)
     for override in overrides:
         key = _key(override)
         if key.startswith("hydra.") or key == "hydra":
@@ -62,6 +75,21 @@ def compose_config(saved: dict[str, Any], overrides: list[str]) -> tuple[DictCon
             continue
         OmegaConf.update(cfg, key, OmegaConf.select(fresh, key), merge=False, force_add=True)
     return cfg, fresh
+
+
+def rederive(cfg: DictConfig, key: str, reference: str) -> None:
+    """Put `reference` (an interpolation) back at `key`, which holds its value as saved; a
+    key the schema no longer has, or a reference that no longer resolves, keeps that value."""
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+    if not isinstance(node, DictConfig) or leaf not in node:
+        return
+    value = node[leaf]
+    try:
+        node[leaf] = reference
+        node[leaf]  # resolves it, or raises
+    except OmegaConfBaseException:
+        node[leaf] = value
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -105,13 +133,19 @@ def checkpoint_config(
     verified first (UserError / CheckpointError when missing or damaged), and the saved config
     is untrusted input: a target it names that is neither shipped, restated by the user, nor
     under a `trust` prefix is refused before anything is imported, and a path only it sets
-    is refused unless `saved_paths` (trainer/config/trust.py). `uses`: what the command
-    reads of the config (nodes or keys), whose paths are checked."""
+    is refused unless `saved_paths` (trainer/config/trust.py). A config this user's secret
+    signed (trainer/config/signing.py: a run of their own, unedited) is theirs: its targets
+    and paths are used. `uses`: what the command reads of the config (nodes or keys), whose
+    paths are checked."""
     verify(path)
-    saved = current_targets(safe_load(path / SHARED).get("config"))
-    check_saved(saved, path)
+    shared = safe_load(path / SHARED)
+    check_saved(shared.get("config"), path)
+    derived = check_derived(shared.get(DERIVED), path)
+    # Signed with this user's secret: a checkpoint of their own, its targets and paths theirs.
+    own = is_own(signed_config(shared.get("config"), derived), shared.get(SIGNATURE))
+    saved = current_targets(shared.get("config"))
     try:
-        cfg, fresh = compose_config(saved, overrides)
+        cfg, fresh = compose_config(saved, overrides, derived)
     except OmegaConfBaseException as exc:
         if any(_key(o) in str(exc) for o in overrides):
             raise  # the user's override, reported as one by the caller
@@ -120,6 +154,8 @@ def checkpoint_config(
             f"checkpoint: the config saved in {path} does not fit this version's schema "
             f"({first}); it was written by another version of cumulus or altered"
         ) from None
+    if own:
+        return cfg
     composed = OmegaConf.to_container(cfg, resolve=False)
     check_targets(
         composed, path, config_dir=CONFIG_DIR, overrides=overrides, trust=trust, command=command

@@ -30,6 +30,7 @@ from trainer.run.optim import horizon_dependent
 from trainer.run.preemption import StopRequest
 from trainer.run.state import Resumed, RunState, TrainingProgress
 from trainer.run.sum_check import check_loss_is_sum
+from trainer.tracking.phases import TABLE_FILE
 from trainer.tracking.profiler import NoProfiler
 from trainer.tracking.records import EvalProgress, RecordSink, TrainMeter, peak_memory_mb
 
@@ -121,6 +122,8 @@ class Run:
     latest: dict[str, Any] = field(default_factory=dict)  # the last train and val loss
     # profile=torch (trainer/tracking/profiler.py): traces optimizer steps, flags them.
     profiler: Any = field(default_factory=NoProfiler)
+    # The final evaluation's and checkpoint's time, which no record holds (rank 0; `finish`).
+    final_times: dict[str, Any] = field(default_factory=dict)
     last_saved_step: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -186,8 +189,9 @@ def fit(run: Run) -> str:
                     save(run)
             if run.stop.agreed():
                 print(f"stop requested: saving step {run.step} and exiting", file=sys.stderr)
-                save(run, final=True)
-                settle(run)
+                with clock.within("checkpoint"):
+                    save(run, final=True)
+                finish(run)
                 return "stopped by request"
         else:
             # A finished run rerun has its last evaluation already: one record per step.
@@ -206,8 +210,18 @@ def fit(run: Run) -> str:
                     save(run, final=True)
     finally:
         windows.close()
-    settle(run)
+    finish(run)
     return "finished"
+
+
+def finish(run: Run) -> None:
+    """Collective, at the end of a run: a save in flight commits (checkpoint time), and the
+    time of what came after the last record (the final evaluation and checkpoint) goes to
+    time_by_rank.json's `final` and the summary: no record holds it."""
+    if run.checkpointer.in_flight:
+        with run.ctx.clock.within("checkpoint"):
+            settle(run)
+    run.final_times = run.meter.close_phases(run.ctx.clock)
 
 
 def _due(step: int, every: int) -> bool:
@@ -321,6 +335,13 @@ def summary(run: Run, outcome: str, seconds: float) -> str:
     report = run.run_dir / "memory_report.json"
     if run.settings.train.memory_report and report.is_file():
         lines.append(f"  memory report {report}")
+    final = [
+        f"{words} {run.final_times[f'{phase}_s']:.2f} s (rank {run.final_times[f'{phase}_rank']})"
+        for phase, words in (("eval", "evaluation"), ("checkpoint", "checkpoint"))
+        if f"{phase}_s" in run.final_times
+    ]
+    if final:
+        lines.append(f"  after the last record: {', '.join(final)} ({TABLE_FILE} `final`)")
     lines += run.ctx.callbacks.summaries(run.batches.plan.global_batch)
     lines += run.profiler.summary()
     lines += [note for sink in run.sinks if (note := sink.closing_note())]

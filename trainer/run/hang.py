@@ -88,6 +88,14 @@ class Verdict:
     source: str  # "flight recorder" or "cumulus sequence numbers"
 
 
+def phase_words(phase: str | None, waiting_in: str | None) -> str:
+    """Where a rank is, in the phase clock's names (engine/timing.py), as its timers count it
+    and its trace labels it: `phase sync (gradient sync)` inside a collective."""
+    if waiting_in:
+        return f"phase sync ({waiting_in})"
+    return f"phase {phase or 'between steps'}"
+
+
 def _groups() -> dict[str, Any]:
     """This rank's process groups by name (the default group is "0")."""
     from torch.distributed import distributed_c10d as c10d
@@ -202,7 +210,7 @@ class CollectiveWatch:
             "pid": self.pid,
             "step": clock.step if clock else 0,
             "phase": (clock.phase or "between steps") if clock else "start-up",
-            "waiting_in": clock.waiting_in if clock else None,
+            "waiting_in": (clock.waiting_in or clock.failed_in) if clock else None,
             "seq": clock.seq if clock else 0,
             "groups": _sequence_numbers(),
         }
@@ -300,11 +308,12 @@ class CollectiveWatch:
                 what = describe_entry(entry) if entry else f"#{seq}"
                 source = "flight recorder" if entry else "torch's sequence numbers"
                 return Verdict(missing, what, group, seq, step, where, source)
-        if clock is not None and clock.waiting_in is not None:
+        waited = (clock.waiting_in or clock.failed_in) if clock is not None else None
+        if clock is not None and waited is not None:
             entered = {r: positions[r].get("seq", -1) for r in positions}
             missing = [r for r in range(self.info.world_size) if entered.get(r, -1) < clock.seq]
             if missing:
-                what, source = clock.waiting_in, "cumulus sequence numbers"
+                what, source = waited, "cumulus sequence numbers"
                 return Verdict(missing, what, "0", clock.seq, step, where, source)
         return None
 
@@ -320,9 +329,8 @@ class CollectiveWatch:
     def _where(clock: PhaseClock | None) -> str:
         if clock is None:
             return "while the run was being built"
-        if clock.waiting_in:
-            return f"in step {clock.step}'s {clock.waiting_in}"
-        return f"in step {clock.step}, phase {clock.phase or 'between steps'}"
+        waited = clock.waiting_in or clock.failed_in  # a collective that timed out: unwound
+        return f"in step {clock.step}, {phase_words(clock.phase, waited)}"
 
     def explain(self, exc: BaseException) -> RankHung | None:
         """The paragraph for a collective that timed out in the main thread (None: not a
@@ -384,9 +392,10 @@ class CollectiveWatch:
             if pos is None:
                 return f"rank {r} (never reported where it was)"
             seen = time.time() - float(pos.get("time", time.time()))
+            where = phase_words(pos.get("phase"), pos.get("waiting_in"))
             return (
                 f"rank {r} (host {pos.get('host')}, pid {pos.get('pid')}: last seen "
-                f"{seen:.0f} s ago in step {pos.get('step')}, phase {pos.get('phase')})"
+                f"{seen:.0f} s ago in step {pos.get('step')}, {where})"
             )
 
         names = ", ".join(who(r) for r in v.missing)

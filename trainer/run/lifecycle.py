@@ -15,9 +15,17 @@ if TYPE_CHECKING:
     from engine.distributed import DistInfo
 
 
-def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> None:
+def train(
+    cfg: Config,
+    plain: dict[str, Any],
+    info: DistInfo,
+    run_dir: Path,
+    derived: dict[str, str] | None = None,
+) -> None:
     """Build the run in `run_dir` (resuming from its checkpoints) and fit it, holding the run
-    directory's lock throughout; a summary closes every run that ends on its own terms."""
+    directory's lock throughout; a summary closes every run that ends on its own terms.
+    `derived`: the config's keys that other keys give (trainer/config/trust.py:derived_keys),
+    saved in its checkpoints so that evaluation derives them again."""
     # Imported here: `--help` and a refused config answer without loading torch.
     import torch
 
@@ -32,7 +40,7 @@ def train(cfg: Config, plain: dict[str, Any], info: DistInfo, run_dir: Path) -> 
     watch = start_watch(info, run_dir, cfg.dist.timeout_s)
     try:
         with run_dir_lock(run_dir, info):
-            run = build_run(cfg, plain, run_dir, info)
+            run = build_run(cfg, plain, run_dir, info, derived)
             if watch is not None:
                 watch.follow(run.ctx.clock, lambda: run.checkpointer.committed)
             outcome, hung = None, False

@@ -230,21 +230,27 @@ def report(
 
 class MemoryWindow:
     """`train.memory_report=true`: the fit loop's step function, measured over the run's first
-    `steps` steps; then every rank's report goes to rank 0, which writes memory_report.json."""
+    `steps` steps, or the steps there are when the run ends sooner (`train.max_steps=1`, a
+    resumed run's last step); then every rank's report goes to rank 0, which writes
+    memory_report.json."""
 
     def __init__(self, inner: Any, steps: int, path: Path) -> None:
         self.inner, self.steps, self.path = inner, steps, path
         self.peaks = StepPeaks()
         self.done = 0
+        self.first: int | None = None  # the first step measured
 
     def __call__(self, run: Any, window: Any, windows: Any) -> tuple[Any, Any]:
         if self.done >= self.steps:
             return self.inner(run, window, windows)
+        if self.first is None:
+            self.first = run.step + 1
         with self.peaks.step(run.ctx.model, run.ctx.optimizer):
             out = self.inner(run, window, windows)
         self.done += 1
-        if self.done == self.steps:
+        if self.done == self.steps or run.step >= run.settings.train.max_steps:
             self._write(run)
+            self.done = self.steps  # measured: the rest of the run is not
         return out
 
     def _write(self, run: Any) -> None:
@@ -253,12 +259,19 @@ class MemoryWindow:
         mine = report(self.peaks, run.state.model, run.ctx.optimizer, run.ctx.parallel)
         everyone = gather_object({"rank": run.dist.rank, **mine.as_dict()}, run.dist)
         if everyone is not None:
-            self.path.write_text(json.dumps({"steps": self.steps, "ranks": everyone}, indent=1))
+            self.path.write_text(json.dumps({"steps": self.done, "ranks": everyone}, indent=1))
             top = max(everyone, key=lambda r: r["peak_bytes"])
             kinds = ("parameters", "gradients", "optimizer", "activations")
             parts = ", ".join(f"{k} {top[f'{k}_bytes'] / 2**20:.1f}" for k in kinds)
+            steps = f"step {run.step}" if self.done == 1 else f"steps {self.first}-{run.step}"
+            short = (
+                f" (the run has {self.done} step{'s' if self.done > 1 else ''} to measure of the "
+                f"{self.steps} a report measures: the optimizer's state is created in the first)"
+                if self.done < self.steps
+                else ""
+            )
             print(
-                f"memory report of steps 1-{self.steps}: peak {top['peak_bytes'] / 2**20:.1f} MiB "
+                f"memory report of {steps}{short}: peak {top['peak_bytes'] / 2**20:.1f} MiB "
                 f"on rank {top['rank']} ({parts} MiB), written to {self.path}",
                 flush=True,
             )

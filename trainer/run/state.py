@@ -1,7 +1,8 @@
 """One place that knows what a run saves and how a run continues from a checkpoint.
 
 `RunState` holds everything a checkpoint holds: the model and optimizer (through the
-parallelism's state I/O: gathered from stages and shards, or as DCP shards), the config, each
+parallelism's state I/O: gathered from stages and shards, or as DCP shards), the config (with
+the keys it derives and this user's signature of both: trainer/config/signing.py), each
 rank's random streams, and named stateful components (progress, scheduler, precision,
 callbacks, meter, and any user component with `state_dict`/`load_state_dict`). A
 checkpoint's `state.pt` holds each component's state under its name, next to the config and,
@@ -43,9 +44,18 @@ from trainer.config.errors import UserError
 from trainer.config.schema import CheckpointCfg
 from trainer.run.identity import new_run_id
 
-RESERVED = ("config", "model", "optimizer")
+# Beside the config: the keys it derives from others (trainer/config/trust.py:derived_keys)
+# and this user's signature of both (trainer/config/signing.py).
+DERIVED, SIGNATURE = "config_derived", "config_signature"
+RESERVED = ("config", DERIVED, SIGNATURE, "model", "optimizer")
 ADAPTER = "adapter"  # the component of adapter=lora: checked first on load
 SHARDED_STATE = "state"  # the prefix of components' DTensor leaves in DCP shards
+
+
+def signed_config(config: Any, derived: dict[str, str]) -> dict[str, Any]:
+    """What a checkpoint's signature covers: all that evaluation and export read back of its
+    config."""
+    return {"config": config, "derived": derived}
 
 
 @runtime_checkable
@@ -96,11 +106,15 @@ class RunState:
         parallel: Parallelism,
         *,
         config: dict[str, Any] | None = None,
+        derived: dict[str, str] | None = None,
+        signature: str | None = None,
         sharded: bool = False,
         adapter: Stateful | None = None,
     ) -> None:
         self.model, self.optimizer, self.parallel = model, optimizer, parallel
         self.config, self.sharded = config, sharded
+        # Saved beside the config: written by rank 0, whose signature is the one that counts.
+        self.saved_config = {"config": config, DERIVED: derived or {}, SIGNATURE: signature}
         self.components: dict[str, Stateful] = {}
         self.trainable_only = adapter is not None
         if adapter is not None:
@@ -133,13 +147,13 @@ class RunState:
             model_state, optimizer_state = self.parallel.full_state(
                 self.model, self.optimizer, trainable_only=only
             )
-            shared = {"config": self.config, **state, "model": model_state}
+            shared = {**self.saved_config, **state, "model": model_state}
             return {**shared, "optimizer": optimizer_state}, per_rank, None
         from engine.checkpoint.sharded import split_dtensors
 
         shards = self.parallel.sharded_state(self.model, self.optimizer, trainable_only=only)
         state, shards[SHARDED_STATE] = split_dtensors(state)
-        return {"config": self.config, **state}, per_rank, shards
+        return {**self.saved_config, **state}, per_rank, shards
 
     # ---- loading ----
     def load(self, ckpt: LoadedCheckpoint) -> None:

@@ -11,7 +11,7 @@ from engine.callbacks.item_means import ItemMeans
 from engine.step import ItemSums, StepContext, StepStrategy
 from engine.steps.accumulate import AccumulateStep
 from engine.steps.cached import CachedStep
-from engine.window_task import WindowTask
+from engine.window_task import HasMetrics, WindowTask, needs_window_task
 from trainer.config.errors import ConfigError
 from trainer.config.schema import Config
 from trainer.run.batch_plan import AUTO, BatchPlan
@@ -23,14 +23,16 @@ class TaskRecords(Callback):
 
     state_optional = True
 
-    def __init__(self, task: Any) -> None:
+    def __init__(self, task: HasMetrics) -> None:
         self.task = task
 
     def metrics(self) -> dict[str, Any]:
         return self.task.metrics()
 
 
-def window_step(step_fn: StepStrategy, ctx: StepContext, cfg: Config, plan: BatchPlan) -> Any:
+def step_for_task(
+    step_fn: StepStrategy, ctx: StepContext, cfg: Config, plan: BatchPlan
+) -> StepStrategy:
     """`step_fn`, or `step=cached` in place of the default step for a task whose loss is of
     the whole window (one line says so); a step that cannot run the task is refused. When the
     window is one micro-batch on one process, its loss is the window's: the default step
@@ -42,12 +44,7 @@ def window_step(step_fn: StepStrategy, ctx: StepContext, cfg: Config, plan: Batc
         if isinstance(task, ItemSums):  # the task's exact means in each record (task=dpo)
             ctx.callbacks.named["task"] = ItemMeans(task)
         if isinstance(step_fn, CachedStep):
-            raise ConfigError(
-                "step",
-                f"step=cached needs a task whose loss is of the whole window (represent(model, "
-                f"batch) and window_loss(reps, rows), engine/window_task.py), such as "
-                f"task=contrastive; {task_name} has a loss per micro-batch: use step=accumulate",
-            )
+            raise ConfigError("step", needs_window_task(task_name))
         return step_fn
     if type(step_fn) is AccumulateStep and one_micro_batch:
         print(
@@ -80,6 +77,6 @@ def window_step(step_fn: StepStrategy, ctx: StepContext, cfg: Config, plan: Batc
             "gradient is its share of the whole window's loss, not a loss of its own, so its "
             "statistics would not mean what they say. Remove it for this task",
         )
-    if callable(getattr(task, "metrics", None)):
+    if isinstance(task, HasMetrics):
         ctx.callbacks.named["task"] = TaskRecords(task)
     return step_fn

@@ -71,6 +71,8 @@ class PhaseTable:
         self.slowest_in = [dict.fromkeys(STEP_PHASES, 0) for _ in range(world)]
         self.records = 0
         self.streaks: dict[str, tuple[int, int]] = {}  # phase -> (rank, records in a row)
+        # After the last record (the final evaluation and checkpoint): `close`.
+        self.final: dict[str, Any] | None = None
 
     def gather_hosts(self) -> None:
         """Every rank's host name, once (collective: every rank calls it at the first record)."""
@@ -108,6 +110,27 @@ class PhaseTable:
         self._write_table()
         return keys
 
+    def close(self, per_rank: list[list[float]]) -> dict[str, Any]:
+        """At the end of the run, every rank's phase times since the last record: what came
+        after it (the final evaluation and checkpoint, whose time no record holds) as the
+        slowest rank's seconds and that rank (`eval_s`, `eval_rank`, ...), folded into the
+        totals and written as the table's `final`. Returns {} on other ranks."""
+        if not self.info.is_main:
+            return {}
+        final: dict[str, Any] = {}
+        for i, phase in enumerate(PHASES):
+            values = [row[i] for row in per_rank]
+            if phase not in STEP_PHASES and any(values):
+                rank, value, _ = slowest(values)
+                final[f"{phase}_s"], final[f"{phase}_rank"] = value, rank
+        for r, row in enumerate(per_rank):
+            self.seconds[r] = [a + b for a, b in zip(self.seconds[r], row)]
+            self.steps[r] += int(row[-1])
+        if final or self.records:  # (a finished run rerun keeps its table)
+            self.final = final
+            self._write_table()
+        return final
+
     def _watch(self, phase: str, values: list[float]) -> None:
         """Count the records in a row in which the same rank is clearly the slowest in `phase`;
         at STREAK, say so once (again only after the streak broke)."""
@@ -129,8 +152,10 @@ class PhaseTable:
 
     def table(self) -> dict[str, Any]:
         """What `time_by_rank.json` holds: each rank's mean seconds per step in every step
-        phase, its checkpoint and evaluation totals, and in how many records it was the
-        slowest by a clear margin (`clearly_slowest`)."""
+        phase, its checkpoint and evaluation totals (all of them, the final ones included),
+        and in how many records it was the slowest by a clear margin (`clearly_slowest`);
+        `final`: the final evaluation's and checkpoint's seconds (slowest rank), which come
+        after the last record."""
         ranks = []
         for r, row in enumerate(self.seconds):
             steps = max(self.steps[r], 1)
@@ -143,7 +168,10 @@ class PhaseTable:
                     "slowest_records": self.slowest_in[r],
                 }
             )
-        return {"records": self.records, "steps": max(self.steps), "ranks": ranks}
+        table: dict[str, Any] = {"records": self.records, "steps": max(self.steps)}
+        if self.final is not None:
+            table["final"] = self.final
+        return {**table, "ranks": ranks}
 
     def _write_table(self) -> None:
         if self.run_dir is None:

@@ -18,11 +18,15 @@ at https://pytorch.org/memory_viz.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import sys
+import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,33 @@ TOP_OPERATORS = 10
 MERGE_WAIT_S = 60.0
 
 
+# What kineto (torch.profiler's library) writes to stderr, from C++, where tracing starts and
+# stops: `USDT:2026-11-28 05:11:54 9019:9019 SyncActivityProfilerHandler.cpp:52] profiler_start`.
+KINETO_MARK = re.compile(rb"^USDT:[^\n]*\] profiler_(start|stop)\s*$")
+
+
+@contextlib.contextmanager
+def kineto_marks_dropped() -> Iterator[None]:
+    """Around the profiler's start, step and stop: kineto's start and stop lines, which every
+    profiled run would print, are left out; whatever else reaches stderr (file descriptor 2)
+    meanwhile is written after it, as it came."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().splitlines(keepends=True)
+            kept = b"".join(line for line in lines if not KINETO_MARK.match(line))
+            if kept:
+                os.write(2, kept)
+
+
 def trace_file(folder: Path, rank: int) -> Path:
     return folder / f"rank{rank}.trace.json.gz"
 
@@ -49,7 +80,7 @@ def ops_file(folder: Path, rank: int) -> Path:
     return folder / f"rank{rank}.ops.json"
 
 
-def ours(name: str) -> bool:
+def is_trainer_span(name: str) -> bool:
     """A span the trainer opened (a step, a phase, a micro-batch), not an operator."""
     head = name.split(" ", 1)[0]
     return head in PHASES or head in ("step", "micro-batch") or name.startswith("ProfilerStep")
@@ -82,10 +113,27 @@ class TorchProfiler(NoProfiler):
         run_dir: the run directory (traces go to its `profile/`).
         info: where this rank runs.
         clock: the step's phase clock (its spans mark steps, phases and micro-batches).
+        max_steps: the run's last step: a window that ends after it is clipped there (one
+            that starts after it is refused with the config, trainer/config/schema.py).
     """
 
-    def __init__(self, cfg: ProfileCfg, run_dir: Path, info: DistInfo, clock: PhaseClock) -> None:
+    def __init__(
+        self,
+        cfg: ProfileCfg,
+        run_dir: Path,
+        info: DistInfo,
+        clock: PhaseClock,
+        max_steps: int | None = None,
+    ) -> None:
         self.first, self.last = cfg.steps
+        if max_steps is not None and self.last > max_steps >= self.first:
+            if info.is_main and cfg.kind == "torch":
+                print(
+                    f"profile.steps=[{self.first}, {self.last}] ends after the run's last step "
+                    f"(train.max_steps={max_steps}): steps {self.first}-{max_steps} are profiled",
+                    flush=True,
+                )
+            self.last = max_steps
         self.ranks = list(range(info.world_size)) if cfg.ranks is None else sorted(cfg.ranks)
         self.info, self.clock = info, clock
         self.folder = run_dir / PROFILE_DIR
@@ -114,7 +162,8 @@ class TorchProfiler(NoProfiler):
             self._start(step, warmup=int(step < self.first))
         elif self.prof is not None:
             started = time.perf_counter()
-            self.prof.step()  # one schedule step per optimizer step
+            with kineto_marks_dropped():
+                self.prof.step()  # one schedule step per optimizer step
             if step > self.last:
                 self._stop()
                 spent = time.perf_counter() - started
@@ -136,12 +185,14 @@ class TorchProfiler(NoProfiler):
                 on_trace_ready=self._write,
                 record_shapes=True,
             )
-        self.prof.start()
+        with kineto_marks_dropped():
+            self.prof.start()
         self.prof.add_metadata_json("cumulus", json.dumps(self._metadata()))  # once started
 
     def _stop(self) -> None:
         if self.prof is not None:
-            self.prof.stop()  # writes the trace if the window was cut short
+            with kineto_marks_dropped():
+                self.prof.stop()  # writes the trace if the window was cut short
             self.prof = None
         self.clock.trace(False)
         self.recording, self.done = False, True
@@ -172,10 +223,13 @@ class TorchProfiler(NoProfiler):
 
     def _top_operators(self, prof: Any) -> dict[str, Any]:
         """The operators with the most self time (device time on CUDA) in the window."""
-        attr = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        events = [e for e in prof.key_averages() if not ours(e.key)]
-        total = sum(getattr(e, attr) for e in events) or 1.0
-        top = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:TOP_OPERATORS]
+
+        def self_time(e: Any) -> float:  # microseconds
+            return e.self_device_time_total if self.cuda else e.self_cpu_time_total
+
+        events = [e for e in prof.key_averages() if not is_trainer_span(e.key)]
+        total = sum(self_time(e) for e in events) or 1.0
+        top = sorted(events, key=self_time, reverse=True)[:TOP_OPERATORS]
         return {
             "rank": self.info.rank,
             "time": "device" if self.cuda else "CPU",
@@ -183,8 +237,8 @@ class TorchProfiler(NoProfiler):
             "operators": [
                 {
                     "name": e.key,
-                    "self_s": getattr(e, attr) / 1e6,
-                    "share": getattr(e, attr) / total,
+                    "self_s": self_time(e) / 1e6,
+                    "share": self_time(e) / total,
                     "calls": e.count,
                 }
                 for e in top
@@ -289,8 +343,11 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-def build_profiler(cfg: ProfileCfg, run_dir: Path, info: DistInfo, clock: PhaseClock) -> Any:
-    """The run's profiler: `TorchProfiler` for profile=torch or profile.memory=true."""
+def build_profiler(
+    cfg: ProfileCfg, run_dir: Path, info: DistInfo, clock: PhaseClock, max_steps: int | None = None
+) -> Any:
+    """The run's profiler: `TorchProfiler` for profile=torch or profile.memory=true; a window
+    past `max_steps` is clipped at it."""
     bad = [r for r in cfg.ranks or [] if r >= info.world_size]
     if bad:
         raise ConfigError(
@@ -306,4 +363,4 @@ def build_profiler(cfg: ProfileCfg, run_dir: Path, info: DistInfo, clock: PhaseC
         )
     if cfg.kind == "none" and not (cfg.memory and info.device.type == "cuda"):
         return NoProfiler()
-    return TorchProfiler(cfg, run_dir, info, clock)
+    return TorchProfiler(cfg, run_dir, info, clock, max_steps)

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO, runtime_checkable
 
 import torch
 
@@ -20,6 +20,29 @@ from engine.distributed import DistInfo, all_reduce_sum
 from engine.step import StepResult
 from engine.timing import PhaseClock, PhaseTimes
 from trainer.tracking.phases import PhaseTable
+
+
+@runtime_checkable
+class NamesItems(Protocol):
+    """A task that names its loss items (`unit = "tokens"`, `"pairs"`, `"samples"`)."""
+
+    unit: str
+
+
+def item_unit(task: object) -> str:
+    """What `task`'s loss items are: its `unit`, or `items` when it names none."""
+    return task.unit if isinstance(task, NamesItems) and isinstance(task.unit, str) else "items"
+
+
+def throughput_key(unit: str) -> str:
+    """The record key of the loss items per second: `train/tokens_per_s` for a task of tokens
+    (the name CONTRACT.md fixes), else by the task's unit (`train/pairs_per_s`)."""
+    return f"train/{unit}_per_s"
+
+
+def is_throughput(key: str) -> bool:
+    """`train/<unit>_per_s`: a record's loss items per second, whatever the task's unit."""
+    return key.startswith("train/") and key.endswith("_per_s") and key.count("/") == 1
 
 
 class RecordSink:
@@ -99,6 +122,7 @@ class Progress(RecordSink):
         self.max_steps = max_steps
         # Loss items per second, in the task's own unit (`unit = "tokens"` on the task).
         self.rate = "tok/s" if unit == "tokens" else f"{unit}/s"
+        self.rate_key = throughput_key(unit)
         self.stream = stream or sys.stdout  # the stdout of now, not of when this was imported
         self.live = self.stream.isatty()
         self.start = time.perf_counter()
@@ -124,7 +148,7 @@ class Progress(RecordSink):
         frac = step / self.max_steps
         bar = "#" * int(20 * frac) + "-" * (20 - int(20 * frac))
         # A record of profiled steps only has no throughput (trainer/tracking/profiler.py).
-        rate = record.get("train/tokens_per_s")
+        rate = record.get(self.rate_key)
         speed = f"{rate:,.0f} {self.rate}" if rate is not None else "profiled"
         text = (
             f"[{bar}] {step}/{self.max_steps} | loss {record['train/loss']:.4f} | "
@@ -226,13 +250,20 @@ class TrainMeter:
         dist: where this rank runs.
         flops_per_token: model FLOPs per trained token (forward + backward), for MFU on GPUs.
         run_dir: where the per-rank phase table goes (trainer/tracking/phases.py).
+        unit: what the task's loss items are (`item_unit`): names the throughput's key
+            (`throughput_key`); MFU only for tokens, what `flops_per_token` counts.
     """
 
     def __init__(
-        self, dist: DistInfo, flops_per_token: float | None = None, run_dir: Path | None = None
+        self,
+        dist: DistInfo,
+        flops_per_token: float | None = None,
+        run_dir: Path | None = None,
+        unit: str = "tokens",
     ) -> None:
         self.dist = dist
-        self.flops_per_token = flops_per_token
+        self.flops_per_token = flops_per_token if unit == "tokens" else None
+        self.rate_key = throughput_key(unit)
         self.peak_flops = device_peak_flops(dist.device)
         self.skipped = torch.zeros((), device=dist.device)
         self.consecutive_skips = torch.zeros((), device=dist.device)
@@ -280,7 +311,7 @@ class TrainMeter:
             "train/lr": result.lr,
         }
         if self.window_steps:  # not only profiled steps since the last record
-            record["train/tokens_per_s"] = items / elapsed
+            record[self.rate_key] = items / elapsed
             record["train/step_time_ms"] = 1000 * elapsed / self.window_steps
         record["train/skipped_steps"] = int(self.skipped.item())
         record["train/peak_mem_mb"] = peak_memory_mb(self.dist.device)
@@ -294,6 +325,16 @@ class TrainMeter:
         record.update(extra)
         self.restart_clock()
         return record
+
+    def close_phases(self, clock: PhaseClock) -> dict[str, Any]:
+        """Collective, at the end of the run: every rank's phase times since the last record
+        (the final evaluation and checkpoint) into the phase table (`PhaseTable.close`).
+        Returns the slowest rank's seconds per phase that had any, on rank 0 ({} elsewhere,
+        and with phase timing off)."""
+        if not clock.enabled:
+            return {}
+        _, per_rank = self._reduce(torch.zeros((), device=self.dist.device), clock)
+        return self.phases.close(per_rank) if per_rank is not None else {}
 
     def _reduce(
         self, loss_sum: torch.Tensor, clock: PhaseClock | None

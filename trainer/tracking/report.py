@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import html
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -22,9 +23,11 @@ from typing import Any
 
 import yaml
 
+from engine.checkpoint.manifest import MANIFEST
 from trainer.checks.compare import CompareError, compare, metrics_file, report, series_of
 from trainer.tracking.phases import TABLE_FILE
 from trainer.tracking.plots import COLORS, DASHES, Chart, Line, phase_legend, svg, timeline_svg
+from trainer.tracking.records import is_throughput, throughput_key
 from trainer.tracking.timeline import phase_lanes
 
 TIMELINE_FILE = Path("profile") / "timeline.json.gz"
@@ -33,11 +36,13 @@ EXIT_BAD_INPUT = 2
 SUMMARY_FILE = "summary.txt"
 # The charts a person looks at first: (title, metrics drawn together). Every other numeric
 # metric gets a chart of its own after these.
+THROUGHPUT = tuple(throughput_key(u) for u in ("tokens", "pairs", "samples", "items"))
 MAIN_CHARTS = (
     ("Loss", ("train/loss", "val/loss")),
     ("Learning rate", ("train/lr",)),
     ("Gradient norm (before clipping)", ("train/grad_norm",)),
-    ("Throughput: loss items per second", ("train/tokens_per_s",)),
+    # `train/<unit>_per_s` in the task's unit (trainer/tracking/records.py: throughput_key).
+    ("Throughput: loss items per second", THROUGHPUT),
     ("MFU", ("train/mfu",)),
     ("Peak memory (MB)", ("train/peak_mem_mb",)),
     (
@@ -67,6 +72,7 @@ NOT_CHARTED = {"train/skipped_steps"} | {
     f"time/{p}_rank" for p in ("data", "compute", "sync", "optimizer", "checkpoint", "eval")
 }
 MAX_OTHER_CHARTS = 24
+WORLD_ROW = "world (of the run, not in the config)"
 
 
 class ReportError(Exception):
@@ -86,6 +92,8 @@ class RunData:
     unreadable: int  # lines of metrics.jsonl that are not records (one being written)
     ranks: dict[str, Any] | None = None  # time_by_rank.json: each rank's phase times
     timeline: dict[int, dict[str, Any]] | None = None  # profile/timeline.json.gz's phases
+    world: int | None = None  # processes of its last launch (not in the config)
+    hosts: int | None = None
 
 
 def read_records(file: Path) -> tuple[list[dict[str, Any]], int]:
@@ -134,7 +142,48 @@ def load_run(path: Path, label: str) -> RunData:
     summary = summary_file.read_text(encoding="utf-8") if summary_file.is_file() else None
     run = RunData(run_dir, label, series_of(records), config, config_text, summary, bad)
     run.ranks, run.timeline = read_ranks(run_dir), read_timeline(run_dir)
+    run.world, run.hosts = read_world(run_dir, run.ranks)
     return run
+
+
+def read_world(run_dir: Path, ranks: dict[str, Any] | None) -> tuple[int | None, int | None]:
+    """(world size, hosts) of the run's last launch: the config does not hold them. Its
+    time_by_rank.json lists every rank with its host; else its newest checkpoint's manifest
+    names the world size; (None, None) when neither is there yet."""
+    if ranks is not None:
+        rows = ranks["ranks"]
+        return len(rows), len({str(r.get("host")) for r in rows if isinstance(r, dict)})
+    for manifest in sorted((run_dir / "checkpoints").glob(f"step_*/{MANIFEST}"), reverse=True):
+        try:
+            world = json.loads(manifest.read_text(encoding="utf-8")).get("world_size")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(world, int) and not isinstance(world, bool) and world > 0:
+            return world, None
+    return None, None
+
+
+def layout(run: RunData) -> str:
+    """The run's world and how it was split, in words: `1 process`, `2 ranks on 1 host: dp 2
+    (ddp), global batch 32`; the degrees are the config's `dist.*`, the world the run's."""
+    if run.world is None:
+        return "world size unknown (no time_by_rank.json or checkpoint yet)"
+    config = run.config
+    degrees = {k: config.get(f"dist.{k}", 1) for k in ("pp", "tp", "cp")}
+    degrees = {k: v if isinstance(v, int) and v > 0 else 1 for k, v in degrees.items()}
+    split = math.prod(degrees.values())
+    dp = run.world // split if run.world % split == 0 else None
+    micro, accum = config.get("train.micro_batch_size"), config.get("train.grad_accum_steps")
+    batch = config.get("train.global_batch_size")
+    if not isinstance(batch, int) and isinstance(micro, int) and isinstance(accum, int) and dp:
+        batch = micro * accum * dp
+    tail = f", global batch {batch}" if isinstance(batch, int) else ""
+    if run.world == 1:
+        return f"1 process{tail}"
+    hosts = f" on {run.hosts} host{'s' if run.hosts != 1 else ''}" if run.hosts else ""
+    parts = [f"dp {dp if dp else '?'}"] + [f"{k} {v}" for k, v in degrees.items() if v > 1]
+    strategy = config.get("dist.strategy", "ddp")
+    return f"{run.world} ranks{hosts}: {' x '.join(parts)} ({strategy}){tail}"
 
 
 def read_ranks(run_dir: Path) -> dict[str, Any] | None:
@@ -179,10 +228,28 @@ def skipped_steps(series: dict[int, float | None]) -> list[int]:
     return marks
 
 
+def main_charts(runs: list[RunData]) -> list[tuple[str, tuple[str, ...]]]:
+    """MAIN_CHARTS for these runs: with several runs, a chart of the phases is one panel per
+    phase (one line per run, in its colour), not runs x phases lines in one."""
+    if len(runs) == 1:
+        return list(MAIN_CHARTS)
+    out = []
+    for title, metrics in MAIN_CHARTS:
+        if not all(m.startswith("time/") for m in metrics):
+            out.append((title, metrics))
+            continue
+        for metric in metrics:
+            phase = metric.removeprefix("time/").split("_")[0]
+            out.append(
+                (f"{phase.capitalize()}: seconds per step, {title.split(', ')[-1]}", (metric,))
+            )
+    return out
+
+
 def charts(runs: list[RunData]) -> list[Chart]:
     """The main charts (those with data), then one per other metric."""
     out = []
-    for title, metrics in MAIN_CHARTS:
+    for title, metrics in main_charts(runs):
         lines = [
             Line(i, metric, sorted(run.series[metric].items()), dash)
             for i, run in enumerate(runs)
@@ -223,9 +290,13 @@ def constant(runs: list[RunData], metric: str) -> float | None:
 
 
 def config_differences(runs: list[RunData]) -> list[tuple[str, list[str]]]:
-    """The config keys whose values are not the same in every run (absent shows as '-')."""
+    """The config keys whose values are not the same in every run (absent shows as '-'),
+    after the runs' worlds when those differ (the config does not hold them)."""
     keys = sorted({k for run in runs for k in run.config})
     rows = []
+    worlds = [layout(run) for run in runs]
+    if len(set(worlds)) > 1:
+        rows.append((WORLD_ROW, worlds))
     for key in keys:
         values = [json.dumps(run.config[key]) if key in run.config else "-" for run in runs]
         if len(set(values)) > 1:
@@ -257,7 +328,8 @@ def run_line(run: RunData) -> str:
         point = last(run.series.get(metric, {}))
         if point is not None and point[1] is not None:
             parts.append(f"{metric} {point[1]:.4f} (step {point[0]})")
-    tps = [v for v in run.series.get("train/tokens_per_s", {}).values() if v is not None]
+    rates = [m for m in run.series if is_throughput(m)]  # the task's unit's (one per run)
+    tps = [v for m in rates[:1] for v in run.series[m].values() if v is not None]
     if tps:
         parts.append(f"median items/s {sorted(tps)[len(tps) // 2]:,.0f}")
     mem = [v for v in run.series.get("train/peak_mem_mb", {}).values() if v is not None]
@@ -313,19 +385,23 @@ def render(runs: list[RunData], preface: tuple[str, str] | None = None) -> str:
         f"<h1>cumulus report ({len(runs)} run{'s' if len(runs) > 1 else ''})</h1>",
         f"<p>Written {when} from each run's metrics.jsonl and .hydra/config.yaml.</p>",
         *([f"<h2>{esc(preface[0])}</h2><pre>{esc(preface[1])}</pre>"] if preface else []),
-        "<h2>Runs</h2><table><tr><th>run</th><th>directory</th><th>last values</th></tr>",
+        "<h2>Runs</h2><table><tr><th>run</th><th>directory</th><th>world</th>"
+        "<th>last values</th></tr>",
     ]
     for i, run in enumerate(runs):
         color = COLORS[i % len(COLORS)]
         note = f" ({run.unreadable} unreadable lines skipped)" if run.unreadable else ""
         out.append(
             f'<tr><td><span class="swatch" style="background:{color}"></span>{esc(run.label)}</td>'
-            f"<td>{esc(str(run.path))}</td><td>{esc(run_line(run))}{esc(note)}</td></tr>"
+            f"<td>{esc(str(run.path))}</td><td>{esc(layout(run))}</td>"
+            f"<td>{esc(run_line(run))}{esc(note)}</td></tr>"
         )
     out.append("</table>")
     if len(runs) > 1:
         rows = config_differences(runs)
         out.append("<h2>Config differences</h2>")
+        if rows and rows[0][0] == WORLD_ROW and len(rows) == 1:
+            out.append("<p>The runs' configs are the same; they ran on different worlds.</p>")
         if rows:
             head = "".join(f"<th>{esc(r.label)}</th>" for r in runs)
             out.append(f"<table><tr><th>key</th>{head}</tr>")
