@@ -34,6 +34,7 @@ from trainer.data import DataSplits
 from trainer.run.assemble import build_adapter, build_data, build_model, build_task, check_fits
 from trainer.run.build import build_callbacks, build_step
 from trainer.run.optim import build_optimizer, build_scheduler
+from trainer.run.preference import attach_reference
 
 CPU = torch.device("cpu")
 SMALL_MODEL = "model=gpt_tiny"
@@ -99,7 +100,9 @@ def _parts(cfg: Config) -> tuple[DataSplits, nn.Module, Task]:
         model, _ = build_model(cfg.model, DistInfo())
         data, _ = build_data(cfg.data)
         check_fits(model, data, cfg.model)
-        _BUILT[id(cfg)] = (data, model, build_task(cfg.task))
+        task = build_task(cfg.task)
+        attach_reference(task, model, None)  # task=dpo: as the trainer assembles it
+        _BUILT[id(cfg)] = (data, model, task)
     return _BUILT[id(cfg)]
 
 
@@ -273,6 +276,8 @@ BUILDERS: dict[str, Callable[[Config], None]] = {
 NEEDS_SMALL_MODEL = {"optim", "scheduler", "step", "callbacks", "logger", "task", "adapter"}
 # Choices that only fit together (an image model needs image data), checked in company.
 PAIRS = ["model=hf_encoder", "task=contrastive", "data=pairs"]  # an encoder on text pairs
+# gpt_tiny on preference pairs rendered by the tests' tiny tokenizer (320 ids).
+PREFERENCE = ["model.vocab_size=320", "model.block_size=128", "task=dpo", "data=preference"]
 COMPANIONS = {
     ("model", "cnn"): ["data=digits", "task=classification"],
     ("model", "hf_encoder"): PAIRS,
@@ -280,6 +285,8 @@ COMPANIONS = {
     ("task", "contrastive"): PAIRS,
     ("step", "cached"): PAIRS,
     ("data", "digits"): ["model=cnn", "task=classification"],
+    ("data", "preference"): [SMALL_MODEL, *PREFERENCE],
+    ("task", "dpo"): PREFERENCE,
 }
 
 
@@ -320,6 +327,13 @@ def test_config_composes_and_instantiates(group: str, name: str, tmp_path: Path)
         make_tokenizer(tmp_path / "tok")
         chat = write_jsonl(tmp_path / "chat.jsonl", conversations(40, max_turns=1))
         overrides += [f"data.path={chat}", f"data.tokenizer={tmp_path / 'tok'}"]
+    elif cfg.data.get("_target_") == "trainer.data.preference.preference_data":  # pairs
+        from tests.chat_support import make_tokenizer, write_jsonl
+        from tests.preference_support import pair_rows
+
+        make_tokenizer(tmp_path / "tok")
+        pairs = write_jsonl(tmp_path / "pairs.jsonl", pair_rows(40, seed=0))
+        overrides += [f"data.path={pairs}", f"data.tokenizer={tmp_path / 'tok'}"]
     elif cfg.data.get("path") == "required":  # a preset on a token .bin dataset the user provides
         for split, n in (("train", 20000), ("val", 3000)):  # > block_size + 1 tokens each
             np.arange(n, dtype="<u2").tofile(tmp_path / f"{split}.bin")

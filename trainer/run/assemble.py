@@ -36,6 +36,12 @@ from trainer.data import DataSplits, as_splits
 from trainer.data.checks import check_samples
 from trainer.models.lora import Adapter
 from trainer.models.lora import check_layout as check_adapter_layout
+from trainer.run.preference import (
+    attach_reference,
+    check_pairs_layout,
+    check_pairs_task,
+    lay_out_reference,
+)
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -238,6 +244,7 @@ def assemble(
     `simulated` (trainer.plan), this rank runs alone in a simulated world."""
     dims = dims or cfg.dist.dims(info.world_size)
     check_adapter_layout(cfg.adapter, dims)
+    check_pairs_layout(cfg.task, dims)
     parallel = build_parallelism(dims, info)
     if simulated is not None:
         parallel.simulate_world(simulated)
@@ -252,6 +259,7 @@ def assemble(
     length_key = "data.max_length" if "max_length" in cfg.data else "data.block_size"
     check_fits(model, data, cfg.model, length_key)
     task = build_task(cfg.task)
+    check_pairs_task(task, cfg.data["_target_"])
     # Of the whole model, before pipeline stages prune it to their own parameters.
     flops = flops_per_token(model, data.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
@@ -263,6 +271,7 @@ def assemble(
         attach_loss_parameters(model, task, info.device)
     except ValueError as exc:
         raise ConfigError("task", str(exc)) from None
+    attach_reference(task, model, adapter)  # task=dpo: the initial policy, before layout
     with building:
         wrapped = parallelize(
             model,
@@ -270,6 +279,12 @@ def assemble(
             parallel,
             compile=cfg.train.compile,
             precision=cfg.train.precision,
+        )
+        lay_out_reference(
+            task,
+            parallel,
+            lambda ref: parallelize(ref, model_extras, parallel, precision=cfg.train.precision),
+            info.is_main and simulated is None,
         )
     return Assembly(
         model,

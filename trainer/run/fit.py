@@ -395,11 +395,14 @@ def val_metrics(means: dict[str, float], count: int, task: Any) -> dict[str, Any
 
 def _prompt(batch: Any, length: int = 32) -> torch.Tensor | None:
     """The token ids (1, T) that open a validation sample, from a causal-LM batch: a
-    conversation's up to its first supervised token (data=chat's `shift_labels`)."""
+    conversation's up to its first supervised token (data=chat's `shift_labels`; of a pair,
+    the chosen side's)."""
     ids = batch.get("input_ids") if isinstance(batch, dict) else batch[0]
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
         return None
     labels = batch.get("shift_labels") if isinstance(batch, dict) else None
+    if ids.dim() == 3 and isinstance(labels, torch.Tensor):  # pairs (data=preference): chosen
+        ids, labels = ids[:, 0], labels[:, 0]
     if isinstance(labels, torch.Tensor) and labels.shape[:1] == ids.shape[:1]:
         supervised = (labels[0] != -100).nonzero()
         if len(supervised):

@@ -1,12 +1,14 @@
 """Tasks whose loss is of the whole window (engine/window_task.py): the step they train with,
-chosen by itself, what it refuses, and the task's own records (`train/temperature`)."""
+chosen by itself, what it refuses, and the task's own records (`train/temperature`; a task's
+exact item means, engine/step.py's `ItemSums`: task=dpo's `train/reward_*`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from engine.callbacks import Callback
-from engine.step import StepContext, StepStrategy
+from engine.callbacks.item_means import ItemMeans
+from engine.step import ItemSums, StepContext, StepStrategy
 from engine.steps.accumulate import AccumulateStep
 from engine.steps.cached import CachedStep
 from engine.window_task import HasMetrics, WindowTask, needs_window_task
@@ -39,6 +41,8 @@ def step_for_task(
     auto = cfg.train.micro_batch_size == AUTO
     one_micro_batch = plan.accum == 1 and ctx.dist.world_size == 1 and not auto
     if not isinstance(task, WindowTask):
+        if isinstance(task, ItemSums):  # the task's exact means in each record (task=dpo)
+            ctx.callbacks.named["task"] = ItemMeans(task)
         if isinstance(step_fn, CachedStep):
             raise ConfigError("step", needs_window_task(task_name))
         return step_fn

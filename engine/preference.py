@@ -1,0 +1,251 @@
+"""`task=dpo`: preference tuning on pairs (a prompt, a chosen and a rejected answer).
+
+A batch holds whole pairs (trainer/data/preference.py): `input_ids` and `shift_labels` of
+shape (pairs, 2, T), side 0 the chosen sequence and side 1 the rejected one, `shift_labels[...,
+t]` the token position t predicts, -100 outside the answer; or packed, one row per pair,
+(pairs, T), with `position_ids` restarting at 0 where the rejected side starts (two documents)
+and `pair_side` (0 chosen, 1 rejected, -1 padding). A loss item is a pair: each pair's
+loss needs the summed log-probabilities of both answers under the policy and (but for
+`simpo`) under a frozen reference, so `loss_sum` is the sum of per-pair losses and
+`count_items` the number of pairs. The accumulation step divides by the pairs of the whole
+global batch, which makes the step exact under accumulation and data parallelism.
+
+Losses, with h = (pi_c - ref_c) - (pi_r - ref_r) on summed log-probabilities:
+
+- `sigmoid` (DPO): -(1 - eps) logsigmoid(beta h) - eps logsigmoid(-beta h), eps the label
+  smoothing;
+- `ipo`: (h - 1 / (2 beta))^2, on log-probabilities divided by the answer's length (as TRL's
+  DPOTrainer computes them for ipo);
+- `simpo`: -(1 - eps) logsigmoid(beta d - gamma) - eps logsigmoid(-(beta d - gamma)), d the
+  difference of the length-normalized log-probabilities (reference-free, TRL's CPOTrainer).
+
+Rewards (records `train/reward_*`, `val/reward_*`): beta (pi - ref) per side (simpo: beta
+times the length-normalized log-probability), their margin, and whether chosen beats rejected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.numerics.chunked_ce import IGNORE_INDEX
+from engine.tasks import TaskOutputError, logits_of
+
+LOSS_TYPES = ("sigmoid", "ipo", "simpo")
+REFERENCES = ("adapter", "copy", "none")
+REWARDS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
+# Yields the module that scores a batch as the reference, given the policy as the step calls it.
+Reference = Callable[[nn.Module], contextlib.AbstractContextManager[nn.Module]]
+
+
+class FrozenCopy:
+    """`task.reference=copy`: the policy's module now, copied once, frozen and in eval mode.
+    `module` may be replaced by the same copy laid out over the ranks (`lay_out`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def lay_out(self, apply: Callable[[nn.Module], nn.Module]) -> None:
+        """The copy sharded as the policy is (FSDP2: every rank holds its shard)."""
+        self.module = apply(self.module).eval()
+
+    @contextlib.contextmanager
+    def __call__(self, policy: nn.Module) -> Iterator[nn.Module]:
+        del policy
+        yield self.module
+
+
+def frozen_copy(model: nn.Module) -> FrozenCopy:
+    return FrozenCopy(model)
+
+
+def adapters_disabled(peft_model: Any, inner: nn.Module) -> Reference:
+    """`task.reference=adapter`: the policy's base with its adapters off (peft's
+    `disable_adapter()`): no second copy of the weights. `inner` is the module that runs: the
+    user's model with peft's layers in it, outside any data-parallel wrapper (the reference
+    takes no gradient, so no wrapper's hooks are needed)."""
+
+    @contextlib.contextmanager
+    def scoring(policy: nn.Module) -> Iterator[nn.Module]:
+        del policy
+        with peft_model.disable_adapter():
+            yield inner
+
+    return scoring
+
+
+class DPOTask:
+    """Direct Preference Optimization and its variants; see the module docstring.
+
+    Args:
+        beta: the inverse temperature of the rewards (TRL's default 0.1).
+        loss_type: `sigmoid`, `ipo` or `simpo`.
+        gamma: simpo's target margin (applied as -gamma inside the sigmoid).
+        label_smoothing: eps, the assumed share of flipped preferences (sigmoid, simpo).
+        reference: `copy`, `adapter` or `none` (simpo); null: chosen by the trainer (none for
+            simpo, adapter under adapter=lora, else copy). The trainer attaches it
+            (`attach_reference`) before the first step.
+    """
+
+    name = "task=dpo"
+    unit = "pairs"
+    item_sum_names = REWARDS
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        gamma: float = 0.5,
+        label_smoothing: float = 0.0,
+        reference: str | None = None,
+    ) -> None:
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+        if not (isinstance(beta, int | float) and beta > 0):
+            raise ValueError(f"beta must be a positive number, got {beta!r}")
+        if not 0.0 <= label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}")
+        if reference is not None and reference not in REFERENCES:
+            raise ValueError(
+                f"reference must be one of {', '.join(REFERENCES)} or null, got {reference!r}"
+            )
+        if loss_type == "simpo" and reference not in (None, "none"):
+            raise ValueError(f"reference: simpo is reference-free; got reference={reference}")
+        if loss_type != "simpo" and reference == "none":
+            raise ValueError(f"reference: loss_type={loss_type} needs a reference (copy, adapter)")
+        self.beta, self.loss_type = float(beta), loss_type
+        self.gamma, self.label_smoothing = float(gamma), float(label_smoothing)
+        self.reference = "none" if loss_type == "simpo" else reference
+        self._reference: Reference | FrozenCopy | None = None
+        self._pending: dict[str, torch.Tensor] = {}
+
+    @property
+    def frozen_copy(self) -> FrozenCopy | None:
+        """The reference when it is a frozen copy (to lay out like the policy)."""
+        return self._reference if isinstance(self._reference, FrozenCopy) else None
+
+    def attach_reference(self, reference: Reference | FrozenCopy | None) -> None:
+        """The reference the task scores with (None for `none`)."""
+        self._reference = reference
+
+    # ---- the loss contract ----
+    def count_items(self, batch: Any) -> torch.Tensor:
+        return torch.tensor(self._fields(batch)[0].shape[0], dtype=torch.int64)  # pairs
+
+    def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        losses, rewards = self._pair_losses(model, batch)
+        # The step's forwards, not the no-grad check of the sum (a transformers model loaded
+        # with from_pretrained trains in eval mode: `model.training` cannot tell them apart).
+        if torch.is_grad_enabled():
+            self._accumulate(rewards, len(losses))
+        return losses.sum()
+
+    def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        losses, rewards = self._pair_losses(model, batch)
+        return {"loss": losses.sum(), **{k: v.sum() for k, v in rewards.items()}}
+
+    def take_item_sums(self) -> dict[str, torch.Tensor]:
+        """The reward sums of the training forwards since the last call, and `items`: their
+        pairs (engine/step.py's `ItemSums`)."""
+        out, self._pending = self._pending, {}
+        return out
+
+    # ---- the arithmetic ----
+    def _fields(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        if not (isinstance(batch, Mapping) and "input_ids" in batch and "shift_labels" in batch):
+            kind = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+            raise TaskOutputError(
+                f"{self.name}: a batch is a dict of `input_ids` and `shift_labels` of shape "
+                f"(pairs, 2, positions) (data=preference); got {kind}"
+            )
+        ids, labels = batch["input_ids"], batch["shift_labels"]
+        if "pair_side" in batch:  # packed: (pairs, T), one row per pair
+            if ids.dim() != 2 or labels.shape != ids.shape or batch["pair_side"].shape != ids.shape:
+                raise TaskOutputError(
+                    f"{self.name}: packed pairs are `input_ids`, `shift_labels` and `pair_side` "
+                    f"of one shape (pairs, positions); got {tuple(ids.shape)}, "
+                    f"{tuple(labels.shape)} and {tuple(batch['pair_side'].shape)}"
+                )
+            rest = {k: v for k, v in batch.items() if k not in ("input_ids", "shift_labels")}
+            return ids, labels, rest
+        if ids.dim() != 3 or ids.shape[1] != 2 or labels.shape != ids.shape:
+            raise TaskOutputError(
+                f"{self.name}: `input_ids` and `shift_labels` must both be (pairs, 2, positions),"
+                f" chosen then rejected; got {tuple(ids.shape)} and {tuple(labels.shape)}"
+            )
+        rest = {k: v for k, v in batch.items() if k not in ("input_ids", "shift_labels")}
+        return ids, labels, rest
+
+    def log_probs(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed log-probabilities of each side's answer tokens, (pairs, 2), and the answer
+        tokens per side, (pairs, 2)."""
+        ids, labels, rest = self._fields(batch)
+        side = rest.pop("pair_side", None)
+        if side is None:  # (P, 2, T) -> (2P, T): each side its own row
+            ids, labels = ids.flatten(0, 1), labels.flatten(0, 1)
+            rest = {k: v.flatten(0, 1) for k, v in rest.items()}
+        logits = logits_of(model(input_ids=ids, **rest), self.name)  # (rows, T, V)
+        if logits.dtype != torch.float64:
+            logits = logits.float()  # log-softmax in fp32 even under autocast
+        mask = labels != IGNORE_INDEX  # (rows, T)
+        picked = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1))
+        per_token = picked.squeeze(-1) * mask  # (rows, T)
+        if side is None:
+            return per_token.sum(-1).view(-1, 2), mask.sum(-1).view(-1, 2)
+        # Packed: each row's positions of side 0 and of side 1 summed apart, (P, 2).
+        of_side = torch.stack([side == 0, side == 1], 1)  # (P, 2, T)
+        return (per_token.unsqueeze(1) * of_side).sum(-1), (mask.unsqueeze(1) & of_side).sum(-1)
+
+    def _pair_losses(
+        self, model: nn.Module, batch: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-pair losses (P,) and per-pair rewards (detached)."""
+        policy, lengths = self.log_probs(model, batch)  # (P, 2)
+        if self.loss_type in ("ipo", "simpo"):
+            policy = policy / lengths.clamp(min=1)
+        if self.loss_type == "simpo":
+            scores = policy
+            logits = self.beta * (policy[:, 0] - policy[:, 1]) - self.gamma
+        else:
+            ref = self._reference_log_probs(model, batch)
+            if self.loss_type == "ipo":
+                ref = ref / lengths.clamp(min=1)
+            scores = policy - ref
+            logits = scores[:, 0] - scores[:, 1]
+        if self.loss_type == "ipo":
+            losses = (logits - 1.0 / (2.0 * self.beta)) ** 2
+        else:
+            x = logits if self.loss_type == "simpo" else self.beta * logits
+            eps = self.label_smoothing
+            losses = -(1.0 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
+        rewards = self.beta * scores.detach()  # (P, 2)
+        return losses, {
+            "reward_chosen": rewards[:, 0],
+            "reward_rejected": rewards[:, 1],
+            "reward_margin": rewards[:, 0] - rewards[:, 1],
+            "reward_accuracy": (rewards[:, 0] > rewards[:, 1]).to(rewards.dtype),
+        }
+
+    def _reference_log_probs(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        if self._reference is None:
+            raise TaskOutputError(
+                f"{self.name}: loss_type={self.loss_type} scores against a reference model, and "
+                "none is attached (the trainer attaches task.reference before training; "
+                "elsewhere call attach_reference(frozen_copy(model)))"
+            )
+        with torch.no_grad(), self._reference(model) as ref:
+            return self.log_probs(ref, batch)[0].detach()
+
+    def _accumulate(self, rewards: dict[str, torch.Tensor], pairs: int) -> None:
+        sums = {k: v.sum().double() for k, v in rewards.items()}
+        sums["items"] = torch.tensor(
+            float(pairs), dtype=torch.float64, device=rewards[REWARDS[0]].device
+        )
+        for k, v in sums.items():
+            self._pending[k] = self._pending[k] + v if k in self._pending else v

@@ -1,0 +1,533 @@
+"""task=dpo on data=preference is exact: the second SGD step's gradient (the policy moved by
+the first, the reference still the initial model) equals the float64 gradient of the loss over
+the whole set of pairs, for sigmoid DPO (with label smoothing) on one process as one
+micro-batch, as 4 micro-batches of 2 pairs (padded, and packed: each pair one row, its sides
+two documents), on 2 DDP and 2 FSDP2 ranks, and for ipo and simpo against their own references; the
+records `train/reward_*` and `val/*` equal the reference's means over the pairs. Under LoRA
+the reference is the base with the adapters disabled; a resumed run repeats the uninterrupted
+one. Bad input: rows without a side or with content that is not text are counted, a pair
+whose prompts differ and a set with no pair are one paragraph, task.reference=adapter without
+an adapter names the key.
+
+The reference is computed here: transformers renders and tokenizes each side (its chat
+template with generation markers; the answer is the marked tokens after the prompt rendered
+with its generation prompt), the in-tree GPT in float64 scores each side alone, and the DPO
+losses are written out from their papers' formulas (ipo on length-normalized log-probabilities,
+as TRL's DPOTrainer; simpo as TRL's CPOTrainer). The step-2 gradient is the one that sees the
+reference: at step 1 the policy is the reference and every log-ratio is 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.chat_support import make_tokenizer, write_jsonl
+from tests.conftest import compose_config, read_metrics, train_in_process, train_records
+from tests.preference_support import pair_rows
+from tests.ranks import explain, launch_all, torchrun_cmd
+from trainer.config.cli import to_config
+from trainer.config.errors import UserError
+from trainer.run.assemble import build_data
+
+transformers = pytest.importorskip("transformers")
+
+MAX_LENGTH = 256  # the pairs packed fit whole
+PAIRS = 8
+LR = 2.0
+TOL = 1e-5  # relative, fp32 runs against the float64 reference
+TIMEOUT = 300.0
+DUMP = "tests.chat_support.DumpAllGrads"
+# (loss_type, beta, label_smoothing, gamma) of each run's task.
+LOSSES = {"sigmoid": ("sigmoid", 0.5, 0.1, 0.0), "ipo": ("ipo", 0.5, 0.0, 0.0)}
+LOSSES["simpo"] = ("simpo", 2.0, 0.0, 0.5)
+
+
+def data_args(root: Path, train_file: Path, val_file: Path | None = None) -> list[str]:
+    return [
+        "model=gpt_tiny",
+        "model.vocab_size=320",
+        f"model.block_size={MAX_LENGTH}",
+        "data=preference",
+        f"data.path={train_file}",
+        *([f"data.val_path={val_file}"] if val_file else []),
+        f"data.tokenizer={root / 'tok'}",
+        f"data.max_length={MAX_LENGTH}",
+        "data.tokenize_workers=1",
+    ]
+
+
+def task_args(name: str) -> list[str]:
+    loss_type, beta, eps, gamma = LOSSES[name]
+    return [
+        "task=dpo",
+        f"task.loss_type={loss_type}",
+        f"task.beta={beta}",
+        f"task.label_smoothing={eps}",
+        f"task.gamma={gamma}",
+    ]
+
+
+TWO_STEPS = [
+    "logger=none",
+    "optim=sgd",
+    f"optim.lr={LR}",
+    "optim.momentum=0",
+    "scheduler=constant",
+    "train.clip_grad_norm=null",
+    "train.max_steps=2",
+    "train.log_every=1",
+    "eval.every_steps=0",
+    "checkpoint.every_steps=0",
+]
+
+
+LORA = ["adapter=lora", "adapter.r=4", "adapter.alpha=8"]
+
+
+def batch(micro: int, ranks: int = 1) -> list[str]:
+    """All the pairs in each step: `micro` pairs per micro-batch on each rank."""
+    accum = PAIRS // (micro * ranks)
+    assert accum * micro * ranks == PAIRS
+    return [f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accum}"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("dpo")
+    tok = make_tokenizer(root / "tok")
+    train_file = write_jsonl(root / "pairs.jsonl", pair_rows(PAIRS, seed=5))
+    val_file = write_jsonl(root / "val.jsonl", pair_rows(2, seed=6))
+    args = data_args(root, train_file, val_file)
+    data, _ = build_data(to_config(compose_config(args))[0].data)  # the token cache, once
+    assert len(data.train) == PAIRS, data.description
+
+    def two_steps(name: str, loss: str, split: list[str], nproc: int = 1, *extra: str) -> list[str]:
+        dump = [f"+callbacks.dump._target_={DUMP}", f"+callbacks.dump.path={root / name}.pt"]
+        launcher = torchrun_cmd(nproc) if nproc > 1 else [sys.executable]
+        return [
+            *launcher,
+            "-m",
+            "trainer.train",
+            *args,
+            *task_args(loss),
+            *TWO_STEPS,
+            *split,
+            *dump,
+            "+callbacks.dump.step=2",
+            *extra,
+            f"hydra.run.dir={root / name}",
+        ]
+
+    cmds = {
+        # The whole run also evaluates after its last step (val/*, and a text sample from the
+        # chosen side's prompt).
+        "whole": two_steps("whole", "sigmoid", batch(PAIRS), 1, "eval.every_steps=2"),
+        "accum": two_steps("accum", "sigmoid", batch(2)),
+        "ddp": two_steps("ddp", "sigmoid", batch(2, 2), 2),
+        # FSDP2: the policy sharded, the reference a whole frozen copy on each rank.
+        "fsdp": two_steps("fsdp", "sigmoid", batch(2, 2), 2, "dist.strategy=fsdp"),
+        "ipo": two_steps("ipo", "ipo", batch(2)),
+        "simpo": two_steps("simpo", "simpo", batch(2)),
+        "packed": two_steps("packed", "sigmoid", batch(2), 1, "data.packed=true"),
+        # LoRA: the base with its adapters disabled (the default), and a frozen copy.
+        "lora_adapter": two_steps("lora_adapter", "sigmoid", batch(2), 1, *LORA),
+        "lora_copy": two_steps("lora_copy", "sigmoid", batch(2), 1, *LORA, "task.reference=copy"),
+    }
+    procs = launch_all(cmds, TIMEOUT)
+    rows = {"train": pair_rows(PAIRS, seed=5), "val": pair_rows(2, seed=6)}
+    return {"root": root, "tok": tok, "procs": procs, "rows": rows}
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+def sides(tok: Any, row: dict[str, Any]) -> list[tuple[list[int], list[int]]]:
+    """(ids, answer mask) of the chosen and the rejected side, rendered by transformers: the
+    generation-marked tokens after the prompt (rendered with its generation prompt)."""
+    if "prompt" in row:
+        prompt = [{"role": "user", "content": row["prompt"]}]
+        convs = [
+            [*prompt, {"role": "assistant", "content": row[s]}] for s in ("chosen", "rejected")
+        ]
+    else:
+        convs = [row["chosen"], row["rejected"]]
+        prompt = convs[0][:-1]
+    head = tok.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True)
+    head = head["input_ids"]
+    out = []
+    for messages in convs:
+        enc = tok.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask = enc["input_ids"], enc["assistant_masks"]
+        assert ids[: len(head)] == head  # the prompt's tokens start the conversation's
+        out.append((ids, [m if i >= len(head) else 0 for i, m in enumerate(mask)]))
+    return out
+
+
+def log_probs(model: torch.nn.Module, pairs: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, 2) summed log-probabilities of each side's answer tokens, and their numbers."""
+    sums, counts = [], []
+    for pair in pairs:
+        for ids, mask in pair:
+            out = model(torch.tensor(ids)[None])
+            logits = (out if isinstance(out, torch.Tensor) else out.logits)[0, :-1]  # t -> t + 1
+            picked = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+            keep = torch.tensor(mask[1:], dtype=torch.float64)
+            sums.append((picked * keep).sum())
+            counts.append(keep.sum())
+    return torch.stack(sums).view(-1, 2), torch.stack(counts).view(-1, 2)
+
+
+def losses(
+    name: str, policy: torch.nn.Module, ref: torch.nn.Module | None, pairs: list[Any]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-pair losses (P,) and the mean rewards, as the papers (and TRL) write them."""
+    loss_type, beta, eps, gamma = LOSSES[name]
+    pi, n = log_probs(policy, pairs)
+    if loss_type == "simpo":
+        avg = pi / n
+        x = beta * (avg[:, 0] - avg[:, 1]) - gamma
+        out = -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
+        rewards = beta * avg.detach()
+    else:
+        with torch.no_grad():
+            r = log_probs(ref, pairs)[0]
+        if loss_type == "ipo":
+            pi, r = pi / n, r / n
+        h = (pi[:, 0] - r[:, 0]) - (pi[:, 1] - r[:, 1])
+        if loss_type == "ipo":
+            out = (h - 1 / (2 * beta)) ** 2
+        else:
+            out = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+        rewards = beta * (pi - r).detach()
+    means = {
+        "reward_chosen": float(rewards[:, 0].mean()),
+        "reward_rejected": float(rewards[:, 1].mean()),
+        "reward_margin": float((rewards[:, 0] - rewards[:, 1]).mean()),
+        "reward_accuracy": float((rewards[:, 0] > rewards[:, 1]).double().mean()),
+    }
+    return out, means
+
+
+def reference(
+    name: str,
+    pairs: list[Any],
+    val: list[Any],
+    frozen: bool = True,
+    policy: torch.nn.Module | None = None,
+) -> dict[str, Any]:
+    """Two float64 SGD steps over the whole set (the mean over pairs) of `policy` (default: the
+    run's gpt_tiny): the step-2 gradient, each step's loss and rewards, and the loss and
+    rewards of the `val` pairs after them. `frozen=False`: the textbook bug, the reference
+    following the policy."""
+    from trainer.models.gpt import GPT
+
+    if policy is None:
+        torch.manual_seed(1337)  # the trainer's seed, right before it builds the model
+        policy = GPT(vocab_size=320, block_size=MAX_LENGTH, n_layer=2, n_head=2, n_embd=32)
+    policy = policy.double()
+    ref = copy.deepcopy(policy).requires_grad_(False)
+    out: dict[str, Any] = {}
+    for step in (1, 2):
+        policy.zero_grad()
+        per_pair, rewards = losses(name, policy, ref if frozen else policy, pairs)
+        per_pair.mean().backward()
+        out[step] = {"loss": float(per_pair.detach().mean()), **rewards}
+        out["grads"] = {n: p.grad.clone() for n, p in policy.named_parameters()}
+        with torch.no_grad():
+            for p in policy.parameters():
+                p -= LR * p.grad
+    with torch.no_grad():
+        per_pair, rewards = losses(name, policy, ref, val)
+    out["val"] = {"loss": float(per_pair.mean()), **rewards}
+    return out
+
+
+def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    diff = sum(float((got[n].double() - want[n]).pow(2).sum()) for n in want)
+    norm = sum(float(want[n].pow(2).sum()) for n in want)
+    return (diff / norm) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def references(runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    pairs, val = ([sides(runs["tok"], r) for r in runs["rows"][k]] for k in ("train", "val"))
+    out = {name: reference(name, pairs, val) for name in LOSSES}
+    out["bug"] = reference("sigmoid", pairs, val, frozen=False)
+    return out
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+LOSS_OF = {"whole": "sigmoid", "accum": "sigmoid", "ddp": "sigmoid", "ipo": "ipo", "simpo": "simpo"}
+LOSS_OF["packed"] = "sigmoid"  # each pair one row, its sides two documents
+LOSS_OF["fsdp"] = "sigmoid"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(LOSS_OF))
+def test_second_step_has_the_float64_whole_set_gradient(
+    name: str, runs: dict[str, Any], references: dict[str, dict[str, Any]]
+) -> None:
+    proc = runs["procs"][name]
+    assert proc.returncode == 0, explain(proc)
+    got = torch.load(runs["root"] / f"{name}.pt", weights_only=True)
+    error = relative_error(got, references[LOSS_OF[name]]["grads"])
+    assert error <= TOL, (name, error)
+    where = "sharded like the policy" if name == "fsdp" else "whole on each rank"
+    if LOSS_OF[name] != "simpo":  # (simpo has no reference)
+        assert f"task.reference=copy: a frozen copy of the initial model, {where}" in proc.stdout
+    # The tolerance means something: a reference that follows the policy is far outside it.
+    assert relative_error(references["bug"]["grads"], references["sigmoid"]["grads"]) > 100 * TOL
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(LOSS_OF))
+def test_records_are_the_exact_means_over_the_pairs(
+    name: str, runs: dict[str, Any], references: dict[str, dict[str, Any]]
+) -> None:
+    """train/loss and train/reward_* of both steps equal the reference's means over the 8
+    pairs (at step 1 every reward is 0: the policy is the reference)."""
+    proc = runs["procs"][name]
+    assert proc.returncode == 0, explain(proc)
+    loss = LOSS_OF[name]
+    records = {r["step"]: r for r in train_records(read_metrics(runs["root"] / name))}
+    for step in (1, 2):
+        want = references[loss][step]
+        got = {k: records[step][f"train/{k}"] for k in want}
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-6), (name, step)
+    assert records[2]["train/reward_margin"] != 0.0
+
+
+@pytest.mark.multiproc
+def test_lora_scores_the_reference_with_the_adapters_disabled(runs: dict[str, Any]) -> None:
+    """adapter=lora: the reference is the base with the adapters off (peft's
+    disable_adapter(), no copy of the weights). LoRA's B starts at 0, so the initial model
+    is the base: the step-2 gradient of the adapters equals that of a frozen copy of the
+    initial model (task.reference=copy), and the rewards are not 0 (the reference did not
+    follow the policy's step 1)."""
+    procs, root = runs["procs"], runs["root"]
+    for name in ("lora_adapter", "lora_copy"):
+        assert procs[name].returncode == 0, explain(procs[name])
+    assert "task.reference" not in " ".join(procs["lora_adapter"].args)
+    line = "task.reference=adapter: the base with its adapters disabled (no copy of the weights)"
+    assert line in procs["lora_adapter"].stdout
+    adapter = torch.load(root / "lora_adapter.pt", weights_only=True)
+    frozen = torch.load(root / "lora_copy.pt", weights_only=True)
+    assert adapter and all("lora_" in n for n in adapter), sorted(adapter)
+    assert relative_error(adapter, {n: g.double() for n, g in frozen.items()}) <= TOL
+    records = {r["step"]: r for r in train_records(read_metrics(root / "lora_adapter"))}
+    assert records[1]["train/reward_margin"] == 0.0
+    assert abs(records[2]["train/reward_chosen"]) > 1e-4
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def bad_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("dpo_bad")
+    make_tokenizer(root / "tok")
+    return root
+
+
+def open_data(root: Path, rows: list[Any], name: str, *extra: str) -> Any:
+    path = write_jsonl(root / f"{name}.jsonl", rows)
+    val = write_jsonl(root / "val.jsonl", pair_rows(2, seed=6))
+    args = [*data_args(root, path, val), *extra]
+    return build_data(to_config(compose_config(args))[0].data)[0]
+
+
+def test_unreadable_rows_are_counted_in_one_line(bad_root: Path) -> None:
+    rows = pair_rows(4, seed=1)
+    rows += [
+        {"prompt": "what", "chosen": "yes"},  # no rejected
+        {"prompt": "what", "chosen": 3, "rejected": "no"},  # not text
+        {
+            "chosen": [{"role": "user", "content": "hi"}],
+            "rejected": [{"role": "user", "content": "hi"}],
+        },
+        {"prompt": "what " * 400, "chosen": "yes", "rejected": "no"},  # longer than max_length
+    ]
+    data = open_data(bad_root, rows, "mixed")
+    assert len(data.train) == 4
+    line = data.description
+    assert "\n" not in line
+    assert "4 pairs dropped (1 without chosen or rejected, 1 whose content is not text" in line
+    assert "1 with no answer after the prompt, 1 with a side longer than data.max_length" in line
+
+
+def test_cut_keeps_the_first_tokens_of_a_long_pair(bad_root: Path) -> None:
+    rows = [{"prompt": "what is it", "chosen": "yes " * 400, "rejected": "no"}]
+    data = open_data(bad_root, rows, "cut", "data.truncation=cut")
+    assert len(data.train) == 1
+    sample = data.train[0]
+    assert sample["input_ids"].shape == (2, MAX_LENGTH)
+    assert (sample["shift_labels"][1] != -100).any()
+
+
+def test_prompts_that_differ_are_one_paragraph(bad_root: Path) -> None:
+    rows = pair_rows(2, seed=1)
+    rows.append(
+        {
+            "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+            "rejected": [{"role": "user", "content": "ho"}, {"role": "assistant", "content": "b"}],
+        }
+    )
+    with pytest.raises(UserError) as err:
+        open_data(bad_root, rows, "differ")
+    message = str(err.value)
+    assert "differ.jsonl" in message and ":3" in message, message
+    assert "do not share their prompt" in message and "\n" not in message
+
+
+def test_a_set_without_pairs_names_its_file(bad_root: Path) -> None:
+    rows = [{"prompt": "what", "chosen": "yes"}] * 3
+    with pytest.raises(UserError) as err:
+        open_data(bad_root, rows, "empty")
+    message = str(err.value)
+    assert "empty.jsonl holds no pair to train on" in message, message
+    assert "3 pairs dropped (3 without chosen or rejected)" in message
+
+
+def test_reference_adapter_without_an_adapter_names_the_key(bad_root: Path) -> None:
+    path = write_jsonl(bad_root / "ok.jsonl", pair_rows(4, seed=2))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    args = [*data_args(bad_root, path, val), "task=dpo", "task.reference=adapter"]
+    with pytest.raises(UserError) as err:
+        train_in_process([*args, "logger=none", "train.max_steps=1"], bad_root / "run")
+    message = str(err.value)
+    assert message.startswith("invalid config `task.reference`: adapter"), message
+    assert "adapter=lora" in message and "task.reference=copy" in message
+
+
+@pytest.mark.multiproc
+def test_evaluation_reports_the_val_means(
+    runs: dict[str, Any], references: dict[str, dict[str, Any]]
+) -> None:
+    """The final evaluation (after step 2) reports val/loss and val/reward_* over the 2
+    validation pairs, and writes a text sample from the first pair's prompt."""
+    proc = runs["procs"]["whole"]
+    assert proc.returncode == 0, explain(proc)
+    val = [r for r in read_metrics(runs["root"] / "whole") if "val/loss" in r]
+    assert [r["step"] for r in val] == [2]
+    want = references["sigmoid"]["val"]
+    got = {k: val[0][f"val/{k}"] for k in want}
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
+    assert val[0]["val/items"] == 2
+    # The sample continues the first validation pair's prompt (its chosen side's).
+    last_user = runs["rows"]["val"][0]["chosen"][-2]["content"]
+    assert last_user in val[0]["val/sample"], val[0]["val/sample"]
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_one(bad_root: Path) -> None:
+    """A run resumed from its step-2 checkpoint repeats steps 3-4 bit for bit: the reference
+    is the initial model again (rebuilt as the run builds it, never the resumed policy)."""
+    import shutil
+
+    path = write_jsonl(bad_root / "resume.jsonl", pair_rows(8, seed=3))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    args = [
+        *data_args(bad_root, path, val),
+        *task_args("sigmoid"),
+        "logger=none",
+        "optim=sgd",
+        "scheduler=constant",
+        "train.max_steps=4",
+        "train.log_every=1",
+        "train.micro_batch_size=2",
+        "train.grad_accum_steps=2",
+        "eval.every_steps=0",
+        "checkpoint.every_steps=2",
+    ]
+    whole = train_records(train_in_process(args, bad_root / "whole"))
+    name = "checkpoints/step_00000002"
+    shutil.copytree(bad_root / "whole" / name, bad_root / "resumed" / name)
+    resumed = train_records(train_in_process(args, bad_root / "resumed"))
+    assert [r["step"] for r in resumed] == [3, 4]
+    keys = ["train/loss", "train/reward_chosen", "train/reward_margin", "train/reward_accuracy"]
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole[2:]]
+    assert whole[3]["train/reward_margin"] != 0.0
+
+
+def test_cut_of_packed_pairs_names_the_key(bad_root: Path) -> None:
+    with pytest.raises(UserError) as err:
+        open_data(
+            bad_root, pair_rows(4, seed=1), "packed_cut", "data.packed=true", "data.truncation=cut"
+        )
+    message = str(err.value)
+    assert "data.truncation" in message and "data.packed=false" in message, message
+
+
+def test_preference_data_with_another_task_names_task_dpo(bad_root: Path) -> None:
+    path = write_jsonl(bad_root / "ok.jsonl", pair_rows(4, seed=2))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    with pytest.raises(UserError) as err:
+        train_in_process([*data_args(bad_root, path, val), "logger=none"], bad_root / "lm")
+    message = str(err.value)
+    assert message.startswith("invalid config `task`: data=preference gives pairs"), message
+    assert "task=dpo" in message
+
+
+def test_sequence_and_pipeline_splits_are_refused_naming_the_key(bad_root: Path) -> None:
+    """dist.cp would cut the (pairs, 2, positions) batch along its sides; dist.pp runs the
+    loss on the last stage alone: both refused before anything trains."""
+    from engine.distributed import DistInfo
+    from trainer.config.cli import to_config as config_of
+    from trainer.run.assemble import assemble
+
+    path = write_jsonl(bad_root / "ok.jsonl", pair_rows(4, seed=2))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    cfg = config_of(compose_config([*data_args(bad_root, path, val), "task=dpo"]))[0]
+    for key in ("cp", "pp"):
+        dims = dataclasses.replace(cfg.dist.dims(2), **{key: 2})
+        with pytest.raises(UserError) as err:
+            assemble(cfg, DistInfo(), dims)
+        assert str(err.value).startswith(f"invalid config `dist.{key}`: task=dpo"), err.value
+
+
+def test_a_pretrained_transformers_model_records_its_rewards(bad_root: Path) -> None:
+    """model=hf_llama from a pretrained directory (which transformers loads in eval mode):
+    the step-2 gradient and the records of both steps equal the float64 reference's."""
+    from tests.chat_support import DumpAllGrads, pretrained
+
+    model_dir, tok = pretrained(bad_root / "llama")
+    rows, val_rows = pair_rows(4, seed=7), pair_rows(2, seed=6)
+    path = write_jsonl(bad_root / "llama.jsonl", rows)
+    val = write_jsonl(bad_root / "val.jsonl", val_rows)
+    args = [
+        "model=hf_llama",
+        f"model.pretrained={model_dir}",
+        "data=preference",
+        f"data.path={path}",
+        f"data.val_path={val}",
+        f"data.max_length={MAX_LENGTH}",
+        "data.tokenize_workers=1",
+        *task_args("sigmoid"),
+        *TWO_STEPS,
+        "train.micro_batch_size=2",
+        "train.grad_accum_steps=2",
+        f"+callbacks.dump._target_={DumpAllGrads.__module__}.DumpAllGrads",
+        f"+callbacks.dump.path={bad_root / 'llama.pt'}",
+        "+callbacks.dump.step=2",
+    ]
+    records = {r["step"]: r for r in train_records(train_in_process(args, bad_root / "llama_run"))}
+    llama = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    llama.config.use_cache = False
+    pairs, val_pairs = [sides(tok, r) for r in rows], [sides(tok, r) for r in val_rows]
+    want = reference("sigmoid", pairs, val_pairs, policy=llama)
+    got = torch.load(bad_root / "llama.pt", weights_only=True)
+    assert relative_error(got, want["grads"]) <= TOL
+    for step in (1, 2):
+        recorded = {k: records[step][f"train/{k}"] for k in want[step]}
+        assert recorded == pytest.approx(want[step], rel=1e-4, abs=1e-6), step
+    assert records[2]["train/reward_margin"] != 0.0
