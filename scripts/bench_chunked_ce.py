@@ -7,7 +7,8 @@
 One forward + backward of the output layer and the loss (hidden states and weight are
 leaves) at GPT-2-small shapes, each mode in a fresh process so the peaks do not mix. Peak
 memory is the CUDA allocator's on a GPU, else the process's peak RSS above what it held just
-before the loss (inputs allocated). Time is the best of `--repeats` runs (after a first run
+before the loss (inputs allocated; not measured with `--compile` on a CPU, where the RSS's high
+mark is the compiling run's). Time is the best of `--repeats` runs (after a first run
 that compiles, with `--compile`).
 
 Modes: `plain` is the output layer (compiled with `--compile`, as the model's graph used to
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import platform
 import resource
 import subprocess
@@ -79,6 +81,10 @@ def loss_layer(args: argparse.Namespace, device: torch.device) -> Any:
     return compiled(chunked)
 
 
+def mib(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:,.0f}"
+
+
 def rss_peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
@@ -115,7 +121,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / 2**20 - base
     else:
-        peak = rss_peak_mb() - base
+        peak = float("nan") if args.compile else rss_peak_mb() - base
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
@@ -170,7 +176,7 @@ def main() -> None:
         f"{next(iter(results))} |",
         "| --- | ---: | ---: | ---: | ---: |",
         *(
-            f"| {m} | {r['peak_mb']:,.0f} | {r['seconds']:.2f} | {r['loss']:.6f} | "
+            f"| {m} | {mib(r['peak_mb'])} | {r['seconds']:.2f} | {r['loss']:.6f} | "
             f"{r['seconds'] / first['seconds']:.2f}x |"
             for m, r in results.items()
         ),

@@ -1,7 +1,7 @@
 """cumulus vs nanoGPT's own `train.py`, on CPU (validation loss) or on one GPU (speed).
 
     python scripts/bench_nanogpt.py [--iters 2000] [--anchor ../shared/anchors/nanogpt]
-    python scripts/bench_nanogpt.py --gpu [--steps 50] [--prepare-only]
+    python scripts/bench_nanogpt.py --gpu [--steps 50] [--prepare-only] [--also 'OVERRIDES']
 
 CPU: the shakespeare-char run from nanoGPT's README (4 layers x 128, context 64, batch 12,
 2,000 iterations, fp32), trained by both with the same hyperparameters on the same
@@ -20,7 +20,8 @@ of the second half of the steps), MFU (nanoGPT's FLOPs per token, 6N + 12 L T C,
 with the date, the GPU and torch's version, is appended to docs/benchmarks.md. The anchor is
 first copied into `.anchors/nanogpt` of this checkout (git-ignored), so a GPU machine that
 holds only the checkout has it: `--prepare-only` makes that copy (and the token file) and
-stops, for a session that ships the checkout to a GPU machine (carry `.anchors`).
+stops, for a session that ships the checkout to a GPU machine (carry `.anchors`). Each
+`--also 'k=v ...'` adds a cumulus run with those overrides (a row of its own).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -132,8 +134,9 @@ def nanogpt_gpu_cmd(steps: int, out_dir: Path) -> list[str]:
     return [sys.executable, "-c", wrapper, *args]
 
 
-def cumulus_gpu_cmd(steps: int, data: Path, run_dir: Path) -> list[str]:
-    """cumulus's experiment=gpt2_small preset at the same shapes, batch and steps."""
+def cumulus_gpu_cmd(steps: int, data: Path, run_dir: Path, extra: Sequence[str] = ()) -> list[str]:
+    """cumulus's experiment=gpt2_small preset at the same shapes, batch and steps (`extra`:
+    overrides of a variant, e.g. `task.chunk_size=null`)."""
     return [
         sys.executable, "-m", "trainer.train", "experiment=gpt2_small", f"data.path={data}",
         f"model.vocab_size={GPU_VOCAB}", *[f"model.{k}={v}" for k, v in GPU_SHAPES.items()],
@@ -141,7 +144,7 @@ def cumulus_gpu_cmd(steps: int, data: Path, run_dir: Path) -> list[str]:
         f"train.global_batch_size={GPU_MICRO * GPU_ACCUM}", f"train.max_steps={steps}",
         "train.log_every=1", "scheduler.warmup_steps=10", "eval.every_steps=0",
         "eval.sample_tokens=0", "checkpoint.every_steps=0", "logger=none",
-        f"hydra.run.dir={run_dir}",
+        f"hydra.run.dir={run_dir}", *extra,
     ]  # fmt: skip
 
 
@@ -184,21 +187,28 @@ def parse_nanogpt(stdout: str) -> GpuRun:
     return run_from_times("nanoGPT train.py", times, float(peak.group(1)))
 
 
-def parse_cumulus(run_dir: Path) -> GpuRun:
+def parse_cumulus(run_dir: Path, extra: Sequence[str] = ()) -> GpuRun:
     """cumulus's per-step records (metrics.jsonl, train.log_every=1)."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     records = [r for r in map(json.loads, lines) if "train/step_time_ms" in r]
     if not records:
         raise RuntimeError(f"cumulus wrote no step records in {run_dir}")
     return run_from_times(
-        "cumulus experiment=gpt2_small",
+        " ".join(["cumulus experiment=gpt2_small", *extra]),
         [r["train/step_time_ms"] for r in records],
         max(r["train/peak_mem_mb"] for r in records) * 2**20,
         [1000 * r["time/compute_s"] for r in records if "time/compute_s" in r] or None,
     )
 
 
-def gpu_table(runs: list[GpuRun], gpu: str, torch_version: str, steps: int, date: str) -> list[str]:
+def gpu_table(
+    runs: list[GpuRun],
+    gpu: str,
+    torch_version: str,
+    steps: int,
+    date: str,
+    also: Sequence[str] = (),
+) -> list[str]:
     """The section docs/benchmarks.md gets: one row per run, nanoGPT (the first) as 1."""
     base = runs[0].tokens_per_s
     return [
@@ -211,7 +221,8 @@ def gpu_table(runs: list[GpuRun], gpu: str, torch_version: str, steps: int, date
         "medians of the second half. MFU: nanoGPT's FLOPs per token against "
         f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s. Command:",
         "",
-        f"    python scripts/bench_nanogpt.py --gpu --steps {steps}",
+        f"    python scripts/bench_nanogpt.py --gpu --steps {steps}"
+        + "".join(f" --also '{v}'" for v in also),
         "",
         "| run | tokens/s | vs nanoGPT | MFU | step (ms) | compute phase (ms) "
         "| peak memory (GiB) |",
@@ -237,14 +248,18 @@ def gpu_main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         stdout, _ = timed(nanogpt_gpu_cmd(args.steps, Path(tmp) / "nanogpt"), work, "nanoGPT")
         theirs = parse_nanogpt(stdout)
-        timed(cumulus_gpu_cmd(args.steps, data, Path(tmp) / "cumulus"), REPO, "cumulus")
-        ours = parse_cumulus(Path(tmp) / "cumulus")
+        ours = []
+        for i, extra in enumerate([[], *(v.split() for v in args.also)]):
+            run_dir = Path(tmp) / f"cumulus{i}"
+            timed(cumulus_gpu_cmd(args.steps, data, run_dir, extra), REPO, "cumulus")
+            ours.append(parse_cumulus(run_dir, extra))
     lines = gpu_table(
-        [theirs, ours],
+        [theirs, *ours],
         torch.cuda.get_device_name(),
         torch.__version__,
         args.steps,
         str(datetime.date.today()),
+        args.also,
     )
     report(lines, args.report)
 
@@ -309,6 +324,14 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="speed on one GPU, GPT-2 small shapes")
     ap.add_argument("--steps", type=int, default=50, help="--gpu: steps of each run")
     ap.add_argument("--prepare-only", action="store_true", help="--gpu: copy and write only")
+    ap.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="OVERRIDES",
+        help="--gpu: one more cumulus run with these overrides (quoted, space-separated), "
+        "e.g. --also 'task.chunk_size=null'; each adds about a minute",
+    )
     args = ap.parse_args()
     if args.gpu:
         gpu_main(args)

@@ -143,9 +143,10 @@ def test_bench_nanogpt_gpu_command_lines_are_the_same_run(tmp_path: Path) -> Non
     want |= {"dataset": bench.DATASET, "always_save_checkpoint": False, "eval_iters": 1}
     assert {k: theirs[k] for k in want} == want
     assert theirs["eval_interval"] > 49  # one evaluation, at iteration 0
-    ours = bench.cumulus_gpu_cmd(50, tmp_path / "data", tmp_path / "run")
+    ours = bench.cumulus_gpu_cmd(50, tmp_path / "data", tmp_path / "run", ["task.chunk_size=null"])
     assert ours[1:4] == ["-m", "trainer.train", "experiment=gpt2_small"]
     cfg, _ = to_config(compose_config(ours[3:]))
+    assert cfg.task["chunk_size"] is None  # a variant's overrides come last
     model = {k: cfg.model[k] for k in ("vocab_size", "n_layer", "n_head", "n_embd", "bias")}
     assert model == {"vocab_size": 50304, "n_layer": 12, "n_head": 12, "n_embd": 768, "bias": False}
     assert (cfg.model["block_size"], cfg.data["block_size"], cfg.model["dropout"]) == (
@@ -199,13 +200,20 @@ def test_bench_nanogpt_gpu_table_from_a_fake_result_set(tmp_path: Path) -> None:
     assert ours.peak_gib == pytest.approx(30050 / 1024)
     out = tmp_path / "benchmarks.md"
     out.write_text("# Benchmarks\n")
-    report(
-        bench.gpu_table([theirs, ours], "NVIDIA H200", "2.11.0+cu130", 50, "2026-11-28"), str(out)
+    variant = bench.parse_cumulus(run, ["task.chunk_size=null"])
+    table = bench.gpu_table(
+        [theirs, ours, variant],
+        "NVIDIA H200",
+        "2.11.0+cu130",
+        50,
+        "2026-11-28",
+        ["task.chunk_size=null"],
     )
+    report(table, str(out))
     text = out.read_text()
     assert text.startswith("# Benchmarks\n")  # appended
     assert "### nanoGPT vs cumulus on one GPU (NVIDIA H200, torch 2.11.0+cu130), 2026-11-28" in text
-    assert "python scripts/bench_nanogpt.py --gpu --steps 50" in text
+    assert "python scripts/bench_nanogpt.py --gpu --steps 50 --also 'task.chunk_size=null'" in text
     rows = [
         line.split(" | ")
         for line in text.splitlines()
@@ -223,5 +231,6 @@ def test_bench_nanogpt_gpu_table_from_a_fake_result_set(tmp_path: Path) -> None:
         f"{271 / 280:.3f}",
     ]
     assert rows[2][5] == "276.0" and rows[1][5] == "-"
+    assert rows[3][0] == "| cumulus experiment=gpt2_small task.chunk_size=null"
     with pytest.raises(RuntimeError, match="no iteration times"):
         bench.parse_nanogpt("iter 0: loss 9.1")
