@@ -2,7 +2,7 @@
 
     python scripts/bench_chunked_ce.py [--tokens 8192] [--vocab 50257] [--width 768]
         [--chunk auto|N] [--precision fp32|bf16] [--compile]
-        [--modes plain,in-graph,chunked] [--append docs/benchmarks.md]
+        [--modes plain,in-graph,chunked] [--rounds N] [--append docs/benchmarks.md]
 
 One forward + backward of the output layer and the loss (hidden states and weight are
 leaves) at GPT-2-small shapes, each mode in a fresh process so the peaks do not mix. Peak
@@ -17,6 +17,7 @@ task's plain path before issue #61. `in-graph` is `PlainCrossEntropy`, the outpu
 the loss in one function (one compiled graph with `--compile`): the plain path now.
 `chunked` is the chunked loss, `--chunk` tokens at a time (`auto`: `auto_chunk_size` from the
 vocabulary and this device's memory), compiled with `--compile` as inside a compiled model.
+`--rounds N` runs every mode in one process, interleaved, and reports CPU-time ratios.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import math
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -132,6 +134,49 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     return {"loss": loss, "peak_mb": peak, "seconds": min(times)}
 
 
+def interleaved(args: argparse.Namespace) -> list[str]:
+    """`--rounds N`: every mode in this process, rounds alternating their order; the median
+    over rounds of each mode's CPU time (user + system, steadier than wall time on a shared
+    machine) divided by the first mode's in the same round, min-max in brackets."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(args.tokens, args.width, device=device, generator=g).requires_grad_()
+    weight = (
+        torch.randn(args.vocab, args.width, device=device, generator=g) * 0.02
+    ).requires_grad_()
+    targets = torch.randint(args.vocab, (args.tokens,), device=device, generator=g)
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    modes = args.modes.split(",")
+    layers = {m: loss_layer(argparse.Namespace(**{**vars(args), "mode": m}), device) for m in modes}
+
+    def step(mode: str) -> None:
+        with torch.autocast(device.type, dtype=dtype, enabled=args.precision == "bf16"):
+            loss = layers[mode](hidden, weight, targets)
+        loss.backward()
+        hidden.grad = weight.grad = None
+
+    for mode in modes:
+        step(mode)  # compiles
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(args.rounds):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            start = time.process_time()
+            step(mode)
+            cpu[mode].append(time.process_time() - start)
+    first = cpu[modes[0]]
+    lines = [
+        f"| loss layer | CPU time, median (s) | vs {modes[0]}, median [min-max] over rounds |",
+        "| --- | ---: | ---: |",
+    ]
+    for mode, seconds in cpu.items():
+        ratios = [a / b for a, b in zip(seconds, first)]
+        lines.append(
+            f"| {mode} | {statistics.median(seconds):.3f} | {statistics.median(ratios):.2f}x "
+            f"[{min(ratios):.2f}-{max(ratios):.2f}] |"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8 * 1024)
@@ -144,9 +189,27 @@ def main() -> None:
     )
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--rounds", type=int, help="all modes in one process, interleaved: CPU-time ratios"
+    )
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--append", type=Path, help="append the table to this markdown file")
     args = parser.parse_args()
+    if args.rounds:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+        chunk = chunk_of(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        title = (
+            f"### Loss layer, interleaved: {args.tokens} tokens x vocab {args.vocab} x width "
+            f"{args.width}, {args.precision}, chunk {args.chunk} = {chunk}"
+            f"{', compiled' if args.compile else ''}, {args.rounds} rounds ({device}, torch "
+            f"{torch.__version__})"
+        )
+        text = "\n".join([title, "", *interleaved(args), ""])
+        print(text)
+        if args.append:
+            with args.append.open("a") as f:
+                f.write("\n" + text)
+        return
     if args.mode:  # a child: one mode, JSON on the last line
         print(json.dumps(measure(args)))
         return
