@@ -10,14 +10,22 @@ convention) are not loss items.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import unwrap
-from engine.numerics.chunked_ce import IGNORE_INDEX, ChunkedCrossEntropy, OutputHead
+from engine.numerics.chunked_ce import (
+    IGNORE_INDEX,
+    ChunkedCrossEntropy,
+    HeadLoss,
+    OutputHead,
+    PlainCrossEntropy,
+    auto_chunk_size,
+    device_memory,
+)
 
 
 class TaskOutputError(TypeError):
@@ -85,34 +93,62 @@ class CausalLMTask:
     (transformers' name) holds targets aligned with the positions already: `shift_labels[:, t]`
     is what position t predicts (so a sequence split over ranks keeps its targets, dist.cp).
 
-    Large vocabularies: when the model declares `OutputHead` (engine/numerics/chunked_ce.py) and its
+    A model that declares `OutputHead` (engine/numerics/chunked_ce.py) computes the loss inside
+    its own forward (`head_loss=`), so a compiled model's graph holds the loss too. When its
     output layer has at least `chunked_vocab_threshold` classes, the loss is computed
-    `chunk_size` tokens at a time inside the model's forward (the same sum, never the logits
-    of the whole micro-batch); `chunk_size=None` always uses the plain logits.
+    `chunk_size` tokens at a time (the same sum, never the logits of the whole micro-batch);
+    `chunk_size="auto"` picks the chunk from the vocabulary and the device's memory
+    (`auto_chunk_size`), `chunk_size=None` always uses the plain logits.
     """
 
     name = "task=causal_lm"
     unit = "tokens"  # what a loss item is: the progress line's throughput unit
 
-    def __init__(self, chunk_size: int | None = 2048, chunked_vocab_threshold: int = 32768) -> None:
-        if chunk_size is not None and chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive number or null, got {chunk_size}")
+    def __init__(
+        self,
+        chunk_size: int | Literal["auto"] | None = "auto",
+        chunked_vocab_threshold: int = 32768,
+    ) -> None:
+        if chunk_size != "auto" and chunk_size is not None and chunk_size <= 0:
+            raise ValueError(
+                f"chunk_size must be a positive number, auto or null, got {chunk_size}"
+            )
         if chunked_vocab_threshold <= 0:
             raise ValueError(
                 f"chunked_vocab_threshold must be a positive number, got {chunked_vocab_threshold}"
             )
+        self.chunk_size = chunk_size
         self.chunked_vocab_threshold = chunked_vocab_threshold
-        # One object for the whole run: torch.compile guards on it, so it must not change.
-        self.head_loss = None if chunk_size is None else ChunkedCrossEntropy(chunk_size)
+        # One object per vocabulary and device for the whole run: torch.compile guards on the
+        # head loss, so it must not change from step to step.
+        self.plain_head_loss = PlainCrossEntropy()
+        self._chunked: dict[tuple[int, torch.device], ChunkedCrossEntropy] = {}
 
     def chunked(self, model: nn.Module) -> bool:
         """Whether `model` (maybe DDP-, FSDP- or compile-wrapped) gets the chunked loss."""
         inner = unwrap(model)
         return (
-            self.head_loss is not None
+            self.chunk_size is not None
             and isinstance(inner, OutputHead)
             and inner.output_head().out_features >= self.chunked_vocab_threshold
         )
+
+    def head_loss(self, model: nn.Module) -> HeadLoss | None:
+        """The loss `model`'s forward computes (`head_loss=`): chunked or plain for a model
+        that declares `OutputHead`, None (the task reads the logits) for any other."""
+        inner = unwrap(model)
+        if not isinstance(inner, OutputHead):
+            return None
+        if not self.chunked(model):
+            return self.plain_head_loss
+        head = inner.output_head()
+        key = (head.out_features, head.weight.device)
+        if key not in self._chunked:
+            chunk = self.chunk_size
+            if not isinstance(chunk, int):  # "auto"
+                chunk = auto_chunk_size(head.out_features, device_memory(head.weight.device))
+            self._chunked[key] = ChunkedCrossEntropy(chunk)
+        return self._chunked[key]
 
     def _targets(self, batch: Any) -> tuple[Any, torch.Tensor, bool, bool]:
         """(model inputs, targets, inputs are keyword arguments, the targets are shifted:
@@ -140,8 +176,9 @@ class CausalLMTask:
 
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
         inputs, targets, as_kwargs, shifted = self._targets(batch)
-        if self.chunked(model):
-            return self._chunked_loss_sum(model, inputs, targets, as_kwargs, shifted)
+        head_loss = self.head_loss(model)
+        if head_loss is not None:
+            return self._loss_in_forward(model, head_loss, inputs, targets, as_kwargs, shifted)
         logits = logits_of(_forward(model, inputs, as_kwargs), self.name)  # (B, T, V)
         if shifted:
             logits = logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
@@ -153,13 +190,19 @@ class CausalLMTask:
             reduction="sum",
         )
 
-    def _chunked_loss_sum(
-        self, model: nn.Module, inputs: Any, targets: torch.Tensor, as_kwargs: bool, shifted: bool
+    def _loss_in_forward(
+        self,
+        model: nn.Module,
+        head_loss: HeadLoss,
+        inputs: Any,
+        targets: torch.Tensor,
+        as_kwargs: bool,
+        shifted: bool,
     ) -> torch.Tensor:
         if shifted:  # (B, T): the last position predicts nothing
             targets = F.pad(targets, (0, 1), value=IGNORE_INDEX)
         # Through the (wrapped) model's own call: DDP's and FSDP's hooks fire as for logits.
-        loss_kwargs = {"head_loss": self.head_loss, "head_targets": targets}
+        loss_kwargs = {"head_loss": head_loss, "head_targets": targets}
         extra = {**inputs, **loss_kwargs} if as_kwargs else loss_kwargs
         loss = model(**extra) if as_kwargs else model(inputs, **extra)
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
