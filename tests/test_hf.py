@@ -282,3 +282,29 @@ def test_hooks_generate_reproducibly_and_count_flops() -> None:
     body = sum(p.numel() for p in model.parameters()) - 128 * 64
     assert model.flops_per_token(32) == 6.0 * body + 12.0 * 2 * 64 * 32
     assert model.max_seq_len == 128 and model.vocab_size == 256
+
+
+@pytest.mark.parametrize("kind", ["causal_lm", "encoder"])
+def test_a_pretrained_model_is_built_in_training_mode(kind: str, tmp_path: Path) -> None:
+    """`from_pretrained` returns a model in eval mode; trained so, its dropout was silently
+    off (GPT-2's 0.1, BERT's 0.1). cumulus's builders return it in training mode, as a model
+    built from its config is: two forwards of the same input differ by their dropout masks."""
+    from tests.cached_support import TINY_BERT
+    from trainer.models.encoder import encoder
+    from trainer.models.hf import causal_lm
+
+    dropout = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+    if kind == "causal_lm":
+        transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(**{**GPT2, **dropout})
+        ).save_pretrained(tmp_path)
+        model = causal_lm(family="gpt2", pretrained=str(tmp_path))
+        run = lambda ids: model(input_ids=ids).logits  # noqa: E731
+    else:
+        transformers.BertModel(transformers.BertConfig(**TINY_BERT)).save_pretrained(tmp_path)
+        model = encoder(family="bert", pretrained=str(tmp_path))
+        run = lambda ids: model(input_ids=ids, attention_mask=torch.ones_like(ids))  # noqa: E731
+    assert model.training and all(m.training for m in model.modules())
+    ids = torch.arange(16).view(2, 8) % 64
+    with torch.no_grad():
+        assert not torch.equal(run(ids), run(ids)), "dropout is off: the model is in eval mode"

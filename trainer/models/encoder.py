@@ -129,7 +129,7 @@ def encoder(
             dtype=torch.float32,
             trust_remote_code=False,
             **extra,
-        )
+        ).train()  # from_pretrained returns it in eval mode: dropout off
     else:
         model = model_cls(hf_config, **extra)
     model.config.architectures = [cls.__name__]  # what save_pretrained records

@@ -447,7 +447,7 @@ def causal_lm(
             config=hf_config,
             dtype=torch.float32,
             trust_remote_code=False,
-        )
+        ).train()  # from_pretrained returns it in eval mode: dropout off
     else:
         model = model_cls(hf_config)
     model.config.architectures = [cls.__name__]  # what save_pretrained records
