@@ -1,16 +1,21 @@
-"""A callback for tests/test_moe.py: the weights and the gradients of optimizer step 1, whole
-(gathered under FSDP), written by rank 0. Loaded by the trainer's ranks by `_target_`."""
+"""For tests/test_moe.py, loaded by the trainer's ranks by `_target_`: a callback writing the
+weights and the gradients of optimizer step 1, whole (gathered under FSDP), from rank 0; a
+mixture whose routing does not repeat (`RestlessGPT`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from engine.callbacks import Callback
 from engine.distributed import unwrap
 from engine.parallel.base import whole_tensor
 from engine.step import StepContext
+from trainer.models.gpt import GPT
+from trainer.models.moe import Router
 
 
 class DumpFirstStep(Callback):
@@ -35,3 +40,24 @@ class DumpFirstStep(Callback):
             return
         buffers = {n: b.detach().clone() for n, b in unwrap(ctx.model).named_buffers()}
         torch.save(buffers, f"{self.path}.buffers")
+
+
+class RestlessGPT(GPT):
+    """A mixture whose routing depends on how many forwards it has run, not only on its
+    weights, its batch and its random state: before each forward of its first router, the
+    router's bias sends every token to the next expert. A micro-batch's backward pass then
+    routes unlike its routing pass (moe.balance=global must say so)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.forwards = 0
+        router = self.routers()[0]
+        router.register_forward_pre_hook(self._turn)
+
+    def _turn(self, router: nn.Module, args: Any) -> None:
+        del args
+        assert isinstance(router, Router)
+        self.forwards += 1
+        with torch.no_grad():
+            router.bias.zero_()
+            router.bias[self.forwards % router.num_experts] = 10.0

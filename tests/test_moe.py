@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import TINY, stdlib_text, train_in_process, train_records
 from tests.ranks import explain, launch_all, torchrun
@@ -288,6 +289,49 @@ def test_dropout_routes_alike_in_both_passes(runs: Runs) -> None:
     pass routes every token as counted (the step checks the counts and would raise)."""
     _, record = runs.one("4x6-dropout", "global", "model.dropout=0.2")
     assert 0 < record["train/moe_aux_loss"] < E and record["train/moe_load_max"] >= 1.0
+
+
+def test_a_backward_pass_routed_unlike_its_count_is_caught(runs: Runs, tmp_path: Path) -> None:
+    """A model whose routing changes between the routing pass and the backward pass (here:
+    with each forward) would get the gradient of another f: the step compares each
+    micro-batch's counts on the device and raises once, before the update."""
+    restless = ["model._target_=tests.moe_support.RestlessGPT", *runs.split(4, 6)]
+    args = [*common(runs.text), *restless, f"hydra.run.dir={tmp_path}"]
+    with pytest.raises(RuntimeError, match="routed differently in its backward pass"):
+        train_in_process(args, tmp_path)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read a tensor's values on the host (a GPU would stall on each)."""
+
+    READS = (
+        torch.ops.aten.equal.default,
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.is_nonzero.default,
+        torch.ops.aten.nonzero.default,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_routing_check_reads_the_device_once_per_step(runs: Runs, tmp_path: Path) -> None:
+    """The backward pass's routing is compared with the routing pass's on the device, and
+    read once per step: a step of 6 micro-batches reads values on the host as often as one of
+    a single micro-batch (the expert split's own counts aside, which do not dispatch)."""
+    reads = {}
+    for micro, accum in ((24, 1), (4, 6)):
+        run_dir = tmp_path / f"{micro}x{accum}"
+        args = [*common(runs.text), *runs.split(micro, accum), f"hydra.run.dir={run_dir}"]
+        with HostReads() as counted:
+            train_in_process(args, run_dir)
+        reads[accum] = counted.count
+    assert reads[6] == reads[1], reads
 
 
 # ---------------------------------------------------------------- bad input

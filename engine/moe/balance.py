@@ -111,12 +111,16 @@ class LayerSums:
         counts, probs, lse2 = [], [], []
         for r in routings:
             logits = r.logits.float() if r.logits.dtype in _HALF else r.logits
-            m = mask.to(logits.device)
-            logits, experts = logits[m], r.experts[m]  # (n, E), (n, k)
-            E = logits.shape[-1]
-            counts.append(torch.bincount(experts.reshape(-1), minlength=E))
-            probs.append(F.softmax(logits, dim=-1).sum(0))
-            lse2.append(torch.logsumexp(logits, dim=-1).pow(2).sum())
+            # Masked, not indexed: no shape that depends on the values (no host sync on a
+            # GPU; a planned step's fake tensors have no values).
+            m = mask.to(logits.device)  # (N,)
+            E, k = logits.shape[-1], r.experts.shape[-1]
+            slots = m.to(torch.int64).repeat_interleave(k)  # (N*k,) 1 where the token counts
+            zeros = torch.zeros(E, dtype=torch.int64, device=logits.device)
+            counts.append(zeros.scatter_add(0, r.experts.reshape(-1), slots))
+            p = torch.where(m.unsqueeze(-1), F.softmax(logits, dim=-1), 0.0)  # (N, E)
+            probs.append(p.sum(0))
+            lse2.append(torch.where(m, torch.logsumexp(logits, dim=-1).pow(2), 0.0).sum())
         tokens = mask.sum().to(probs[0].device)
         return cls(torch.stack(counts), torch.stack(probs), torch.stack(lse2), tokens)
 
@@ -176,6 +180,7 @@ class Window:
     replays: dict[int, tuple[RandomState, torch.Tensor]] = field(default_factory=dict)
     step: StepSums | None = None
     local: list[torch.Tensor] = field(default_factory=list)  # pass-2 sums (records)
+    differs: torch.Tensor | None = None  # whether any micro-batch routed unlike its count
 
 
 class BalancedTask:
@@ -219,12 +224,9 @@ class BalancedTask:
             entry[0].restore()  # the routing pass's random state: the same routing
         loss = self.task.loss_sum(model, batch)
         sums = self.sums(batch)
-        if entry is not None and not torch.equal(sums.counts, entry[1]):
-            raise RuntimeError(
-                "moe.balance=global: a micro-batch routed differently in its backward pass than "
-                "in the routing pass (a forward that depends on more than the weights, the "
-                "batch and the random state?)"
-            )
+        if entry is not None:  # compared on the device; read once per step (check_routing)
+            differs = (sums.counts != entry[1]).any()
+            window.differs = differs if window.differs is None else window.differs | differs
         window.local.append(sums.flat())
         extra = self.balance_term(sums, window)
         if extra is None:
@@ -233,8 +235,25 @@ class BalancedTask:
         return loss + (extra - extra.detach())  # the value stays the task's loss, exactly
 
     # ---- the window ----
+    def check_routing(self) -> None:
+        """With `global`: raise if a micro-batch of the window routed differently in its
+        backward pass than in the routing pass (its gradient would use another f). One host
+        read per window: the step's callbacks call it before the update, and the next window
+        for the last one otherwise."""
+        window = self.window
+        if window is None or window.differs is None:
+            return
+        differs, window.differs = window.differs, None
+        if bool(differs):
+            raise RuntimeError(
+                "moe.balance=global: a micro-batch routed differently in its backward pass than "
+                "in the routing pass (a forward that depends on more than the weights, the "
+                "batch and the random state?)"
+            )
+
     def prepare_window(self, ctx: Any, window: Sequence[Any], global_count: torch.Tensor) -> None:
         """Before any backward: with `global`, the routing pass and its one all-reduce."""
+        self.check_routing()  # the last window's, if no callback checked it
         dp = ctx.parallel.dp_size
         self.window = Window(global_count.clamp(min=1), len(window) * dp, list(window))
         if self.cfg.balance != "global":

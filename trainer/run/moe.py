@@ -27,6 +27,10 @@ class MoERecords(Callback):
     def __init__(self, task: BalancedTask) -> None:
         self.task = task
 
+    def on_before_optimizer_step(self, ctx: Any) -> None:
+        del ctx
+        self.task.check_routing()  # before an update from a gradient of another routing
+
     def on_after_optimizer_step(self, ctx: Any, step: int) -> None:
         del ctx, step
         self.task.update_bias()
