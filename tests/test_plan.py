@@ -58,6 +58,8 @@ LONG = {
     ],
 }
 LONG_LAYOUTS = ("one", "cp")
+# A mixture of experts (8 experts, top 2) on one process: planned with uniform routing.
+MOE = [*TINY, "+model.moe.experts=8", "+model.moe.top_k=2", "+model.moe.hidden=64"]
 
 
 def overrides(model: str, layout: str) -> list[str]:
@@ -86,6 +88,8 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
             run_dir = root / f"{model}_{layout}"
             args = [*overrides(model, layout), "train.memory_report=true"]
             cmds[f"{model}_{layout}"] = command(nproc, [*args, f"hydra.run.dir={run_dir}"])
+    moe_args = [*MOE, "train.memory_report=true", f"hydra.run.dir={root / 'moe_one'}"]
+    cmds["moe_one"] = command(1, moe_args)
     results = launch_all(cmds, 600.0, TMPDIR=str(root))
     out = {}
     for name, proc in results.items():
@@ -121,6 +125,22 @@ def test_plan_predicts_the_measured_memory(
                 assert role[key] == real[rank][key], (rank, key, role[key], real[rank][key])
             ratio = role["peak_bytes"] / real[rank]["peak_bytes"]
             assert 0.9 <= ratio <= 1.1, (rank, role["peak_bytes"], real[rank]["peak_bytes"])
+
+
+@pytest.mark.multiproc
+def test_plan_predicts_a_mixture_of_experts_memory(
+    measured: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """A mixture of experts is planned (its routing, which fake tensors cannot compute,
+    taken as uniform, and said so): every expert's parameter, gradient and optimizer bytes
+    exactly, and the peak of its routed tokens' activations within 10% of the real run's."""
+    planned = plan([*MOE, "plan.world=1"], tmp_path)
+    (real,) = measured["moe_one"]
+    (role,) = planned["roles"]
+    for key in EXACT:
+        assert role[key] == real[key], (key, role[key], real[key])
+    assert 0.9 <= role["peak_bytes"] / real["peak_bytes"] <= 1.1, (role, real)
+    assert planned["moe_routing"].startswith("uniform")
 
 
 def llama_parameters(cfg: dict[str, int]) -> int:

@@ -25,6 +25,7 @@ import torch
 
 from engine.distributed import DistInfo
 from engine.model import find_blocks, flops_per_token
+from engine.moe.routing import HasRouters
 from engine.parallel.dims import ParallelDims
 from trainer.config.schema import Config
 from trainer.planning import extrapolate
@@ -38,6 +39,7 @@ from trainer.planning.estimate import (
 )
 from trainer.planning.gpus import GPUS
 from trainer.planning.progress import Progress
+from trainer.planning.routing import ASSUMPTION
 from trainer.planning.simulate import RolePlan, roles, simulate_rank
 from trainer.planning.table import describe
 from trainer.run.batch_plan import BatchPlan
@@ -58,6 +60,7 @@ class Plan:
     global_batch: int
     how: str = "simulated"  # or how the figures were extrapolated
     layouts: list[dict[str, Any]] | None = None
+    routing: str | None = None  # a mixture of experts' routing assumption (routing.py)
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -93,6 +96,8 @@ class Plan:
         }
         if self.layouts is not None:
             out["layouts"] = self.layouts
+        if self.routing is not None:
+            out["moe_routing"] = self.routing
         return out
 
 
@@ -105,6 +110,7 @@ class _Roles:
     plan: BatchPlan
     work: Work
     parameters: int
+    routing: str | None = None
 
 
 def _simulate_roles(
@@ -130,7 +136,8 @@ def _simulate_roles(
         bool(parts.model_extras.activation_checkpointing),
         cfg.train.precision in ("bf16", "fp16"),
     )
-    return _Roles(memories, comms, plan, work, parts.n_params)
+    routed = isinstance(parts.model, HasRouters) and bool(parts.model.routers())
+    return _Roles(memories, comms, plan, work, parts.n_params, ASSUMPTION if routed else None)
 
 
 def _whole_model(cfg: Config) -> Any:
@@ -168,6 +175,7 @@ def _sampled(cfg: Config, dims: ParallelDims, progress: Progress) -> _Roles | No
         large.plan,
         Work(flops, small.work.seq_len, small.work.checkpointing, small.work.low_precision),
         n_params,
+        large.routing,
     )
 
 
@@ -198,4 +206,5 @@ def plan_run(cfg: Config, progress: Progress | None = None) -> Plan:
     return Plan(
         pc.world, pc.gpu, gpu_memory, found.parameters, planned, est, describe(dims),
         time.perf_counter() - started, plan.micro, plan.accum, plan.global_batch, how,
+        routing=found.routing,
     )  # fmt: skip

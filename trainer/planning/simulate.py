@@ -13,7 +13,9 @@ previous stage's simulated rank sent (its shapes). Nothing is allocated; the dat
 one worst-case batch.
 
 The integer tensors of the batch stay real (trainer/planning/values.py), so the model takes
-the branches its real run takes. trainer/planning/plan.py puts the roles together.
+the branches its real run takes. A mixture of experts routes uniformly over its experts
+(trainer/planning/routing.py): the values that would choose the experts are fake.
+trainer/planning/plan.py puts the roles together.
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ from engine.parallel.dims import ParallelDims
 from trainer.config.schema import Config
 from trainer.planning.attention import CudaAttention
 from trainer.planning.progress import Progress
+from trainer.planning.routing import UniformRouting
 from trainer.planning.values import RealIntegers, real_or_fake
 from trainer.run.assemble import Assembly, assemble, check_layout
 from trainer.run.batch_plan import BatchPlan
 from trainer.run.build import build_context, build_step, run_shape
 from trainer.run.memory import MemoryReport, StepPeaks, report
-from trainer.run.moe import refuse_mixture
 
 STEPS = 2  # the first builds the optimizer's state; the second is a steady step
 
@@ -231,7 +233,6 @@ def simulate_rank(
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         progress.what = f"{role}: building the model and reading the data"
         parts = assemble(cfg, info, dims, building=mode, simulated=book)
-        refuse_mixture(parts)
         window = worst_window(parts, plan, mode)  # integers real, floats faked
         with mode:
             ctx = build_context(cfg, parts, info, dims)
@@ -247,7 +248,7 @@ def simulate_rank(
                     book["sent_bytes"] = 0
                 steps_window = window if step == STEPS - 1 else window[: first_window(dims)]
                 tracked = peaks.step(parts.wrapped, ctx.optimizer)
-                with RealIntegers(), CudaAttention(), tracked, counter:
+                with RealIntegers(), CudaAttention(), tracked, counter, UniformRouting():
                     step_fn(ctx, steps_window)
             progress.peaks = None
             memory = report(peaks, parts.model, ctx.optimizer, parts.parallel)

@@ -59,6 +59,8 @@ def table(p: Any) -> str:
             + " | ".join(f"{size(c):>10}" for c in cells)
             + f" | {'yes' if r.fits else 'NO':>4} | {r.micro_auto if r.micro_auto else '-'}"
         )
+    if p.routing is not None:
+        lines.append(f"mixture of experts: routing planned as {p.routing}")
     e = p.estimate
     lines.append(
         f"estimate (docs/plan.md's assumptions): step {e.step_time_s:.3f} s, "

@@ -75,17 +75,6 @@ def balanced_task(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDi
         raise ConfigError("model.moe", str(exc)) from None
 
 
-def refuse_mixture(parts: Assembly) -> None:
-    """trainer.plan: a mixture's routing depends on the values (fake tensors have none)."""
-    if isinstance(parts.model, HasRouters) and parts.model.routers():
-        raise ConfigError(
-            "model.moe.experts",
-            "trainer.plan does not plan mixture-of-experts models yet: how many tokens each "
-            "expert gets depends on the weights' values, which the planner's fake tensors do "
-            "not have. Plan the dense model of the same active width for now (model.moe.experts=0)",
-        )
-
-
 def check_moe_step(task: Any, step_fn: Any, callbacks: Any) -> None:
     """`moe.balance=global` runs its routing pass in the accumulation step; records join."""
     if not isinstance(task, BalancedTask):
