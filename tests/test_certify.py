@@ -95,6 +95,21 @@ def test_user_model_is_certified(project: Path, tmp_path: Path) -> None:
     assert not re.search(r"https?:|\b(src|href)\s*=", page)
 
 
+@pytest.mark.multiproc
+def test_mixture_of_experts_is_certified(tmp_path: Path) -> None:
+    """gpt_tiny as a mixture of experts (4 experts top-2, moe.balance=global, the aux loss
+    weighing): accumulation, DDP, FSDP2 and the automatic micro-batch train as the reference."""
+    moe = ["model=gpt_tiny", "+model.moe.experts=4", "+model.moe.top_k=2", "moe.aux_coef=1.0"]
+    split = ["train.micro_batch_size=8", "train.grad_accum_steps=2", "certify.steps=3"]
+    layouts = "certify.layouts=[accum,ddp2,fsdp2,auto]"
+    cmd = [sys.executable, "-m", "trainer.certify", *moe, *split, layouts]
+    proc = launch([*cmd, f"certify.dir={tmp_path / 'work'}"], TIMEOUT, PYTHONPATH=str(REPO))
+    assert proc.returncode == 0, explain(proc)
+    assert "CERTIFIED: 4 layouts train as the reference" in proc.stdout, explain(proc)
+    for layout in ("accum", "ddp2", "fsdp2", "auto"):
+        assert row(proc.stdout, layout).endswith("same"), explain(proc)
+
+
 @pytest.mark.launches
 def test_mean_instead_of_sum_is_caught(project: Path, tmp_path: Path) -> None:
     """The mean task trains differently once the batch is cut into more micro-batches:
