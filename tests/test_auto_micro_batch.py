@@ -128,6 +128,30 @@ def test_oom_in_the_middle_of_a_window_redoes_it_smaller(
     assert_same_run(tmp_path / "auto", tmp_path / "hand", 1e-12)
 
 
+def test_mixture_of_experts_window_is_redone_exactly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mixture of experts balanced over the whole step (moe.balance=global): the probe, and
+    the window redone at 4 after an out-of-memory error in its second micro-batch, run the
+    routing pass again for the new micro-batches, and the run equals one started at 4
+    (float64), its balancing records too."""
+    moe = ("+model.moe.experts=4", "+model.moe.top_k=2", "moe=global", "moe.aux_coef=1.0")
+    common = (*moe, "+model.float64=true")
+    lower = LOWER + "at_step:2,fit:4,skip:1}"
+    train_in_process(overrides(4, 16, "auto", "+model.fit=8", lower, *common), tmp_path / "auto")
+    err = capsys.readouterr().err
+    assert "micro-batch 2/2 at step 3; shrinking the micro-batch to 4" in err, err
+    assert sizes(tmp_path / "auto") == [8, 8, 4, 4]
+    train_in_process(overrides(4, 16, 4, *common), tmp_path / "hand")
+    assert_same_run(tmp_path / "auto", tmp_path / "hand", 1e-12)
+    auto, hand = (
+        train_records(read_metrics(tmp_path / "auto")),
+        train_records(read_metrics(tmp_path / "hand")),
+    )
+    for a, h in zip(auto, hand, strict=True):
+        assert abs(a["train/moe_aux_loss"] - h["train/moe_aux_loss"]) <= 1e-12, (a, h)
+
+
 def test_fp16_batchnorm_window_rolled_back(tmp_path: Path) -> None:
     """fp16 with a GradScaler and BatchNorm: an OOM in the first window's second micro-batch,
     after the first one updated the running statistics. Buffers and scaler roll back."""
