@@ -284,6 +284,18 @@ def test_micro_balancing_is_not_the_whole_batch_gradient(runs: Runs) -> None:
     assert_exact(runs.one("24x1", "micro")[0], runs)
 
 
+def test_the_report_charts_the_expert_load(runs: Runs) -> None:
+    """report.html charts `train/moe_load_max` (with the balanced line at 1) and the
+    balancing losses, one step long (constant) as they are."""
+    runs.one("24x1")
+    (run_dir,) = runs.root.glob("24x1-global-*")
+    page = (run_dir / "report.html").read_text()
+    assert 'aria-label="Expert load: the most-loaded expert&#x27;s share' in page
+    for metric in ("train/moe_load_max", "train/moe_aux_loss", "train/moe_z_loss"):
+        assert f'data-metric="{metric}"' in page, metric
+    assert ">balanced</text>" in page
+
+
 def test_dropout_routes_alike_in_both_passes(runs: Runs) -> None:
     """With dropout the routing pass replays each micro-batch's random state: the backward
     pass routes every token as counted (the step checks the counts and would raise)."""

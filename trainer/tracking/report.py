@@ -45,6 +45,13 @@ MAIN_CHARTS = (
     ("Throughput: loss items per second", THROUGHPUT),
     ("MFU", ("train/mfu",)),
     ("Peak memory (MB)", ("train/peak_mem_mb",)),
+    # A mixture of experts (README's MoE section): charted even when constant, since a router
+    # that collapsed from the start (E / k, every step) is the thing to see.
+    (
+        "Expert load: the most-loaded expert's share over the mean, worst layer (1: balanced)",
+        ("train/moe_load_max",),
+    ),
+    ("Load-balancing losses of the whole step", ("train/moe_aux_loss", "train/moe_z_loss")),
     (
         "Where a step's time goes: seconds per step, slowest rank",
         ("time/data_s", "time/compute_s", "time/sync_s", "time/optimizer_s"),
@@ -259,6 +266,8 @@ def charts(runs: list[RunData]) -> list[Chart]:
         if not lines:
             continue
         chart = Chart(title, lines)
+        if metrics == ("train/moe_load_max",):
+            chart.hline = (1.0, "balanced")
         if metrics == ("train/grad_norm",):
             chart.marks = [
                 (i, step, "skipped step")
