@@ -1,11 +1,14 @@
 """A mixture of experts' routing in a simulated step: uniform over the experts.
 
 Which experts a token goes to depends on the router's weights and the token's values; fake
-tensors have neither. The routing (engine/moe/routing.py) counts each expert's assignments
-with `bincount` and splits the dispatched tokens by those counts; on a fake tensor the counts
-have no values. `UniformRouting` answers a `bincount` of a fake tensor with real counts, the
-assignments spread evenly over the `minlength` experts (N*k/E each, the remainder one apiece
-to the first), so the simulated step runs every expert on its share as the real one does.
+tensors have neither, and everything downstream of the choice has shapes that depend on it
+(the in-tree GPT's split of the dispatched tokens by expert, transformers' `nonzero` over the
+experts hit). `UniformRouting` answers a `topk` of a fake tensor (the router's choice; a
+planned training step has no other) with its fake values and real indices that spread the
+assignments evenly: token n's slot j goes to expert (n*k + j) mod E, so each expert gets N*k/E
+of a layer's N*k token-slot assignments (one more for the first N*k mod E). The indices being
+real, what is computed from them stays real (values.py): the step runs every expert on its
+share as the real one does.
 
 Why uniform is a plan of the real run's memory: the dispatched rows are N*k whatever the
 routing, and each expert's activations kept for backward are proportional to its rows, so
@@ -20,27 +23,35 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ASSUMPTION = "uniform (each expert gets 1/E of a layer's token-slot assignments)"
 
 
-def uniform_counts(n: int, experts: int) -> torch.Tensor:
-    """(experts,) int64: n assignments spread as evenly as they go."""
-    counts = torch.full((experts,), n // experts, dtype=torch.int64)
-    counts[: n % experts] += 1
-    return counts
+def uniform_choice(shape: tuple[int, ...], experts: int) -> torch.Tensor:
+    """(..., k) int64 indices into `experts`: slot j of row n is (n*k + j) mod experts (the
+    k of a row distinct when k <= experts)."""
+    k = shape[-1]
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    with no_dispatch():
+        flat = torch.arange(rows * k, dtype=torch.int64) % experts
+        return flat.reshape(shape)
 
 
 class UniformRouting(TorchDispatchMode):
-    """`bincount` of a fake tensor (without weights) -> real uniform counts; every other op
-    goes on unchanged."""
+    """`topk` over the last dimension of a fake tensor -> (its fake values, real uniform
+    indices); every other op goes on unchanged."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.ops.aten.bincount.default and isinstance(args[0], FakeTensor):
-            weights = args[1] if len(args) > 1 else kwargs.get("weights")
-            minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
-            if weights is None and minlength > 0:
-                return uniform_counts(args[0].numel(), minlength)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten.topk.default and isinstance(args[0], FakeTensor):
+            x = args[0]
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            if dim in (-1, x.dim() - 1):
+                values, indices = out
+                return values, uniform_choice(tuple(indices.shape), x.shape[-1])
+        return out
