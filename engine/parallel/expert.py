@@ -1,0 +1,206 @@
+"""Expert parallelism (`dist.ep`): a mixture's experts split over `ep` ranks carved from the
+data-parallel ranks, tokens sent to the rank holding their expert and back (all-to-all).
+
+The data-parallel ranks 0..dp-1 form dp/ep expert groups of `ep` consecutive ranks; rank
+`r` holds experts [e*E/ep, (e+1)*E/ep) of every mixture, e = r mod ep (its expert rank), and
+shares them with the dp/ep ranks of the same expert rank (its replicas). Every other
+parameter is replicated as under plain DDP, which reduces it; DDP ignores the experts, whose
+gradients are summed over the replicas after the window and divided by dp as DDP divides
+(the step multiplies every backward by dp: engine/steps/accumulate.py), so the update is the
+unsplit model's. The total gradient norm counts each expert once: the squares of this rank's
+experts summed over its expert group, plus the replicated parameters' own.
+
+The dispatch (`ExpertGroup.run`) slots between engine/moe/routing.py's `dispatch` (tokens
+sorted by expert) and `combine`: split sizes exchanged first, the tokens all-to-all with
+uneven splits (dropless; a rank may receive no token at all), regrouped by local expert,
+computed, and sent back the same way. Autograd runs through `AllToAll`, whose backward is the
+reverse all-to-all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.parallel import LayoutError
+from engine.parallel.base import squares_norm
+from engine.parallel.ddp import DataParallel
+
+
+class AllToAll(torch.autograd.Function):
+    """`all_to_all_single` with uneven splits; the gradient goes back the reverse way."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class ExpertGroup:
+    """This rank's place among the expert-parallel ranks: `size` ranks of `group` hold
+    `local` experts each; this rank (`rank` in the group) holds [rank*local, (rank+1)*local)."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int, rank: int, local: int) -> None:
+        self.group, self.size, self.rank, self.local = group, size, rank, local
+
+    def run(
+        self,
+        xs: torch.Tensor,
+        counts: Sequence[int],
+        compute: Callable[[torch.Tensor, list[int]], torch.Tensor],
+    ) -> torch.Tensor:
+        """`xs` (N*k, C) sorted by global expert, `counts` rows per global expert -> the
+        experts' outputs in the same order; `compute(rows, local_counts)` runs this rank's
+        experts on rows sorted by local expert."""
+        # (ep, local): rows for each rank's experts; exchanged so each rank knows what comes.
+        send = torch.tensor(list(counts), dtype=torch.int64, device=xs.device)
+        send = send.view(self.size, self.local)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)  # recv[src, j]: src's rows for j
+        in_splits = send.sum(1).tolist()
+        out_splits = recv.sum(1).tolist()
+        got = AllToAll.apply(xs, out_splits, in_splits, self.group)  # by source, then expert
+        # Regroup by local expert (stable: each source's rows keep their order).
+        local = torch.arange(self.local, device=xs.device).repeat(self.size)
+        owner = torch.repeat_interleave(local, recv.reshape(-1))  # (rows,) each row's expert
+        order = torch.argsort(owner, stable=True)
+        ys = compute(got[order], recv.sum(0).tolist())
+        back = torch.empty_like(ys).index_copy(0, order, ys)  # by source again
+        return AllToAll.apply(back, in_splits, out_splits, self.group)
+
+
+@runtime_checkable
+class SplitsExperts(Protocol):
+    """A mixture whose experts expert parallelism can split: `num_experts`, and
+    `split_experts(group)` keeps only the group rank's experts and dispatches through it."""
+
+    num_experts: int
+
+    def split_experts(self, group: ExpertGroup) -> list[nn.Parameter]: ...
+
+
+class ExpertParallel(DataParallel):
+    """DDP for the replicated parameters, the experts split over `ep` ranks (module
+    docstring)."""
+
+    name = "ddp"
+
+    def __init__(self, info: Any, ep: int, mesh: Any = None) -> None:
+        super().__init__(info, mesh)
+        self.ep = ep
+        rank = info.rank
+        self.ep_rank = rank % ep
+        self.expert_group: dist.ProcessGroup | None = None
+        self.replica_group: dist.ProcessGroup | None = None
+        world = info.world_size
+        # Every rank creates every group, in the same order (new_group's contract).
+        for first in range(0, world, ep):
+            g = dist.new_group(list(range(first, first + ep)))
+            if first <= rank < first + ep:
+                self.expert_group = g
+        for e in range(ep):
+            g = dist.new_group(list(range(e, world, ep)))
+            if e == self.ep_rank:
+                self.replica_group = g
+        self.expert_params: list[nn.Parameter] = []
+
+    def describe(self) -> str:
+        return f"experts split over {self.ep} ranks (dist.ep={self.ep})"
+
+    def apply(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module] = (),
+        *,
+        param_dtype: torch.dtype | None = None,
+        reshard_after_forward: bool = True,
+    ) -> nn.Module:
+        del blocks, param_dtype, reshard_after_forward
+        mixtures = [(n, m) for n, m in model.named_modules() if isinstance(m, SplitsExperts)]
+        if not mixtures:
+            raise LayoutError(
+                "dist.ep",
+                f"splits a mixture's experts over ranks, but {type(model).__name__} has no "
+                "mixture-of-experts layer the split knows (the in-tree GPT's model.moe.experts "
+                "> 0); set dist.ep=1 for a dense model",
+            )
+        for _, m in mixtures:
+            if m.num_experts % self.ep:
+                raise LayoutError(
+                    "dist.ep",
+                    f"must divide model.moe.experts ({m.num_experts}), got {self.ep}: each "
+                    "expert-parallel rank holds the same number of experts",
+                )
+        assert self.expert_group is not None
+        owned: set[int] = set()
+        for _, m in mixtures:
+            group = ExpertGroup(self.expert_group, self.ep, self.ep_rank, m.num_experts // self.ep)
+            for p in m.split_experts(group):
+                self.expert_params.append(p)
+                owned.add(id(p))
+        names = [n for n, p in model.named_parameters() if id(p) in owned]
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, names
+        )
+        return super().apply(model)
+
+    def _is_expert(self) -> Callable[[nn.Parameter], bool]:
+        owned = {id(p) for p in self.expert_params}
+        return lambda p: id(p) in owned
+
+    def sync_gradients(self, params: list[nn.Parameter]) -> None:
+        """The experts' gradients: summed over their replicas, divided by dp as DDP does."""
+        is_expert = self._is_expert()
+        grads = [p.grad for p in params if is_expert(p) and p.grad is not None]
+        if not grads:
+            return
+        if self.dp_size > self.ep:
+            works = [
+                dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.replica_group, async_op=True)
+                for g in grads
+            ]
+            for w in works:
+                w.wait()
+        torch._foreach_div_(grads, float(self.dp_size))
+
+    def reduce_guarded_window(self, params: list[nn.Parameter]) -> None:
+        is_expert = self._is_expert()
+        super().reduce_guarded_window([p for p in params if not is_expert(p)])
+        self.sync_gradients(params)
+
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """Each parameter once: the replicated ones' squares plus this rank's experts' squares
+        summed over its expert group."""
+        is_expert = self._is_expert()
+        dense = [p.grad for p in params if not is_expert(p) and p.grad is not None]
+        experts = [p.grad for p in params if is_expert(p) and p.grad is not None]
+        if not dense and not experts:
+            return super().grad_norm(params)  # its error
+        squares = [
+            squares_norm(gs).double().pow(2) if gs else torch.zeros((), dtype=torch.float64)
+            for gs in (dense, experts)
+        ]
+        dist.all_reduce(squares[1], op=dist.ReduceOp.SUM, group=self.expert_group)
+        return (squares[0] + squares[1]).sqrt().float()
+
+    def expert_parameters(self) -> Iterator[nn.Parameter]:
+        return iter(self.expert_params)
