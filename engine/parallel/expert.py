@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.distributed import unwrap
 from engine.parallel import LayoutError
-from engine.parallel.base import squares_norm
+from engine.parallel.base import RunShape, squares_norm
 from engine.parallel.ddp import DataParallel
 
 
@@ -123,6 +124,16 @@ class ExpertParallel(DataParallel):
                 self.replica_group = g
         self.expert_params: list[nn.Parameter] = []
 
+    def check(self, shape: RunShape) -> None:
+        super().check(shape)
+        if shape.checkpoint_format == "sharded":
+            raise LayoutError(
+                "checkpoint.format",
+                "with dist.ep the checkpoint holds every expert whole (gathered over the "
+                "expert-parallel ranks), so any dist.ep resumes it; use checkpoint.format=full "
+                "(or auto, the default)",
+            )
+
     def describe(self) -> str:
         return f"experts split over {self.ep} ranks (dist.ep={self.ep})"
 
@@ -204,3 +215,60 @@ class ExpertParallel(DataParallel):
 
     def expert_parameters(self) -> Iterator[nn.Parameter]:
         return iter(self.expert_params)
+
+    # ---- checkpoints: whole experts, so any ep (or none) resumes them ----
+    def _expert_names(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        is_expert = self._is_expert()
+        return {n: p for n, p in unwrap(model).named_parameters() if is_expert(p)}
+
+    def _whole(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' slice -> every expert's (dim 0), gathered over the group."""
+        parts = [torch.empty_like(t) for _ in range(self.ep)]
+        dist.all_gather(parts, t.contiguous(), group=self.expert_group)
+        return torch.cat(parts).cpu()
+
+    def _mine(self, t: torch.Tensor) -> torch.Tensor:
+        """Every expert's value -> this rank's slice (dim 0)."""
+        local = t.shape[0] // self.ep
+        return t[self.ep_rank * local : (self.ep_rank + 1) * local]
+
+    def full_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The unsplit model's state (every expert whole, with its optimizer state): resumes
+        under any dist.ep, exports whole."""
+        model_state, optimizer_state = super().full_state(model, optimizer, trainable_only)
+        for name, p in self._expert_names(model).items():  # every rank: collectives
+            whole = self._whole(p.detach())
+            moments = {
+                k: self._whole(v)
+                for k, v in optimizer.state.get(p, {}).items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            }
+            if model_state:  # rank 0 receives the state
+                model_state[name] = whole
+                optimizer_state["state"].setdefault(name, {}).update(moments)
+        return model_state, optimizer_state
+
+    def load_full_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any] | None,
+        trainable_only: bool = False,
+    ) -> None:
+        names = self._expert_names(model)
+        model_state = {k: self._mine(v) if k in names else v for k, v in model_state.items()}
+        if optimizer_state is not None:
+            state = {
+                k: {
+                    key: self._mine(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                    for key, v in moments.items()
+                }
+                if k in names
+                else moments
+                for k, moments in optimizer_state.get("state", {}).items()
+            }
+            optimizer_state = {**optimizer_state, "state": state}
+        super().load_full_state(model, optimizer, model_state, optimizer_state, trainable_only)
