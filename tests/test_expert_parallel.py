@@ -5,7 +5,8 @@ steps of one global batch of 24 samples (SGD with momentum, clipping on, moe.bal
 with large aux and z weights) on one process, the reference, and on 2 ranks with dist.ep=2
 (each rank holds 4 experts of every block; tokens sent all-to-all). Compared:
 
-- the records of every step (loss, clipped grad norm, aux loss) to 1e-6 relative;
+- the records of every step (loss, clipped grad norm, aux loss, load) to 1e-6 relative, also
+  with moe.balance=micro and bias, and the evaluations;
 - step 1's gradient as the optimizer applies it (each rank's experts joined along the expert
   dimension), and the first weights;
 - resume: the ep=2 run killed (SIGKILL) after step 3 resumes from step 2 on one process and
@@ -32,7 +33,8 @@ from tests.ranks import explain, launch_all, torchrun
 E, K, HIDDEN = 8, 2, 48
 REL = 1e-6
 STEP2 = "checkpoints/step_00000002"
-KEYS = ("train/loss", "train/grad_norm", "train/moe_aux_loss")
+KEYS = ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_load_max")
+BALANCES = ("micro", "bias")
 MOE = [f"+model.moe.experts={E}", f"+model.moe.top_k={K}", f"+model.moe.hidden={HIDDEN}"]
 
 
@@ -55,6 +57,8 @@ def common(text: Path) -> list[str]:
         "train.micro_batch_size=3",
         "train.max_steps=4",
         "checkpoint.every_steps=2",
+        "eval.every_steps=2",
+        "eval.max_batches=2",
     ]
 
 
@@ -79,6 +83,7 @@ class Runs:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.text = stdlib_text(root / "text.txt", 1750)  # 24 samples of 65 tokens
+        self.by_balance: dict[str, list[dict[str, Any]]] = {}
         args = common(self.text)
         ref = root / "ref"
         self.ref = train_records(
@@ -87,11 +92,17 @@ class Runs:
             )
         )
         shutil.copytree(ref / STEP2, root / "from1" / STEP2)
+        for balance in BALANCES:
+            run_dir = root / f"ref-{balance}"
+            self.by_balance[balance] = train_records(
+                train_in_process([*args, f"moe={balance}", f"hydra.run.dir={run_dir}"], run_dir)
+            )
         ep2 = ["dist.ep=2"]
         cmds = {
             "ep2": [*args, *ep2, dump(root / "ep2"), "train.memory_report=true"],
             "killed": [*args, *ep2, *kill(root / "killed")],
             "from1": [*args, *ep2],
+            **{f"ep2-{b}": [*args, *ep2, f"moe={b}"] for b in BALANCES},
             "dense": [*TINY, f"data.path={self.text}", "train.max_steps=1", *ep2],
             "experts": [*TINY, f"data.path={self.text}", "+model.moe.experts=5", *ep2],
         }
@@ -99,7 +110,7 @@ class Runs:
             {name: torchrun(2, [*a, f"hydra.run.dir={root / name}"]) for name, a in cmds.items()},
             timeout=600,
         )
-        for name in ("ep2", "from1"):
+        for name in ("ep2", "from1", *(f"ep2-{b}" for b in BALANCES)):
             assert self.procs[name].returncode == 0, explain(self.procs[name])
         assert self.procs["killed"].returncode != 0, explain(self.procs["killed"])
         assert (root / "killed" / "killed").exists(), explain(self.procs["killed"])
@@ -142,10 +153,25 @@ def is_expert(name: str) -> bool:
 
 @pytest.mark.multiproc
 def test_two_expert_ranks_are_one_process(runs: Runs) -> None:
-    """ep=2 on 2 ranks: every step's loss, clipped grad norm and aux loss are one process's
-    to 1e-6 over 4 steps."""
+    """ep=2 on 2 ranks: every step's loss, clipped grad norm, aux loss and load are one
+    process's to 1e-6 over 4 steps, and so are both evaluations (in lockstep)."""
     assert [r["step"] for r in runs.records("ep2")] == [1, 2, 3, 4]
     assert_same_records(runs.records("ep2"), runs.ref, [1, 2, 3, 4])
+    val = [r for r in read_metrics(runs.root / "ep2") if "val/loss" in r]
+    want = [r for r in read_metrics(runs.root / "ref") if "val/loss" in r]
+    assert [r["step"] for r in val] == [2, 4] == [r["step"] for r in want]
+    for got, ref in zip(val, want):
+        assert got["val/loss"] == pytest.approx(ref["val/loss"], rel=REL)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("balance", BALANCES)
+def test_balancing_is_one_process(runs: Runs, balance: str) -> None:
+    """moe.balance=micro and bias under ep=2: the one process's records (the counts are the
+    whole step's; bias moves every router alike)."""
+    got = runs.records(f"ep2-{balance}")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert_same_records(got, runs.by_balance[balance], [1, 2, 3, 4])
 
 
 @pytest.mark.multiproc

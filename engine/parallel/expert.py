@@ -104,6 +104,10 @@ class ExpertParallel(DataParallel):
     docstring)."""
 
     name = "ddp"
+    # Some parameters (the experts) differ between ranks and every forward is collective:
+    # evaluation runs in lockstep, nothing runs the model on one rank alone.
+    shards_parameters = True
+    whole_model = False
 
     def __init__(self, info: Any, ep: int, mesh: Any = None) -> None:
         super().__init__(info, mesh)
@@ -125,7 +129,29 @@ class ExpertParallel(DataParallel):
         self.expert_params: list[nn.Parameter] = []
 
     def check(self, shape: RunShape) -> None:
+        averaged = shape.callbacks.averaged_weights() if shape.callbacks is not None else {}
+        for name in averaged:
+            raise LayoutError(
+                f"callbacks.{name}",
+                "not available with dist.ep > 1 yet: it keeps an average of every weight, and "
+                "each rank holds only its own experts",
+            )
         super().check(shape)
+        refused = {
+            "train.micro_batch_size": (shape.auto_micro_batch, "auto is not probed with it yet"),
+            "train.compile": (shape.compile, "compiling the all-to-all is not built yet"),
+            "train.grad_norms": (
+                shape.per_layer_norms,
+                "per-layer norms would see this rank's experts only",
+            ),
+            "step": (
+                not shape.plain_accumulation,
+                f"{type(shape.step).__name__} is not built with it yet; use step=accumulate",
+            ),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise LayoutError(key, f"not available with dist.ep > 1: {why}")
         if shape.checkpoint_format == "sharded":
             raise LayoutError(
                 "checkpoint.format",
