@@ -5,6 +5,7 @@ steps of one global batch of 24 samples (SGD with momentum, clipping on, moe.bal
 with large aux and z weights) on one process, the reference, and on 2 ranks with dist.ep=2
 (each rank holds 4 experts of every block; tokens sent all-to-all). Compared:
 
+- on 4 ranks with ep=2 (each expert on 2 ranks) too;
 - the records of every step (loss, clipped grad norm, aux loss, load) to 1e-6 relative, also
   with moe.balance=micro and bias, and the evaluations;
 - step 1's gradient as the optimizer applies it (each rank's experts joined along the expert
@@ -106,11 +107,15 @@ class Runs:
             "dense": [*TINY, f"data.path={self.text}", "train.max_steps=1", *ep2],
             "experts": [*TINY, f"data.path={self.text}", "+model.moe.experts=5", *ep2],
         }
-        self.procs = launch_all(
-            {name: torchrun(2, [*a, f"hydra.run.dir={root / name}"]) for name, a in cmds.items()},
-            timeout=600,
-        )
-        for name in ("ep2", "from1", *(f"ep2-{b}" for b in BALANCES)):
+        launches = {
+            name: torchrun(2, [*a, f"hydra.run.dir={root / name}"]) for name, a in cmds.items()
+        }
+        # 4 ranks, ep=2: each expert on 2 ranks (replicas), its gradient summed over them.
+        four = [*args, *ep2, dump(root / "ep2x4"), f"hydra.run.dir={root / 'ep2x4'}"]
+        four.append("eval.every_steps=0")  # 2 validation samples: lockstep needs one a rank
+        launches["ep2x4"] = torchrun(4, four)
+        self.procs = launch_all(launches, timeout=600)
+        for name in ("ep2", "ep2x4", "from1", *(f"ep2-{b}" for b in BALANCES)):
             assert self.procs[name].returncode == 0, explain(self.procs[name])
         assert self.procs["killed"].returncode != 0, explain(self.procs["killed"])
         assert (root / "killed" / "killed").exists(), explain(self.procs["killed"])
@@ -152,12 +157,16 @@ def is_expert(name: str) -> bool:
 
 
 @pytest.mark.multiproc
-def test_two_expert_ranks_are_one_process(runs: Runs) -> None:
-    """ep=2 on 2 ranks: every step's loss, clipped grad norm, aux loss and load are one
-    process's to 1e-6 over 4 steps, and so are both evaluations (in lockstep)."""
-    assert [r["step"] for r in runs.records("ep2")] == [1, 2, 3, 4]
-    assert_same_records(runs.records("ep2"), runs.ref, [1, 2, 3, 4])
-    val = [r for r in read_metrics(runs.root / "ep2") if "val/loss" in r]
+@pytest.mark.parametrize("name", ["ep2", "ep2x4"])
+def test_two_expert_ranks_are_one_process(runs: Runs, name: str) -> None:
+    """ep=2 on 2 ranks and on 4 (dp=4: each expert on 2 ranks): every step's loss, clipped
+    grad norm, aux loss and load are one process's to 1e-6 over 4 steps, and so are both
+    evaluations of ep=2 on 2 ranks (in lockstep)."""
+    assert [r["step"] for r in runs.records(name)] == [1, 2, 3, 4]
+    assert_same_records(runs.records(name), runs.ref, [1, 2, 3, 4])
+    if name == "ep2x4":
+        return
+    val = [r for r in read_metrics(runs.root / name) if "val/loss" in r]
     want = [r for r in read_metrics(runs.root / "ref") if "val/loss" in r]
     assert [r["step"] for r in val] == [2, 4] == [r["step"] for r in want]
     for got, ref in zip(val, want):
@@ -175,11 +184,18 @@ def test_balancing_is_one_process(runs: Runs, balance: str) -> None:
 
 
 @pytest.mark.multiproc
-def test_step_one_update_is_one_process(runs: Runs) -> None:
+@pytest.mark.parametrize("name", ["ep2", "ep2x4"])
+def test_step_one_update_is_one_process(runs: Runs, name: str) -> None:
     """Step 1's weights and applied gradient: each rank holds half the experts of every
-    block, joined they are the one process's, to 1e-6 of the largest entry."""
+    block, joined they are the one process's, to 1e-6 of the largest entry; on 4 ranks,
+    ranks 2 and 3 hold the same as ranks 0 and 1."""
     want = runs.dumped("ref", 0)
-    ranks = [runs.dumped("ep2", r) for r in (0, 1)]
+    ranks = [runs.dumped(name, r) for r in (0, 1)]
+    if name == "ep2x4":
+        for r in (2, 3):
+            replica, same = runs.dumped(name, r), ranks[r - 2]
+            for n, g in replica["grads"].items():
+                assert torch.equal(g, same["grads"][n]), (r, n)
     experts = [n for n in want["grads"] if is_expert(n)]
     assert len(experts) == 2 * 4  # fc, proj, fc_bias, proj_bias in each of 2 blocks
     for name, w in want["grads"].items():
