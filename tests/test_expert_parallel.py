@@ -11,7 +11,8 @@ with large aux and z weights) on one process, the reference, and on 2 ranks with
 - step 1's gradient as the optimizer applies it (each rank's experts joined along the expert
   dimension), and the first weights;
 - resume: the ep=2 run killed (SIGKILL) after step 3 resumes from step 2 on one process and
-  on ep=2, and the reference's step-2 checkpoint resumes on ep=2: the reference's records;
+  on ep=2, the reference's step-2 checkpoint on ep=2 and the 4-rank run's on one process:
+  the reference's records;
 - memory: each rank's parameter and optimizer bytes are the reference's less half the experts';
 - one mixture with every token routed to rank 0's experts (rank 1 receives nothing in both
   all-to-alls): tests/ep_support.py;
@@ -121,8 +122,10 @@ class Runs:
         assert (root / "killed" / "killed").exists(), explain(self.procs["killed"])
         for name in ("resumed1", "resumed2"):
             shutil.copytree(root / "killed", root / name)
-        resumed1 = root / "resumed1"
+        resumed1, from4 = root / "resumed1", root / "from4"
         train_in_process([*args, f"hydra.run.dir={resumed1}"], resumed1)
+        shutil.copytree(root / "ep2x4" / STEP2, from4 / STEP2)  # 4 ranks, ep=2 -> 1
+        train_in_process([*args, f"hydra.run.dir={from4}"], from4)
         resumed2 = launch_all(
             {"resumed2": torchrun(2, [*args, *ep2, f"hydra.run.dir={root / 'resumed2'}"])},
             timeout=300,
@@ -215,14 +218,16 @@ def test_step_one_update_is_one_process(runs: Runs, name: str) -> None:
 @pytest.mark.multiproc
 def test_resume_reshards_the_experts(runs: Runs) -> None:
     """Killed after step 3 under ep=2: resumed from step 2 on one process and on ep=2, the
-    4 steps are the reference's; the reference's step 2 resumed on ep=2 (1 -> 2) too."""
+    4 steps are the reference's; the reference's step 2 resumed on ep=2 (1 -> 2) and the
+    4-rank ep=2 run's on one process too."""
     for name in ("resumed1", "resumed2"):
         records = runs.records(name)
         assert [r["step"] for r in records] == [1, 2, 3, 4], name
         assert_same_records(records, runs.ref, [1, 2, 3, 4])
-    from1 = runs.records("from1")
-    assert [r["step"] for r in from1] == [3, 4]
-    assert_same_records(from1, runs.ref, [3, 4])
+    for name in ("from1", "from4"):
+        records = runs.records(name)
+        assert [r["step"] for r in records] == [3, 4], name
+        assert_same_records(records, runs.ref, [3, 4])
 
 
 @pytest.mark.multiproc

@@ -247,11 +247,12 @@ class ExpertParallel(DataParallel):
         is_expert = self._is_expert()
         return {n: p for n, p in unwrap(model).named_parameters() if is_expert(p)}
 
-    def _whole(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's experts' slice -> every expert's (dim 0), gathered over the group."""
-        parts = [torch.empty_like(t) for _ in range(self.ep)]
-        dist.all_gather(parts, t.contiguous(), group=self.expert_group)
-        return torch.cat(parts).cpu()
+    def _whole(self, t: torch.Tensor) -> torch.Tensor | None:
+        """This rank's experts' slice -> every expert's (dim 0) on rank 0 (None elsewhere),
+        gathered over rank 0's expert group (ranks 0..ep-1; the others hold replicas)."""
+        parts = [torch.empty_like(t) for _ in range(self.ep)] if self.info.rank == 0 else None
+        dist.gather(t.contiguous(), parts, dst=0, group=self.expert_group)
+        return torch.cat(parts).cpu() if parts is not None else None
 
     def _mine(self, t: torch.Tensor) -> torch.Tensor:
         """Every expert's value -> this rank's slice (dim 0)."""
@@ -264,14 +265,16 @@ class ExpertParallel(DataParallel):
         """The unsplit model's state (every expert whole, with its optimizer state): resumes
         under any dist.ep, exports whole."""
         model_state, optimizer_state = super().full_state(model, optimizer, trainable_only)
-        for name, p in self._expert_names(model).items():  # every rank: collectives
+        if self.info.rank >= self.ep:  # not in rank 0's expert group: only replicas here
+            return model_state, optimizer_state
+        for name, p in self._expert_names(model).items():  # collectives: in the same order
             whole = self._whole(p.detach())
             moments = {
                 k: self._whole(v)
                 for k, v in optimizer.state.get(p, {}).items()
                 if isinstance(v, torch.Tensor) and v.dim() > 0
             }
-            if model_state:  # rank 0 receives the state
+            if whole is not None:  # rank 0 receives the state
                 model_state[name] = whole
                 optimizer_state["state"].setdefault(name, {}).update(moments)
         return model_state, optimizer_state
