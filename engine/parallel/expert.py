@@ -20,7 +20,7 @@ reverse all-to-all.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from engine.distributed import unwrap
 from engine.parallel import LayoutError
 from engine.parallel.base import RunShape, squares_norm
 from engine.parallel.ddp import DataParallel
+
+if TYPE_CHECKING:
+    from engine.numerics.precision import Precision
 
 
 class AllToAll(torch.autograd.Function):
@@ -238,6 +241,11 @@ class ExpertParallel(DataParallel):
         ]
         dist.all_reduce(squares[1], op=dist.ReduceOp.SUM, group=self.expert_group)
         return (squares[0] + squares[1]).sqrt().float()
+
+    def agree_found_inf(self, precision: Precision, optimizer: torch.optim.Optimizer) -> None:
+        # An overflow in one rank's experts skips every rank's step (fp16's GradScaler).
+        for flag in precision.found_inf_flags(optimizer):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
     def expert_parameters(self) -> Iterator[nn.Parameter]:
         return iter(self.expert_params)
