@@ -10,9 +10,10 @@ with large aux and z weights) on one process, the reference, and on 2 ranks with
   with moe.balance=micro and bias, and the evaluations;
 - step 1's gradient as the optimizer applies it (each rank's experts joined along the expert
   dimension), and the first weights;
-- resume: the ep=2 run killed (SIGKILL) after step 3 resumes from step 2 on one process and
-  on ep=2, the reference's step-2 checkpoint on ep=2 and the 4-rank run's on one process:
-  the reference's records;
+- resume: the ep=2 run killed (SIGKILL) after step 3 resumes from step 2 (full format) on
+  one process and on ep=2, the reference's step-2 checkpoint on ep=2, and the 4-rank run's
+  (DCP shards, each expert written once) on one process and on 2 ranks: the reference's
+  records;
 - memory: each rank's parameter and optimizer bytes are the reference's less half the experts';
 - one mixture with every token routed to rank 0's experts (rank 1 receives nothing in both
   all-to-alls): tests/ep_support.py;
@@ -102,7 +103,8 @@ class Runs:
         ep2 = ["dist.ep=2"]
         cmds = {
             "ep2": [*args, *ep2, dump(root / "ep2"), "train.memory_report=true"],
-            "killed": [*args, *ep2, *kill(root / "killed")],
+            # Full checkpoints (experts gathered); the others' are DCP shards (auto under ep).
+            "killed": [*args, *ep2, *kill(root / "killed"), "checkpoint.format=full"],
             "from1": [*args, *ep2],
             **{f"ep2-{b}": [*args, *ep2, f"moe={b}"] for b in BALANCES},
             "dense": [*TINY, f"data.path={self.text}", "train.max_steps=1", *ep2],
@@ -125,12 +127,17 @@ class Runs:
         resumed1, from4 = root / "resumed1", root / "from4"
         train_in_process([*args, f"hydra.run.dir={resumed1}"], resumed1)
         shutil.copytree(root / "ep2x4" / STEP2, from4 / STEP2)  # 4 ranks, ep=2 -> 1
+        shutil.copytree(root / "ep2x4" / STEP2, root / "from4x2" / STEP2)  # -> 2 ranks
         train_in_process([*args, f"hydra.run.dir={from4}"], from4)
-        resumed2 = launch_all(
-            {"resumed2": torchrun(2, [*args, *ep2, f"hydra.run.dir={root / 'resumed2'}"])},
+        resumed = launch_all(
+            {
+                name: torchrun(2, [*args, *ep2, f"hydra.run.dir={root / name}"])
+                for name in ("resumed2", "from4x2")
+            },
             timeout=300,
-        )["resumed2"]
-        assert resumed2.returncode == 0, explain(resumed2)
+        )
+        for proc in resumed.values():
+            assert proc.returncode == 0, explain(proc)
 
     def records(self, name: str) -> list[dict[str, Any]]:
         return train_records(read_metrics(self.root / name))
@@ -217,14 +224,17 @@ def test_step_one_update_is_one_process(runs: Runs, name: str) -> None:
 
 @pytest.mark.multiproc
 def test_resume_reshards_the_experts(runs: Runs) -> None:
-    """Killed after step 3 under ep=2: resumed from step 2 on one process and on ep=2, the
-    4 steps are the reference's; the reference's step 2 resumed on ep=2 (1 -> 2) and the
-    4-rank ep=2 run's on one process too."""
+    """Killed after step 3 under ep=2 (a full checkpoint, the experts gathered): resumed
+    from step 2 on one process and on ep=2, the 4 steps are the reference's; the reference's
+    step 2 resumed on ep=2 (1 -> 2), and the 4-rank ep=2 run's DCP shards on one process and
+    on 2 ranks with ep=2, too."""
     for name in ("resumed1", "resumed2"):
         records = runs.records(name)
         assert [r["step"] for r in records] == [1, 2, 3, 4], name
         assert_same_records(records, runs.ref, [1, 2, 3, 4])
-    for name in ("from1", "from4"):
+    assert (runs.root / "ep2x4" / STEP2 / "shards").is_dir()  # DCP: each expert once
+    assert not (runs.root / "killed" / STEP2 / "shards").exists()  # checkpoint.format=full
+    for name in ("from1", "from4", "from4x2"):
         records = runs.records(name)
         assert [r["step"] for r in records] == [3, 4], name
         assert_same_records(records, runs.ref, [3, 4])

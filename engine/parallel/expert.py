@@ -20,6 +20,7 @@ reverse all-to-all.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -130,6 +131,12 @@ class ExpertParallel(DataParallel):
             if e == self.ep_rank:
                 self.replica_group = g
         self.expert_params: list[nn.Parameter] = []
+        # (replicas, ep): the experts as DTensors in sharded checkpoints, Shard(0) over `ep`.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.expert_mesh = init_device_mesh(
+            info.device.type, (world // ep, ep), mesh_dim_names=("ep_replica", "ep")
+        )
 
     def check(self, shape: RunShape) -> None:
         averaged = shape.callbacks.averaged_weights() if shape.callbacks is not None else {}
@@ -155,13 +162,10 @@ class ExpertParallel(DataParallel):
         for key, (bad, why) in refused.items():
             if bad:
                 raise LayoutError(key, f"not available with dist.ep > 1: {why}")
-        if shape.checkpoint_format == "sharded":
-            raise LayoutError(
-                "checkpoint.format",
-                "with dist.ep the checkpoint holds every expert whole (gathered over the "
-                "expert-parallel ranks), so any dist.ep resumes it; use checkpoint.format=full "
-                "(or auto, the default)",
-            )
+
+    @property
+    def checkpoint_format(self) -> str:
+        return "sharded"  # each expert written once, by a rank holding it (DCP)
 
     def describe(self) -> str:
         return f"experts split over {self.ep} ranks (dist.ep={self.ep})"
@@ -286,6 +290,69 @@ class ExpertParallel(DataParallel):
                 model_state[name] = whole
                 optimizer_state["state"].setdefault(name, {}).update(moments)
         return model_state, optimizer_state
+
+    def _as_dtensors(self, model: nn.Module, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """In `state` ({"model": ..., "optimizer": flat}), each expert tensor of this rank
+        replaced by a DTensor of every expert (Shard(0) over the ep ranks, replicated over
+        the groups), aliasing the local tensor; returns the local tensors by key path."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        placements = [Replicate(), Shard(0)]
+        local: dict[str, torch.Tensor] = {}
+
+        def wrap(t: torch.Tensor) -> DTensor:
+            shape = torch.Size((t.shape[0] * self.ep, *t.shape[1:]))
+            stride = torch.empty(shape, device="meta").stride()
+            return DTensor.from_local(
+                t, self.expert_mesh, placements, run_check=False, shape=shape, stride=stride
+            )
+
+        names = self._expert_names(model)
+        model_state = state.get("model", {})
+        for name in names:
+            if name in model_state:
+                local[f"model.{name}"] = model_state[name]
+                model_state[name] = wrap(model_state[name])
+        flat = state.get("optimizer") or {}
+        for key, value in list(flat.items()):
+            parts = key.split(".")
+            owner = ".".join(parts[1:-1])
+            is_moment = isinstance(value, torch.Tensor) and value.dim() > 0
+            if parts[0] == "state" and owner in names and is_moment:
+                local[f"optimizer.{key}"] = value
+                flat[key] = wrap(value)
+        return local
+
+    def sharded_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
+    ) -> dict[str, Any]:
+        """DDP's replicated tensors as they are, the experts as DTensors of every expert (DCP
+        writes each expert once, and reshards them to any dist.ep on load)."""
+        state = super().sharded_state(model, optimizer, trainable_only)
+        self._as_dtensors(model, state)
+        return state
+
+    def load_sharded_state(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        extra: dict[str, Any],
+        trainable_only: bool = False,
+    ) -> None:
+        from engine.checkpoint.sharded import load_sharded
+
+        def lay_out(state: dict[str, Any]) -> Callable[[], None]:
+            local = self._as_dtensors(model, state)
+
+            def put_back() -> None:  # the DTensors read in place: their local tensors
+                for key, t in local.items():
+                    where, name = key.split(".", 1)
+                    state[where][name] = t
+
+            return put_back
+
+        load_sharded(path, model, optimizer, extra, trainable_only, lay_out=lay_out)
 
     def load_full_state(
         self,
