@@ -10,6 +10,10 @@ gradients are summed over the replicas after the window and divided by dp as DDP
 unsplit model's. The total gradient norm counts each expert once: the squares of this rank's
 experts summed over its expert group, plus the replicated parameters' own.
 
+Checkpoints hold every expert as the unsplit model names it: DCP shards by default (this
+rank's experts a DTensor slice, Shard(0) over the ep ranks, of the whole expert tensors), or
+with checkpoint.format=full every expert gathered to rank 0; both resume under any dist.ep.
+
 The dispatch (`ExpertGroup.run`) slots between engine/moe/routing.py's `dispatch` (tokens
 sorted by expert) and `combine`: split sizes exchanged first, the tokens all-to-all with
 uneven splits (dropless; a rank may receive no token at all), regrouped by local expert,
