@@ -23,7 +23,7 @@ reverse all-to-all.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -244,7 +244,9 @@ class ExpertParallel(DataParallel):
         if not dense and not experts:
             return super().grad_norm(params)  # its error
         squares = [
-            squares_norm(gs).double().pow(2) if gs else torch.zeros((), dtype=torch.float64)
+            squares_norm(gs).double().pow(2)
+            if gs
+            else torch.zeros((), dtype=torch.float64, device=self.info.device)
             for gs in (dense, experts)
         ]
         dist.all_reduce(squares[1], op=dist.ReduceOp.SUM, group=self.expert_group)
@@ -254,9 +256,6 @@ class ExpertParallel(DataParallel):
         # An overflow in one rank's experts skips every rank's step (fp16's GradScaler).
         for flag in precision.found_inf_flags(optimizer):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-
-    def expert_parameters(self) -> Iterator[nn.Parameter]:
-        return iter(self.expert_params)
 
     # ---- checkpoints: whole experts, so any ep (or none) resumes them ----
     def _expert_names(self, model: nn.Module) -> dict[str, nn.Parameter]:
