@@ -61,3 +61,19 @@ class RestlessGPT(GPT):
         with torch.no_grad():
             router.bias.zero_()
             router.bias[self.forwards % router.num_experts] = 10.0
+
+
+class DumpFirstStepPerRank(DumpFirstStep):
+    """DumpFirstStep's weights and gradients of step 1 from every rank, to `path.rank<R>`
+    (expert parallelism: each rank holds its own experts)."""
+
+    def on_before_optimizer_step(self, ctx: StepContext) -> None:
+        if ctx.step != 0:
+            return
+        named = list(unwrap(ctx.model).named_parameters())
+        weights = {n: p.detach().clone() for n, p in named}
+        grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
+        torch.save({"weights": weights, "grads": grads}, f"{self.path}.rank{ctx.dist.rank}")
+
+    def on_after_optimizer_step(self, ctx: StepContext, step: int) -> None:
+        del ctx, step

@@ -22,7 +22,7 @@ import pathlib
 import pickle
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -512,6 +512,7 @@ def load_sharded(
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Any] | None = None,
     trainable_only: bool = False,
+    lay_out: Callable[[dict[str, Any]], Callable[[], None]] | None = None,
 ) -> None:
     """Collective: load the `sharded` checkpoint `path` into `model` (and `optimizer`, and the
     tensors of `extra` in place, e.g. callbacks' state), resharding from whatever world size,
@@ -519,7 +520,9 @@ def load_sharded(
     Every optimizer layout is read. `trainable_only`: a checkpoint of the trainable
     parameters alone, which must hold every one of them and nothing else. Unsafe or
     unreadable files raise CheckpointError; state that does not fit raises RuntimeError (or
-    ValueError)."""
+    ValueError). `lay_out(state)`: a parallelism's own layout of some tensors of the template
+    (expert parallelism's DTensors over its ranks), put back by the function it returns once
+    the shards are read."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         set_model_state_dict,
@@ -544,7 +547,10 @@ def load_sharded(
                 groups = saved_keys(path / SHARDS, "optimizer")
                 flat.update({k: None for k in groups if k.startswith(_GROUPS)})
         state |= extra or {}
+        put_back = lay_out(state) if lay_out is not None else None
         load_shards(state, path / SHARDS)
+        if put_back is not None:
+            put_back()
         if layout == GROUPED:
             state["optimizer"] = _this_ranks_settings(state["optimizer"], wanted)
     except UnsafeCheckpoint as exc:

@@ -7,6 +7,7 @@
 - `tensor`: tensor parallelism (and Megatron's sequence parallelism)
 - `pipeline/`: pipeline stages (schedules, stages, links between them, their state)
 - `context`: context parallelism (each sequence split over ranks), over any of the above
+- `expert`: expert parallelism (`dist.ep`: experts split over ranks, tokens sent all-to-all)
 
 Nothing is imported here: `engine.parallel.dims` must stay cheap to import (config checks).
 """

@@ -46,6 +46,7 @@ class ParallelDims:
     pp_split: tuple[int, ...] | None = None
     sequence_parallel: bool = False
     cp_impl: str = "allgather"
+    ep: int = 1
     world: int | None = None
 
     def __post_init__(self) -> None:
@@ -54,7 +55,13 @@ class ParallelDims:
             "dist.strategy",
             f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}",
         )
-        sizes = {"pp": self.pp, "pp_virtual": self.pp_virtual, "tp": self.tp, "cp": self.cp}
+        sizes = {
+            "pp": self.pp,
+            "pp_virtual": self.pp_virtual,
+            "tp": self.tp,
+            "cp": self.cp,
+            "ep": self.ep,
+        }
         for key, value in sizes.items():
             _require(
                 type(value) is int and value > 0,
@@ -78,6 +85,7 @@ class ParallelDims:
             "gathered on the last); use dist.tp without it",
         )
         self._check_pipeline()
+        self._check_experts()
         if self.world is not None:
             self._check_world()
 
@@ -103,10 +111,36 @@ class ParallelDims:
                 f"{list(self.pp_split)}",
             )
 
+    def _check_experts(self) -> None:
+        if self.ep == 1:
+            return
+        for key, size in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp)):
+            _require(
+                size == 1,
+                "dist.ep",
+                f"does not compose with dist.{key}={size} yet (expert parallelism is carved from "
+                f"the data-parallel ranks of plain data parallelism); set dist.ep=1 or "
+                f"dist.{key}=1",
+            )
+        _require(
+            self.strategy == "ddp",
+            "dist.ep",
+            "does not compose with dist.strategy=fsdp yet (the experts would be sharded twice); "
+            "use dist.strategy=ddp with dist.ep, or dist.ep=1",
+        )
+
     def _check_world(self) -> None:
         n = self.pp * self.tp * self.cp
-        if self.world % n == 0:  # type: ignore[operator]
+        if self.world % n == 0 and self.dp % self.ep == 0:  # type: ignore[operator]
             return
+        if self.world % n == 0:  # type: ignore[operator]
+            raise LayoutError(
+                "dist.ep",
+                f"must divide the data-parallel size ({self.dp}), got {self.ep}: the experts "
+                f"are split over groups of dist.ep ranks carved from the {self.dp} data-parallel "
+                f"ranks; launch a multiple of {self.ep} ranks or set dist.ep to a divisor of "
+                f"{self.dp}",
+            )
         sizes = {"pp": self.pp, "cp": self.cp, "tp": self.tp}
         split = [k for k, size in sizes.items() if size > 1]
         key = f"dist.{split[0]}"
@@ -184,6 +218,10 @@ class ParallelDims:
                 fsdp=dims.strategy == "fsdp",
                 sequence_parallel=dims.sequence_parallel,
             )
+        if dims.ep > 1:
+            from engine.parallel.expert import ExpertParallel
+
+            return ExpertParallel(info, dims.ep, mesh)
         return build_parallelism(dims.strategy, info, mesh)
 
 

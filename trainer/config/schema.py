@@ -267,6 +267,9 @@ class DistCfg:
     # along the sequence (any backend); `ring`: torch's ring attention (CUDA kernels only).
     cp: int = 1
     cp_impl: str = "allgather"
+    # Expert parallelism (engine/parallel/expert.py): a mixture's experts split over `ep`
+    # ranks carved from the data-parallel ranks (ep divides dp), tokens sent all-to-all.
+    ep: int = 1
 
     def __post_init__(self) -> None:
         require(
@@ -290,6 +293,7 @@ class DistCfg:
                 sequence_parallel=self.tp_sequence_parallel,
                 cp=self.cp,
                 cp_impl=self.cp_impl,
+                ep=self.ep,
                 world=world,
             )
         except LayoutError as exc:

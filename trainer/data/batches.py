@@ -71,7 +71,8 @@ def build_val_batches(
     if lockstep and cfg.every_steps and n_val < parallel.dp_size:
         raise ConfigError(
             "eval.max_batches",
-            f"FSDP evaluates in lockstep and needs a validation sample on each of the "
+            f"a model whose parameters are split over ranks (dist.strategy=fsdp, dist.ep) "
+            f"evaluates in lockstep and needs a validation sample on each of the "
             f"{parallel.dp_size} ranks; the set has {n_val}: raise eval.max_batches or "
             "eval.batch_size",
         )

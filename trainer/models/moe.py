@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.moe.routing import Routing, combine, dispatch, expert_compute, top_k_route
+from engine.parallel.expert import ExpertGroup
 
 
 @dataclass
@@ -128,6 +129,18 @@ class Experts(nn.Module):
         """`xs` (N*k, C) sorted by expert, `counts` rows per expert -> (N*k, C)."""
         return expert_compute(xs, counts, [self.expert(i) for i in range(self.fc.shape[0])])
 
+    def keep(self, first: int, n: int) -> list[nn.Parameter]:
+        """Keep experts [first, first + n) only (expert parallelism); the kept parameters."""
+
+        def part(p: nn.Parameter) -> nn.Parameter:
+            return nn.Parameter(p.detach()[first : first + n].clone())
+
+        self.fc, self.proj = part(self.fc), part(self.proj)
+        if self.fc_bias is not None and self.proj_bias is not None:
+            self.fc_bias, self.proj_bias = part(self.fc_bias), part(self.proj_bias)
+            return [self.fc, self.proj, self.fc_bias, self.proj_bias]
+        return [self.fc, self.proj]
+
 
 class MoE(nn.Module):
     """The mixture replacing a block's MLP: (B, T, C) -> (B, T, C), every position routed."""
@@ -144,13 +157,27 @@ class MoE(nn.Module):
                 nn.Linear(dim, width, bias=bias), nn.GELU(), nn.Linear(width, dim, bias=bias)
             )
         self.drop = nn.Dropout(dropout)
+        self.expert_group: ExpertGroup | None = None  # dist.ep: this rank's experts only
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    def split_experts(self, group: ExpertGroup) -> list[nn.Parameter]:
+        """Expert parallelism (engine/parallel/expert.py): keep the group rank's experts,
+        dispatch tokens to their ranks from now on; the kept parameters."""
+        self.expert_group = group
+        return self.experts.keep(group.rank * group.local, group.local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         flat = x.reshape(B * T, C)  # (N, C)
         weights, experts = self.router(flat)  # (N, k), (N, k)
         xs, d = dispatch(flat, experts, self.router.num_experts)  # (N*k, C), by expert
-        ys = self.experts(xs, d.counts)  # (N*k, C)
+        if self.expert_group is None:
+            ys = self.experts(xs, d.counts)  # (N*k, C)
+        else:  # to the ranks holding the experts and back
+            ys = self.expert_group.run(xs, d.counts, self.experts)
         y = combine(ys, weights, d, B * T)  # (N, C)
         if self.shared is not None:
             y = y + self.shared(flat)

@@ -1,0 +1,381 @@
+"""Expert parallelism (`dist.ep`): a mixture's experts split over `ep` ranks carved from the
+data-parallel ranks, tokens sent to the rank holding their expert and back (all-to-all).
+
+The data-parallel ranks 0..dp-1 form dp/ep expert groups of `ep` consecutive ranks; rank
+`r` holds experts [e*E/ep, (e+1)*E/ep) of every mixture, e = r mod ep (its expert rank), and
+shares them with the dp/ep ranks of the same expert rank (its replicas). Every other
+parameter is replicated as under plain DDP, which reduces it; DDP ignores the experts, whose
+gradients are summed over the replicas after the window and divided by dp as DDP divides
+(the step multiplies every backward by dp: engine/steps/accumulate.py), so the update is the
+unsplit model's. The total gradient norm counts each expert once: the squares of this rank's
+experts summed over its expert group, plus the replicated parameters' own.
+
+Checkpoints hold every expert as the unsplit model names it: DCP shards by default (this
+rank's experts a DTensor slice, Shard(0) over the ep ranks, of the whole expert tensors), or
+with checkpoint.format=full every expert gathered to rank 0; both resume under any dist.ep.
+
+The dispatch (`ExpertGroup.run`) slots between engine/moe/routing.py's `dispatch` (tokens
+sorted by expert) and `combine`: split sizes exchanged first, the tokens all-to-all with
+uneven splits (dropless; a rank may receive no token at all), regrouped by local expert,
+computed, and sent back the same way. Autograd runs through `AllToAll`, whose backward is the
+reverse all-to-all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.distributed import unwrap
+from engine.parallel import LayoutError
+from engine.parallel.base import RunShape, squares_norm
+from engine.parallel.ddp import DataParallel
+
+if TYPE_CHECKING:
+    from engine.numerics.precision import Precision
+
+
+class AllToAll(torch.autograd.Function):
+    """`all_to_all_single` with uneven splits; the gradient goes back the reverse way."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class ExpertGroup:
+    """This rank's place among the expert-parallel ranks: `size` ranks of `group` hold
+    `local` experts each; this rank (`rank` in the group) holds [rank*local, (rank+1)*local)."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int, rank: int, local: int) -> None:
+        self.group, self.size, self.rank, self.local = group, size, rank, local
+
+    def run(
+        self,
+        xs: torch.Tensor,
+        counts: Sequence[int],
+        compute: Callable[[torch.Tensor, list[int]], torch.Tensor],
+    ) -> torch.Tensor:
+        """`xs` (N*k, C) sorted by global expert, `counts` rows per global expert -> the
+        experts' outputs in the same order; `compute(rows, local_counts)` runs this rank's
+        experts on rows sorted by local expert."""
+        # (ep, local): rows for each rank's experts; exchanged so each rank knows what comes.
+        send = torch.tensor(list(counts), dtype=torch.int64, device=xs.device)
+        send = send.view(self.size, self.local)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)  # recv[src, j]: src's rows for j
+        in_splits = send.sum(1).tolist()
+        out_splits = recv.sum(1).tolist()
+        got = AllToAll.apply(xs, out_splits, in_splits, self.group)  # by source, then expert
+        # Regroup by local expert (stable: each source's rows keep their order).
+        local = torch.arange(self.local, device=xs.device).repeat(self.size)
+        owner = torch.repeat_interleave(local, recv.reshape(-1))  # (rows,) each row's expert
+        order = torch.argsort(owner, stable=True)
+        ys = compute(got[order], recv.sum(0).tolist())
+        back = torch.empty_like(ys).index_copy(0, order, ys)  # by source again
+        return AllToAll.apply(back, in_splits, out_splits, self.group)
+
+
+@runtime_checkable
+class SplitsExperts(Protocol):
+    """A mixture whose experts expert parallelism can split: `num_experts`, and
+    `split_experts(group)` keeps only the group rank's experts and dispatches through it."""
+
+    num_experts: int
+
+    def split_experts(self, group: ExpertGroup) -> list[nn.Parameter]: ...
+
+
+class ExpertParallel(DataParallel):
+    """DDP for the replicated parameters, the experts split over `ep` ranks (module
+    docstring)."""
+
+    name = "ddp"
+    # Some parameters (the experts) differ between ranks and every forward is collective:
+    # evaluation runs in lockstep, nothing runs the model on one rank alone.
+    shards_parameters = True
+    whole_model = False
+
+    def __init__(self, info: Any, ep: int, mesh: Any = None) -> None:
+        super().__init__(info, mesh)
+        self.ep = ep
+        rank = info.rank
+        self.ep_rank = rank % ep
+        self.expert_group: dist.ProcessGroup | None = None
+        self.replica_group: dist.ProcessGroup | None = None
+        world = info.world_size
+        # Every rank creates every group, in the same order (new_group's contract).
+        for first in range(0, world, ep):
+            g = dist.new_group(list(range(first, first + ep)))
+            if first <= rank < first + ep:
+                self.expert_group = g
+        for e in range(ep):
+            g = dist.new_group(list(range(e, world, ep)))
+            if e == self.ep_rank:
+                self.replica_group = g
+        self.expert_params: list[nn.Parameter] = []
+        # (replicas, ep): the experts as DTensors in sharded checkpoints, Shard(0) over `ep`.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.expert_mesh = init_device_mesh(
+            info.device.type, (world // ep, ep), mesh_dim_names=("ep_replica", "ep")
+        )
+
+    def check(self, shape: RunShape) -> None:
+        averaged = shape.callbacks.averaged_weights() if shape.callbacks is not None else {}
+        for name in averaged:
+            raise LayoutError(
+                f"callbacks.{name}",
+                "not available with dist.ep > 1 yet: it keeps an average of every weight, and "
+                "each rank holds only its own experts",
+            )
+        super().check(shape)
+        refused = {
+            "train.micro_batch_size": (shape.auto_micro_batch, "auto is not probed with it yet"),
+            "train.compile": (shape.compile, "compiling the all-to-all is not built yet"),
+            "train.grad_norms": (
+                shape.per_layer_norms,
+                "per-layer norms would see this rank's experts only",
+            ),
+            "step": (
+                not shape.plain_accumulation,
+                f"{type(shape.step).__name__} is not built with it yet; use step=accumulate",
+            ),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise LayoutError(key, f"not available with dist.ep > 1: {why}")
+
+    @property
+    def checkpoint_format(self) -> str:
+        return "sharded"  # each expert written once, by a rank holding it (DCP)
+
+    def describe(self) -> str:
+        return f"experts split over {self.ep} ranks (dist.ep={self.ep})"
+
+    def apply(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module] = (),
+        *,
+        param_dtype: torch.dtype | None = None,
+        reshard_after_forward: bool = True,
+    ) -> nn.Module:
+        del blocks, param_dtype, reshard_after_forward
+        mixtures = [(n, m) for n, m in model.named_modules() if isinstance(m, SplitsExperts)]
+        if not mixtures:
+            raise LayoutError(
+                "dist.ep",
+                f"splits a mixture's experts over ranks, but {type(model).__name__} has no "
+                "mixture-of-experts layer the split knows (the in-tree GPT's model.moe.experts "
+                "> 0); set dist.ep=1 for a dense model",
+            )
+        for _, m in mixtures:
+            if m.num_experts % self.ep:
+                raise LayoutError(
+                    "dist.ep",
+                    f"must divide model.moe.experts ({m.num_experts}), got {self.ep}: each "
+                    "expert-parallel rank holds the same number of experts",
+                )
+        assert self.expert_group is not None
+        owned: set[int] = set()
+        for _, m in mixtures:
+            group = ExpertGroup(self.expert_group, self.ep, self.ep_rank, m.num_experts // self.ep)
+            for p in m.split_experts(group):
+                self.expert_params.append(p)
+                owned.add(id(p))
+        names = [n for n, p in model.named_parameters() if id(p) in owned]
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, names
+        )
+        return super().apply(model)
+
+    def _is_expert(self) -> Callable[[nn.Parameter], bool]:
+        owned = {id(p) for p in self.expert_params}
+        return lambda p: id(p) in owned
+
+    def sync_gradients(self, params: list[nn.Parameter]) -> None:
+        """The experts' gradients: summed over their replicas, divided by dp as DDP does."""
+        is_expert = self._is_expert()
+        grads = [p.grad for p in params if is_expert(p) and p.grad is not None]
+        if not grads:
+            return
+        if self.dp_size > self.ep:
+            works = [
+                dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.replica_group, async_op=True)
+                for g in grads
+            ]
+            for w in works:
+                w.wait()
+        torch._foreach_div_(grads, float(self.dp_size))
+
+    def reduce_guarded_window(self, params: list[nn.Parameter]) -> None:
+        is_expert = self._is_expert()
+        super().reduce_guarded_window([p for p in params if not is_expert(p)])
+        self.sync_gradients(params)
+
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """Each parameter once: the replicated ones' squares plus this rank's experts' squares
+        summed over its expert group."""
+        is_expert = self._is_expert()
+        dense = [p.grad for p in params if not is_expert(p) and p.grad is not None]
+        experts = [p.grad for p in params if is_expert(p) and p.grad is not None]
+        if not dense and not experts:
+            return super().grad_norm(params)  # its error
+        squares = [
+            squares_norm(gs).double().pow(2)
+            if gs
+            else torch.zeros((), dtype=torch.float64, device=self.info.device)
+            for gs in (dense, experts)
+        ]
+        dist.all_reduce(squares[1], op=dist.ReduceOp.SUM, group=self.expert_group)
+        return (squares[0] + squares[1]).sqrt().float()
+
+    def agree_found_inf(self, precision: Precision, optimizer: torch.optim.Optimizer) -> None:
+        # An overflow in one rank's experts skips every rank's step (fp16's GradScaler).
+        for flag in precision.found_inf_flags(optimizer):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+
+    # ---- checkpoints: whole experts, so any ep (or none) resumes them ----
+    def _expert_names(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        is_expert = self._is_expert()
+        return {n: p for n, p in unwrap(model).named_parameters() if is_expert(p)}
+
+    def _whole(self, t: torch.Tensor) -> torch.Tensor | None:
+        """This rank's experts' slice -> every expert's (dim 0) on rank 0 (None elsewhere),
+        gathered over rank 0's expert group (ranks 0..ep-1; the others hold replicas)."""
+        parts = [torch.empty_like(t) for _ in range(self.ep)] if self.info.rank == 0 else None
+        dist.gather(t.contiguous(), parts, dst=0, group=self.expert_group)
+        return torch.cat(parts).cpu() if parts is not None else None
+
+    def _mine(self, t: torch.Tensor) -> torch.Tensor:
+        """Every expert's value -> this rank's slice (dim 0)."""
+        local = t.shape[0] // self.ep
+        return t[self.ep_rank * local : (self.ep_rank + 1) * local]
+
+    def full_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The unsplit model's state (every expert whole, with its optimizer state): resumes
+        under any dist.ep, exports whole."""
+        model_state, optimizer_state = super().full_state(model, optimizer, trainable_only)
+        if self.info.rank >= self.ep:  # not in rank 0's expert group: only replicas here
+            return model_state, optimizer_state
+        for name, p in self._expert_names(model).items():  # collectives: in the same order
+            whole = self._whole(p.detach())
+            moments = {
+                k: self._whole(v)
+                for k, v in optimizer.state.get(p, {}).items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            }
+            if whole is not None:  # rank 0 receives the state
+                model_state[name] = whole
+                optimizer_state["state"].setdefault(name, {}).update(moments)
+        return model_state, optimizer_state
+
+    def _as_dtensors(self, model: nn.Module, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """In `state` ({"model": ..., "optimizer": flat}), each expert tensor of this rank
+        replaced by a DTensor of every expert (Shard(0) over the ep ranks, replicated over
+        the groups), aliasing the local tensor; returns the local tensors by key path."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        placements = [Replicate(), Shard(0)]
+        local: dict[str, torch.Tensor] = {}
+
+        def wrap(t: torch.Tensor) -> DTensor:
+            shape = torch.Size((t.shape[0] * self.ep, *t.shape[1:]))
+            stride = torch.empty(shape, device="meta").stride()
+            return DTensor.from_local(
+                t, self.expert_mesh, placements, run_check=False, shape=shape, stride=stride
+            )
+
+        names = self._expert_names(model)
+        model_state = state.get("model", {})
+        for name in names:
+            if name in model_state:
+                local[f"model.{name}"] = model_state[name]
+                model_state[name] = wrap(model_state[name])
+        flat = state.get("optimizer") or {}
+        for key, value in list(flat.items()):
+            parts = key.split(".")
+            owner = ".".join(parts[1:-1])
+            is_moment = isinstance(value, torch.Tensor) and value.dim() > 0
+            if parts[0] == "state" and owner in names and is_moment:
+                local[f"optimizer.{key}"] = value
+                flat[key] = wrap(value)
+        return local
+
+    def sharded_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool = False
+    ) -> dict[str, Any]:
+        """DDP's replicated tensors as they are, the experts as DTensors of every expert (DCP
+        writes each expert once, and reshards them to any dist.ep on load)."""
+        state = super().sharded_state(model, optimizer, trainable_only)
+        self._as_dtensors(model, state)
+        return state
+
+    def load_sharded_state(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        extra: dict[str, Any],
+        trainable_only: bool = False,
+    ) -> None:
+        from engine.checkpoint.sharded import load_sharded
+
+        def lay_out(state: dict[str, Any]) -> Callable[[], None]:
+            local = self._as_dtensors(model, state)
+
+            def put_back() -> None:  # the DTensors read in place: their local tensors
+                for key, t in local.items():
+                    where, name = key.split(".", 1)
+                    state[where][name] = t
+
+            return put_back
+
+        load_sharded(path, model, optimizer, extra, trainable_only, lay_out=lay_out)
+
+    def load_full_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any] | None,
+        trainable_only: bool = False,
+    ) -> None:
+        names = self._expert_names(model)
+        model_state = {k: self._mine(v) if k in names else v for k, v in model_state.items()}
+        if optimizer_state is not None:
+            state = {
+                k: {
+                    key: self._mine(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                    for key, v in moments.items()
+                }
+                if k in names
+                else moments
+                for k, moments in optimizer_state.get("state", {}).items()
+            }
+            optimizer_state = {**optimizer_state, "state": state}
+        super().load_full_state(model, optimizer, model_state, optimizer_state, trainable_only)

@@ -1,0 +1,302 @@
+"""Expert parallelism (`dist.ep`): the experts split over ranks give the unsplit model's run.
+
+The tiny mixture of tests/test_moe.py (gpt_tiny, 8 experts top-2 in every block) trains 4
+steps of one global batch of 24 samples (SGD with momentum, clipping on, moe.balance=global
+with large aux and z weights) on one process, the reference, and on 2 ranks with dist.ep=2
+(each rank holds 4 experts of every block; tokens sent all-to-all). Compared:
+
+- on 4 ranks with ep=2 (each expert on 2 ranks) too;
+- the records of every step (loss, clipped grad norm, aux loss, load) to 1e-6 relative, also
+  with moe.balance=micro and bias, and the evaluations;
+- step 1's gradient as the optimizer applies it (each rank's experts joined along the expert
+  dimension), and the first weights;
+- resume: the ep=2 run killed (SIGKILL) after step 3 resumes from step 2 (full format) on
+  one process and on ep=2, the reference's step-2 checkpoint on ep=2, and the 4-rank run's
+  (DCP shards, each expert written once) on one process and on 2 ranks: the reference's
+  records;
+- memory: each rank's parameter and optimizer bytes are the reference's less half the experts';
+- one mixture with every token routed to rank 0's experts (rank 1 receives nothing in both
+  all-to-alls): tests/ep_support.py;
+- bad input: one paragraph naming dist.ep (or checkpoint.format).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import TINY, read_metrics, stdlib_text, train_in_process, train_records
+from tests.ranks import explain, launch_all, torchrun
+
+E, K, HIDDEN = 8, 2, 48
+REL = 1e-6
+STEP2 = "checkpoints/step_00000002"
+KEYS = ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_load_max")
+BALANCES = ("micro", "bias")
+MOE = [f"+model.moe.experts={E}", f"+model.moe.top_k={K}", f"+model.moe.hidden={HIDDEN}"]
+
+
+def common(text: Path) -> list[str]:
+    return [
+        *TINY,
+        *MOE,
+        "moe=global",
+        "moe.aux_coef=1.0",
+        "moe.z_coef=0.1",
+        f"data.path={text}",
+        "data.block_size=64",
+        "optim=sgd",
+        "optim.lr=0.1",
+        "optim.momentum=0.9",
+        "scheduler=constant",
+        "scheduler.warmup_steps=0",
+        "train.clip_grad_norm=1.0",  # the step-1 norm is ~1.6: clipping acts
+        "train.global_batch_size=24",
+        "train.micro_batch_size=3",
+        "train.max_steps=4",
+        "checkpoint.every_steps=2",
+        "eval.every_steps=2",
+        "eval.max_batches=2",
+    ]
+
+
+def dump(run_dir: Path) -> str:
+    target = "tests.moe_support.DumpFirstStepPerRank"
+    return f"+callbacks.dump={{_target_: {target}, path: {run_dir}/step1.pt}}"
+
+
+def kill(run_dir: Path) -> list[str]:
+    return [
+        "+callbacks.kill._target_=tests.ckpt_support.KillOnce",
+        "+callbacks.kill.step=3",
+        "+callbacks.kill.rank=1",
+        f"+callbacks.kill.marker={run_dir}/killed",
+        f"+callbacks.kill.wait_for={run_dir}/{STEP2}",
+    ]
+
+
+class Runs:
+    """The reference, then every launch at once, then the resumes of the killed run."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.text = stdlib_text(root / "text.txt", 1750)  # 24 samples of 65 tokens
+        self.by_balance: dict[str, list[dict[str, Any]]] = {}
+        args = common(self.text)
+        ref = root / "ref"
+        self.ref = train_records(
+            train_in_process(
+                [*args, dump(ref), "train.memory_report=true", f"hydra.run.dir={ref}"], ref
+            )
+        )
+        shutil.copytree(ref / STEP2, root / "from1" / STEP2)
+        for balance in BALANCES:
+            run_dir = root / f"ref-{balance}"
+            self.by_balance[balance] = train_records(
+                train_in_process([*args, f"moe={balance}", f"hydra.run.dir={run_dir}"], run_dir)
+            )
+        ep2 = ["dist.ep=2"]
+        cmds = {
+            "ep2": [*args, *ep2, dump(root / "ep2"), "train.memory_report=true"],
+            # Full checkpoints (experts gathered); the others' are DCP shards (auto under ep).
+            "killed": [*args, *ep2, *kill(root / "killed"), "checkpoint.format=full"],
+            "from1": [*args, *ep2],
+            **{f"ep2-{b}": [*args, *ep2, f"moe={b}"] for b in BALANCES},
+            "dense": [*TINY, f"data.path={self.text}", "train.max_steps=1", *ep2],
+            "experts": [*TINY, f"data.path={self.text}", "+model.moe.experts=5", *ep2],
+        }
+        launches = {
+            name: torchrun(2, [*a, f"hydra.run.dir={root / name}"]) for name, a in cmds.items()
+        }
+        # 4 ranks, ep=2: each expert on 2 ranks (replicas), its gradient summed over them.
+        four = [*args, *ep2, dump(root / "ep2x4"), f"hydra.run.dir={root / 'ep2x4'}"]
+        four.append("eval.every_steps=0")  # 2 validation samples: lockstep needs one a rank
+        launches["ep2x4"] = torchrun(4, four)
+        self.procs = launch_all(launches, timeout=600)
+        for name in ("ep2", "ep2x4", "from1", *(f"ep2-{b}" for b in BALANCES)):
+            assert self.procs[name].returncode == 0, explain(self.procs[name])
+        assert self.procs["killed"].returncode != 0, explain(self.procs["killed"])
+        assert (root / "killed" / "killed").exists(), explain(self.procs["killed"])
+        for name in ("resumed1", "resumed2"):
+            shutil.copytree(root / "killed", root / name)
+        resumed1, from4 = root / "resumed1", root / "from4"
+        train_in_process([*args, f"hydra.run.dir={resumed1}"], resumed1)
+        shutil.copytree(root / "ep2x4" / STEP2, from4 / STEP2)  # 4 ranks, ep=2 -> 1
+        shutil.copytree(root / "ep2x4" / STEP2, root / "from4x2" / STEP2)  # -> 2 ranks
+        train_in_process([*args, f"hydra.run.dir={from4}"], from4)
+        resumed = launch_all(
+            {
+                name: torchrun(2, [*args, *ep2, f"hydra.run.dir={root / name}"])
+                for name in ("resumed2", "from4x2")
+            },
+            timeout=300,
+        )
+        for proc in resumed.values():
+            assert proc.returncode == 0, explain(proc)
+
+    def records(self, name: str) -> list[dict[str, Any]]:
+        return train_records(read_metrics(self.root / name))
+
+    def dumped(self, name: str, rank: int) -> dict[str, Any]:
+        return torch.load(self.root / name / f"step1.pt.rank{rank}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("ep"))
+
+
+def assert_same_records(got: list[dict], want: list[dict], steps: list[int]) -> None:
+    got_by_step = {r["step"]: r for r in got}
+    want_by_step = {r["step"]: r for r in want}
+    for step in steps:
+        for key in KEYS:
+            assert got_by_step[step][key] == pytest.approx(want_by_step[step][key], rel=REL), (
+                step,
+                key,
+            )
+
+
+def is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["ep2", "ep2x4"])
+def test_two_expert_ranks_are_one_process(runs: Runs, name: str) -> None:
+    """ep=2 on 2 ranks and on 4 (dp=4: each expert on 2 ranks): every step's loss, clipped
+    grad norm, aux loss and load are one process's to 1e-6 over 4 steps, and so are both
+    evaluations of ep=2 on 2 ranks (in lockstep)."""
+    assert [r["step"] for r in runs.records(name)] == [1, 2, 3, 4]
+    assert_same_records(runs.records(name), runs.ref, [1, 2, 3, 4])
+    if name == "ep2x4":
+        return
+    val = [r for r in read_metrics(runs.root / name) if "val/loss" in r]
+    want = [r for r in read_metrics(runs.root / "ref") if "val/loss" in r]
+    assert [r["step"] for r in val] == [2, 4] == [r["step"] for r in want]
+    for got, ref in zip(val, want):
+        assert got["val/loss"] == pytest.approx(ref["val/loss"], rel=REL)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("balance", BALANCES)
+def test_balancing_is_one_process(runs: Runs, balance: str) -> None:
+    """moe.balance=micro and bias under ep=2: the one process's records (the counts are the
+    whole step's; bias moves every router alike)."""
+    got = runs.records(f"ep2-{balance}")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert_same_records(got, runs.by_balance[balance], [1, 2, 3, 4])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["ep2", "ep2x4"])
+def test_step_one_update_is_one_process(runs: Runs, name: str) -> None:
+    """Step 1's weights and applied gradient: each rank holds half the experts of every
+    block, joined they are the one process's, to 1e-6 of the largest entry; on 4 ranks,
+    ranks 2 and 3 hold the same as ranks 0 and 1."""
+    want = runs.dumped("ref", 0)
+    ranks = [runs.dumped(name, r) for r in (0, 1)]
+    if name == "ep2x4":
+        for r in (2, 3):
+            replica, same = runs.dumped(name, r), ranks[r - 2]
+            for n, g in replica["grads"].items():
+                assert torch.equal(g, same["grads"][n]), (r, n)
+    experts = [n for n in want["grads"] if is_expert(n)]
+    assert len(experts) == 2 * 4  # fc, proj, fc_bias, proj_bias in each of 2 blocks
+    for name, w in want["grads"].items():
+        if is_expert(name):
+            parts = [d["grads"][name] for d in ranks]
+            assert parts[0].shape[0] == E // 2, (name, parts[0].shape)
+            got = torch.cat(parts)
+            weights = torch.cat([d["weights"][name] for d in ranks])
+        else:
+            got, weights = ranks[0]["grads"][name], ranks[0]["weights"][name]
+            assert torch.equal(ranks[1]["grads"][name], got), name  # replicas agree
+        assert torch.equal(weights, want["weights"][name]), name
+        err = ((got - w).abs().max() / w.abs().max()).item()
+        assert err <= REL, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.multiproc
+def test_resume_reshards_the_experts(runs: Runs) -> None:
+    """Killed after step 3 under ep=2 (a full checkpoint, the experts gathered): resumed
+    from step 2 on one process and on ep=2, the 4 steps are the reference's; the reference's
+    step 2 resumed on ep=2 (1 -> 2), and the 4-rank ep=2 run's DCP shards on one process and
+    on 2 ranks with ep=2, too."""
+    for name in ("resumed1", "resumed2"):
+        records = runs.records(name)
+        assert [r["step"] for r in records] == [1, 2, 3, 4], name
+        assert_same_records(records, runs.ref, [1, 2, 3, 4])
+    assert (runs.root / "ep2x4" / STEP2 / "shards").is_dir()  # DCP: each expert once
+    assert not (runs.root / "killed" / STEP2 / "shards").exists()  # checkpoint.format=full
+    for name in ("from1", "from4", "from4x2"):
+        records = runs.records(name)
+        assert [r["step"] for r in records] == [3, 4], name
+        assert_same_records(records, runs.ref, [3, 4])
+
+
+@pytest.mark.multiproc
+def test_each_rank_holds_half_the_experts(runs: Runs) -> None:
+    """memory_report.json: each ep=2 rank's parameter and optimizer (momentum) bytes are the
+    one process's less half of the experts', within 1%."""
+    want = runs.dumped("ref", 0)["weights"]
+    expert_bytes = sum(w.numel() * w.element_size() for n, w in want.items() if is_expert(n))
+    ref = json.loads((runs.root / "ref" / "memory_report.json").read_text())["ranks"][0]
+    ep2 = json.loads((runs.root / "ep2" / "memory_report.json").read_text())["ranks"]
+    assert len(ep2) == 2
+    for rank in ep2:
+        for key in ("parameters_bytes", "optimizer_bytes"):
+            dense = ref[key] - expert_bytes
+            assert rank[key] - dense == pytest.approx(expert_bytes / 2, rel=0.01), (key, rank)
+
+
+@pytest.mark.multiproc
+def test_an_empty_split_works() -> None:
+    """Every token routed to rank 0's experts: rank 1 sends all and receives nothing; the
+    outputs and gradients are the unsplit mixture's (tests/ep_support.py checks)."""
+    proc = launch_all({"empty": torchrun(2, [], module="tests.ep_support")}, timeout=120)["empty"]
+    assert proc.returncode == 0, explain(proc)
+    assert "rank 1: empty split ok" in proc.stdout + proc.stderr, explain(proc)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("dense", "has no mixture-of-experts layer"),
+        ("experts", "must divide model.moe.experts (5)"),
+    ],
+)
+def test_launched_bad_input_is_one_paragraph(runs: Runs, name: str, says: str) -> None:
+    proc = runs.procs[name]
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "invalid config `dist.ep`" in out and says in out, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "says"),
+    [
+        (["dist.ep=2"], "dist.ep", "must divide the data-parallel size (1)"),
+        (["dist.ep=2", "dist.tp=2"], "dist.ep", "dist.tp=2"),
+        (["dist.ep=2", "dist.strategy=fsdp"], "dist.ep", "dist.strategy=fsdp"),
+        (["dist.ep=0"], "dist.ep", "positive"),
+    ],
+    ids=["ep>dp", "tp", "fsdp", "zero"],
+)
+def test_bad_input_is_one_paragraph(
+    overrides: list[str], key: str, says: str, tmp_path: Path
+) -> None:
+    from trainer.config.errors import ConfigError
+
+    text = stdlib_text(tmp_path / "text.txt", 1750)
+    with pytest.raises(ConfigError) as err:
+        args = [*TINY, *MOE, f"data.path={text}", *overrides, f"hydra.run.dir={tmp_path}"]
+        train_in_process(args, tmp_path)
+    assert err.value.key == key and says in str(err.value) and "\n" not in str(err.value)
