@@ -2,7 +2,10 @@
 the first, the reference still the initial model) equals the float64 gradient of the loss over
 the whole set of pairs, for sigmoid DPO (with label smoothing) on one process as one
 micro-batch, as 4 micro-batches of 2 pairs (padded, and packed: each pair one row, its sides
-two documents), on 2 DDP and 2 FSDP2 ranks, and for ipo and simpo against their own references; the
+two documents), on 2 DDP and 2 FSDP2 ranks, on 2 DDP ranks with task.reference=precomputed
+(the initial model's log-probabilities written before training, each rank its share; a second
+start reads them, another base writes its own), and for ipo and simpo against their own
+references; the
 records `train/reward_*` and `val/*` equal the reference's means over the pairs. Under LoRA
 the reference is the base with the adapters disabled; a resumed run repeats the uninterrupted
 one. Bad input: rows without a side or with content that is not text are counted, a pair
@@ -140,6 +143,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # LoRA: the base with its adapters disabled (the default), and a frozen copy.
         "lora_adapter": two_steps("lora_adapter", "sigmoid", batch(2), 1, *LORA),
         "lora_copy": two_steps("lora_copy", "sigmoid", batch(2), 1, *LORA, "task.reference=copy"),
+        # The initial model's log-probabilities written before training, each rank its share.
+        "precomputed": two_steps(
+            "precomputed", "sigmoid", batch(2, 2), 2, "task.reference=precomputed"
+        ),
     }
     procs = launch_all(cmds, TIMEOUT)
     rows = {"train": pair_rows(PAIRS, seed=5), "val": pair_rows(2, seed=6)}
@@ -271,6 +278,7 @@ def references(runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
 LOSS_OF = {"whole": "sigmoid", "accum": "sigmoid", "ddp": "sigmoid", "ipo": "ipo", "simpo": "simpo"}
 LOSS_OF["packed"] = "sigmoid"  # each pair one row, its sides two documents
 LOSS_OF["fsdp"] = "sigmoid"
+LOSS_OF["precomputed"] = "sigmoid"  # the reference's log-probabilities written before step 1
 
 
 @pytest.mark.multiproc
@@ -284,7 +292,10 @@ def test_second_step_has_the_float64_whole_set_gradient(
     error = relative_error(got, references[LOSS_OF[name]]["grads"])
     assert error <= TOL, (name, error)
     where = "sharded like the policy" if name == "fsdp" else "whole on each rank"
-    if LOSS_OF[name] != "simpo":  # (simpo has no reference)
+    if name == "precomputed":
+        line = "task.reference=precomputed: the initial model's log-probabilities of 10 pairs "
+        assert line + "computed (each rank its share) and written to" in proc.stdout
+    elif LOSS_OF[name] != "simpo":  # (simpo has no reference)
         assert f"task.reference=copy: a frozen copy of the initial model, {where}" in proc.stdout
     # The tolerance means something: a reference that follows the policy is far outside it.
     assert relative_error(references["bug"]["grads"], references["sigmoid"]["grads"]) > 100 * TOL
@@ -328,6 +339,54 @@ def test_lora_scores_the_reference_with_the_adapters_disabled(runs: dict[str, An
     records = {r["step"]: r for r in train_records(read_metrics(root / "lora_adapter"))}
     assert records[1]["train/reward_margin"] == 0.0
     assert abs(records[2]["train/reward_chosen"]) > 1e-4
+
+
+@pytest.mark.multiproc
+def test_precomputed_reference_is_read_back_and_keyed_to_the_base(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """task.reference=precomputed: a second start on the same pairs and the same initial model
+    reads the values the launched run wrote (no pass; and the values read are the ones used:
+    shifted by 1 nat, step 1's chosen reward is -beta); another base (seed=7, another initial
+    model) computes its own, under another key. Nothing but whole files is left in the
+    cache (each written to a temporary name and renamed)."""
+    proc, root = runs["procs"]["precomputed"], runs["root"]
+    assert proc.returncode == 0, explain(proc)
+    written = proc.stdout.split("computed (each rank its share) and written to ")[1].split()[0]
+    path = Path(written)
+    assert path.is_file()
+    args = [
+        *data_args(root, root / "pairs.jsonl", root / "val.jsonl"),
+        *task_args("sigmoid"),
+        *(a for a in TWO_STEPS if not a.startswith("train.max_steps")),
+        "train.max_steps=1",
+        *batch(4),
+        "task.reference=precomputed",
+    ]
+    capsys.readouterr()
+    first = train_records(train_in_process(args, root / "precomputed_again"))[0]
+    out = capsys.readouterr().out
+    assert f"log-probabilities of 10 pairs read from {path}" in out, out
+    # The policy is the reference at step 1 (scored here 4 pairs at a time, there 2: to float
+    # rounding).
+    assert first["train/reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    stored = torch.load(path, weights_only=True)
+    try:
+        shifted = {k: v + torch.tensor([1.0, 0.0], dtype=v.dtype) for k, v in stored.items()}
+        torch.save(shifted, path)
+        moved = train_records(train_in_process(args, root / "precomputed_shifted"))[0]
+    finally:
+        torch.save(stored, path)
+    beta = LOSSES["sigmoid"][1]
+    assert moved["train/reward_chosen"] == pytest.approx(-beta, rel=1e-5)
+    assert moved["train/reward_margin"] == pytest.approx(-beta, rel=1e-5)
+    capsys.readouterr()
+    train_in_process([*args, "seed=7"], root / "precomputed_other_base")
+    out = capsys.readouterr().out
+    assert "pairs computed (each rank its share) and written to" in out, out
+    other = Path(out.split("written to ")[1].split()[0])
+    assert other != path and other.parent == path.parent and other.is_file()
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, other.name])
 
 
 # --------------------------------------------------------------------------- bad input
