@@ -518,6 +518,50 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(bad_root: Path) -> None:
     assert whole[3]["train/reward_margin"] != 0.0
 
 
+def test_preview_shows_pairs_and_counts_their_scored_tokens(
+    bad_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """trainer.preview of data=preference: the first pairs training reads, each its prompt and
+    both answers with the scored tokens marked, and the JSON line's counts over the training
+    pairs equal transformers' rendering of the rows (the answer's assistant-marked tokens)."""
+    import json
+
+    from trainer.data.preview import first_rows
+    from trainer.preview import main
+
+    rows = pair_rows(8, seed=11)
+    path = write_jsonl(bad_root / "preview.jsonl", rows)
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    main([*data_args(bad_root, path, val), "task=dpo", "preview.samples=2"])
+    out = capsys.readouterr().out.strip().splitlines()
+    stats = json.loads(out[-1])
+    tok = transformers.AutoTokenizer.from_pretrained(bad_root / "tok")
+    want = {"pairs": 8, "prompt_tokens": 0, "chosen_tokens": 0, "rejected_tokens": 0}
+    want |= {"tokens": 0, "dropped": 0}
+    for row in rows:
+        (ids_c, mask_c), (ids_r, mask_r) = sides(tok, row)
+        want["prompt_tokens"] += mask_c.index(1)
+        want["chosen_tokens"] += sum(mask_c[1:])
+        want["rejected_tokens"] += sum(mask_r[1:])
+        want["tokens"] += len(ids_c) + len(ids_r)
+    want["padding_fraction"] = pytest.approx(1 - want["tokens"] / (8 * 2 * MAX_LENGTH))
+    assert stats == want
+    text = "\n".join(out[:-1])
+    assert text.count("=== pair ") == 2 and text.count("--- rejected ---") == 2
+    first = first_rows(8, 1337, 2)[0]
+    assert f"=== pair {first}: prompt " in text
+    shown = text.split(f"=== pair {first}: ")[1].split("=== pair ")[0]
+    prompt, answers = shown.split("--- chosen ---")
+    chosen, rejected = answers.split("--- rejected ---")
+    row = rows[first]
+    said = {k: row[k] if "prompt" in row else row[k][-1]["content"] for k in ("chosen", "rejected")}
+    asked = row["prompt"] if "prompt" in row else row["chosen"][-2]["content"]
+    assert asked in prompt and "{+" not in prompt
+    for answer, text_of in ((said["chosen"], chosen), (said["rejected"], rejected)):
+        marked = text_of.split("{+", 1)[1].split("+}", 1)[0]
+        assert answer in marked, (answer, text_of)
+
+
 def test_cut_of_packed_pairs_names_the_key(bad_root: Path) -> None:
     with pytest.raises(UserError) as err:
         open_data(
