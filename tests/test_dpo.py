@@ -562,6 +562,45 @@ def test_preview_shows_pairs_and_counts_their_scored_tokens(
         assert answer in marked, (answer, text_of)
 
 
+def test_auto_micro_batch_counts_whole_pairs_and_a_redone_window_records_once(
+    bad_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train.micro_batch_size=auto on pairs: the divisors are of the pairs per rank (8), and a
+    model that holds 8 rows (4 pairs: each pair two rows) is given 4. At step 3 the limit
+    drops to 2 pairs after one micro-batch: the window is redone at 2 and the run, records
+    included, is one started at 2 pairs by hand (float64 parameters): the rewards of the
+    failed window's first micro-batch are not counted in step 3's means."""
+    path = write_jsonl(bad_root / "auto.jsonl", pair_rows(8, seed=4))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    limited = ["model._target_=tests.auto_batch_support.LimitedGPT", "+model.float64=true"]
+    common = [
+        *data_args(bad_root, path, val),
+        *limited,
+        *task_args("sigmoid"),
+        *(a for a in TWO_STEPS if not a.startswith("train.max_steps")),
+        "train.max_steps=4",
+        "train.global_batch_size=8",
+    ]
+    lower = "+callbacks.lower={_target_:tests.auto_batch_support.LowerLimit,"
+    lower += "at_step:2,fit:4,skip:1}"
+    capsys.readouterr()
+    auto = train_records(
+        train_in_process(
+            [*common, "train.micro_batch_size=auto", "+model.fit=8", lower], bad_root / "auto"
+        )
+    )
+    captured = capsys.readouterr()
+    assert "chose 4 of the divisors of the per-rank batch 8" in captured.out, captured.out
+    assert "shrinking the micro-batch to 2" in captured.err, captured.err
+    assert [r["train/micro_batch_size"] for r in auto] == [4, 4, 2, 2]
+    hand = train_records(train_in_process([*common, "train.micro_batch_size=2"], bad_root / "hand"))
+    keys = ["train/loss", *(f"train/{k}" for k in ("reward_chosen", "reward_margin"))]
+    keys.append("train/reward_accuracy")
+    for a, h in zip(auto, hand, strict=True):
+        assert [a[k] for k in keys] == pytest.approx([h[k] for k in keys], rel=1e-9, abs=1e-12)
+    assert hand[2]["train/reward_margin"] != 0.0
+
+
 def test_cut_of_packed_pairs_names_the_key(bad_root: Path) -> None:
     with pytest.raises(UserError) as err:
         open_data(
