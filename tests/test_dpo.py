@@ -517,6 +517,30 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(bad_root: Path) -> None:
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole[2:]]
     assert whole[3]["train/reward_margin"] != 0.0
 
+    # scripts/export_hf.py after DPO, as after data=chat: transformers' GPT2LMHeadModel with the
+    # run's tokenizer and chat template, which scores a pair's answers as the trained policy
+    # does (float64, against the checkpoint's weights in the in-tree GPT).
+    from scripts.export_hf import main as export
+    from trainer.models.gpt import GPT
+
+    out = bad_root / "exported"
+    export(
+        [f"checkpoint={bad_root / 'resumed'}", f"out={out}", f"data.tokenizer={bad_root / 'tok'}"]
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    assert type(hf).__name__ == "GPT2LMHeadModel"
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    original = transformers.AutoTokenizer.from_pretrained(bad_root / "tok")
+    assert tok.chat_template == original.chat_template
+    pair = [sides(tok, row) for row in pair_rows(8, seed=3)[:2]]
+    assert pair == [sides(original, row) for row in pair_rows(8, seed=3)[:2]]
+    state = torch.load(bad_root / "resumed" / "checkpoints/step_00000004/state.pt")["model"]
+    gpt = GPT(vocab_size=320, block_size=MAX_LENGTH, n_layer=2, n_head=2, n_embd=32)
+    gpt.load_state_dict(state)
+    with torch.no_grad():
+        exported, trained = log_probs(hf, pair)[0], log_probs(gpt.double().eval(), pair)[0]
+    torch.testing.assert_close(exported, trained, rtol=1e-9, atol=1e-9)
+
 
 def test_preview_shows_pairs_and_counts_their_scored_tokens(
     bad_root: Path, capsys: pytest.CaptureFixture[str]
