@@ -2,10 +2,10 @@
 the first, the reference still the initial model) equals the float64 gradient of the loss over
 the whole set of pairs, for sigmoid DPO (with label smoothing) on one process as one
 micro-batch, as 4 micro-batches of 2 pairs (padded, and packed: each pair one row, its sides
-two documents), on 2 DDP and 2 FSDP2 ranks, on 2 DDP ranks with task.reference=precomputed
-(the initial model's log-probabilities written before training, each rank its share; a second
-start reads them, another base writes its own), and for ipo and simpo against their own
-references; the
+two documents), on 2 DDP and 2 FSDP2 ranks (also under LoRA), on 2 DDP ranks with
+task.reference=precomputed (the initial model's log-probabilities written before training,
+each rank its share; a second start reads them, another base writes its own), and for ipo
+and simpo against their own references; the
 records `train/reward_*` and `val/*` equal the reference's means over the pairs. Under LoRA
 the reference is the base with the adapters disabled; a resumed run repeats the uninterrupted
 one. Bad input: rows without a side or with content that is not text are counted, a pair
@@ -143,6 +143,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # LoRA: the base with its adapters disabled (the default), and a frozen copy.
         "lora_adapter": two_steps("lora_adapter", "sigmoid", batch(2), 1, *LORA),
         "lora_copy": two_steps("lora_copy", "sigmoid", batch(2), 1, *LORA, "task.reference=copy"),
+        # LoRA under FSDP2: the base sharded, the reference its adapters disabled.
+        "lora_fsdp": two_steps("lora_fsdp", "sigmoid", batch(2, 2), 2, *LORA, "dist.strategy=fsdp"),
         # The initial model's log-probabilities written before training, each rank its share.
         "precomputed": two_steps(
             "precomputed", "sigmoid", batch(2, 2), 2, "task.reference=precomputed"
@@ -324,8 +326,8 @@ def test_lora_scores_the_reference_with_the_adapters_disabled(runs: dict[str, An
     """adapter=lora: the reference is the base with the adapters off (peft's
     disable_adapter(), no copy of the weights). LoRA's B starts at 0, so the initial model
     is the base: the step-2 gradient of the adapters equals that of a frozen copy of the
-    initial model (task.reference=copy), and the rewards are not 0 (the reference did not
-    follow the policy's step 1)."""
+    initial model (task.reference=copy), also on 2 FSDP2 ranks, and the rewards are not 0
+    (the reference did not follow the policy's step 1)."""
     procs, root = runs["procs"], runs["root"]
     for name in ("lora_adapter", "lora_copy"):
         assert procs[name].returncode == 0, explain(procs[name])
@@ -336,6 +338,11 @@ def test_lora_scores_the_reference_with_the_adapters_disabled(runs: dict[str, An
     frozen = torch.load(root / "lora_copy.pt", weights_only=True)
     assert adapter and all("lora_" in n for n in adapter), sorted(adapter)
     assert relative_error(adapter, {n: g.double() for n, g in frozen.items()}) <= TOL
+    # On 2 FSDP2 ranks (2 pairs x 2 micro-batches each), the same gradient.
+    assert procs["lora_fsdp"].returncode == 0, explain(procs["lora_fsdp"])
+    assert line in procs["lora_fsdp"].stdout
+    sharded = torch.load(root / "lora_fsdp.pt", weights_only=True)
+    assert relative_error(sharded, {n: g.double() for n, g in frozen.items()}) <= TOL
     records = {r["step"]: r for r in train_records(read_metrics(root / "lora_adapter"))}
     assert records[1]["train/reward_margin"] == 0.0
     assert abs(records[2]["train/reward_chosen"]) > 1e-4
