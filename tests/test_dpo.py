@@ -396,6 +396,28 @@ def test_precomputed_reference_is_read_back_and_keyed_to_the_base(
     assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, other.name])
 
 
+@pytest.mark.multiproc
+def test_certify_passes_pairs_and_skips_context_parallelism(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """trainer.certify on a DPO run (gpt_tiny, 8 pairs a step, 3 steps): micro-batches of 2
+    pairs train as the one-process reference (exit 0, train/loss and grad norm within 1e-5),
+    and cp2 is skipped with the trainer's reason (a pair's sequences are not split)."""
+    from tests.ranks import launch
+
+    root = runs["root"]
+    args = data_args(root, root / "pairs.jsonl", root / "val.jsonl")
+    cmd = [sys.executable, "-m", "trainer.certify", *args, *task_args("sigmoid")]
+    cmd += ["train.micro_batch_size=4", "train.grad_accum_steps=2", "certify.steps=3"]
+    cmd += ["certify.layouts=[accum,cp2]", f"certify.dir={tmp_path / 'work'}"]
+    proc = launch(cmd, TIMEOUT)
+    assert proc.returncode == 0, explain(proc)
+    assert "CERTIFIED: 1 layouts train as the reference" in proc.stdout, explain(proc)
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    assert lines["accum"].endswith("same"), lines["accum"]
+    assert "skipped: the trainer refuses it: invalid config `dist.cp`: task=dpo" in lines["cp2"]
+
+
 # --------------------------------------------------------------------------- bad input
 
 
