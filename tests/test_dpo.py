@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from tests.chat_support import make_tokenizer, write_jsonl
 from tests.conftest import compose_config, read_metrics, train_in_process, train_records
 from tests.preference_support import pair_rows
-from tests.ranks import explain, launch_all, torchrun_cmd
+from tests.ranks import explain, launch, launch_all, torchrun_cmd
+from tests.test_checkpoint import kill_at, killed
 from trainer.config.cli import to_config
 from trainer.config.errors import UserError
 from trainer.run.assemble import build_data
@@ -93,6 +94,7 @@ TWO_STEPS = [
 
 
 LORA = ["adapter=lora", "adapter.r=4", "adapter.alpha=8"]
+PRECOMPUTED_FOUR = ["task.reference=precomputed", "train.max_steps=4", "checkpoint.every_steps=2"]
 
 
 def batch(micro: int, ranks: int = 1) -> list[str]:
@@ -149,8 +151,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "precomputed": two_steps(
             "precomputed", "sigmoid", batch(2, 2), 2, "task.reference=precomputed"
         ),
+        # Precomputed, 4 steps with checkpoints at 2 and 4: uninterrupted, and killed (-9) at
+        # step 3 then started again.
+        # (Micro-batches of 4: a key of their own, the 2-rank run above computes its values.)
+        "four": two_steps("four", "sigmoid", batch(4), 1, *PRECOMPUTED_FOUR),
+        "killed": two_steps(
+            "killed", "sigmoid", batch(4), 1, *PRECOMPUTED_FOUR, *kill_at(3, root / "kill.marker")
+        ),
     }
     procs = launch_all(cmds, TIMEOUT)
+    procs["rerun"] = launch(cmds["killed"], TIMEOUT)
     rows = {"train": pair_rows(PAIRS, seed=5), "val": pair_rows(2, seed=6)}
     return {"root": root, "tok": tok, "procs": procs, "rows": rows}
 
@@ -367,16 +377,15 @@ def test_precomputed_reference_is_read_back_and_keyed_to_the_base(
         *task_args("sigmoid"),
         *(a for a in TWO_STEPS if not a.startswith("train.max_steps")),
         "train.max_steps=1",
-        *batch(4),
+        *batch(2),  # the launched run's micro-batch: its key
         "task.reference=precomputed",
     ]
     capsys.readouterr()
     first = train_records(train_in_process(args, root / "precomputed_again"))[0]
     out = capsys.readouterr().out
     assert f"log-probabilities of 10 pairs read from {path}" in out, out
-    # The policy is the reference at step 1 (scored here 4 pairs at a time, there 2: to float
-    # rounding).
-    assert first["train/reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    # The policy is the reference at step 1: the same chunks of 2 pairs, the same bits.
+    assert first["train/reward_margin"] == 0.0
     stored = torch.load(path, weights_only=True)
     try:
         shifted = {k: v + torch.tensor([1.0, 0.0], dtype=v.dtype) for k, v in stored.items()}
@@ -393,7 +402,27 @@ def test_precomputed_reference_is_read_back_and_keyed_to_the_base(
     assert "pairs computed (each rank its share) and written to" in out, out
     other = Path(out.split("written to ")[1].split()[0])
     assert other != path and other.parent == path.parent and other.is_file()
-    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, other.name])
+    assert not [p.name for p in path.parent.iterdir() if not p.name.endswith(".pt")]
+
+
+@pytest.mark.multiproc
+def test_a_killed_run_reruns_bit_for_bit_reading_its_reference(runs: dict[str, Any]) -> None:
+    """task.reference=precomputed, killed with -9 at step 3 and started again: it resumes
+    from step 2, reads the reference values written by the first start (no pass), and its 4
+    steps' loss and rewards equal the uninterrupted run's bit for bit."""
+    procs, root = runs["procs"], runs["root"]
+    assert procs["four"].returncode == 0, explain(procs["four"])
+    assert killed(procs["killed"]), explain(procs["killed"])
+    rerun = procs["rerun"]
+    assert rerun.returncode == 0, explain(rerun)
+    assert "resumed from" in rerun.stdout, explain(rerun)
+    assert "log-probabilities of 10 pairs read from" in rerun.stdout, explain(rerun)
+    keys = ["train/loss", "train/reward_chosen", "train/reward_margin", "train/reward_accuracy"]
+    want = {r["step"]: [r[k] for k in keys] for r in train_records(read_metrics(root / "four"))}
+    got = {r["step"]: [r[k] for k in keys] for r in train_records(read_metrics(root / "killed"))}
+    assert sorted(want) == sorted(got) == [1, 2, 3, 4]
+    assert got == want
+    assert want[4][2] != 0.0
 
 
 @pytest.mark.multiproc

@@ -136,13 +136,15 @@ def precompute_reference(
     rejected), of the train and validation pairs, under the initial model (before it is laid
     out, whole on each rank), attached to the data so that each batch carries its pairs'.
 
-    Every rank scores its share of the pairs (pair i on rank i % world) and the shares are
-    gathered, so the pass takes 1/world of the time and every rank ends with all the values
-    (no rank waits on another's file). Rank 0 writes them to the data's token cache, keyed to
-    the model's fingerprint and to the pairs (store, rows, lengths, layout): to a temporary
-    file renamed when whole, so an interrupted pass leaves nothing. A later start of the same
-    base on the same pairs (a resumed run) reads the file; another base computes anew. Any
-    other task: nothing to do."""
+    The pairs are scored `micro` consecutive pairs at a time (the run's micro-batch; 1 under
+    auto), chunk c on rank c % world, and the shares are gathered: the pass takes 1/world of
+    the time, every rank ends with all the values (no rank waits on another's file), and the
+    values do not depend on the number of ranks (a chunk is the same batch on any rank), so
+    runs of other layouts writing the same key write the same bits. Rank 0 writes them to
+    the data's token cache, keyed to the model's fingerprint, the pairs (store, rows,
+    lengths, layout) and `micro`: to a temporary file renamed when whole, so an interrupted
+    pass leaves nothing. A later start of the same base on the same pairs (a resumed run)
+    reads the file; another base computes anew. Any other task: nothing to do."""
     if not isinstance(task, DPOTask) or task.reference != "precomputed":
         return
     splits = {"train": data.train, "val": data.val}
@@ -154,7 +156,8 @@ def precompute_reference(
                 f"preference, and the {split} set is {type(samples).__name__}: use data="
                 "preference, or task.reference=copy",
             )
-    ident = {"model": model_key(model), **{k: v.identity() for k, v in splits.items()}}
+    ident = {"model": model_key(model), "micro": micro}
+    ident |= {k: v.identity() for k, v in splits.items()}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
     path = Path(data.train.store.root) / "reference" / f"{key}.pt"
     values: dict[str, np.ndarray] | None = None
@@ -170,7 +173,8 @@ def precompute_reference(
         try:
             values = {}
             for split, samples in splits.items():
-                mine = list(range(info.rank, len(samples), info.world_size))
+                chunks = range(info.rank * micro, len(samples), info.world_size * micro)
+                mine = [i for c in chunks for i in range(c, min(c + micro, len(samples)))]
                 part = _score(task, model, samples, mine, data.collate_fn, micro)
                 table = np.zeros((len(samples), 2))
                 for rows, vals in all_gather_object((mine, part), info):
