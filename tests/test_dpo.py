@@ -149,7 +149,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "lora_fsdp": two_steps("lora_fsdp", "sigmoid", batch(2, 2), 2, *LORA, "dist.strategy=fsdp"),
         # The initial model's log-probabilities written before training, each rank its share.
         "precomputed": two_steps(
-            "precomputed", "sigmoid", batch(2, 2), 2, "task.reference=precomputed"
+            "precomputed",
+            "sigmoid",
+            batch(2, 2),
+            2,
+            "task.reference=precomputed",
+            "eval.every_steps=2",
         ),
         # Precomputed, 4 steps with checkpoints at 2 and 4: uninterrupted, and killed (-9) at
         # step 3 then started again.
@@ -528,14 +533,16 @@ def test_reference_adapter_without_an_adapter_names_the_key(bad_root: Path) -> N
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["whole", "precomputed"])
 def test_evaluation_reports_the_val_means(
-    runs: dict[str, Any], references: dict[str, dict[str, Any]]
+    name: str, runs: dict[str, Any], references: dict[str, dict[str, Any]]
 ) -> None:
     """The final evaluation (after step 2) reports val/loss and val/reward_* over the 2
-    validation pairs, and writes a text sample from the first pair's prompt."""
-    proc = runs["procs"]["whole"]
+    validation pairs (precomputed: their reference values written with the training pairs'),
+    and writes a text sample from the first pair's prompt."""
+    proc = runs["procs"][name]
     assert proc.returncode == 0, explain(proc)
-    val = [r for r in read_metrics(runs["root"] / "whole") if "val/loss" in r]
+    val = [r for r in read_metrics(runs["root"] / name) if "val/loss" in r]
     assert [r["step"] for r in val] == [2]
     want = references["sigmoid"]["val"]
     got = {k: val[0][f"val/{k}"] for k in want}
