@@ -690,6 +690,24 @@ def test_auto_micro_batch_counts_whole_pairs_and_a_redone_window_records_once(
     assert hand[2]["train/reward_margin"] != 0.0
 
 
+def test_plan_of_a_precomputed_run_needs_no_pass(bad_root: Path, tmp_path: Path) -> None:
+    """trainer.plan of task.reference=precomputed (2 simulated ranks): the model is fake
+    tensors, so there is nothing to score; the planned step reads zeros of the values'
+    shape (it failed on the batch without them) and no reference file is written."""
+    import json
+
+    from trainer.plan import main
+
+    path = write_jsonl(bad_root / "plan.jsonl", pair_rows(8, seed=12))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    out = tmp_path / "plan.json"
+    args = [*data_args(bad_root, path, val), *task_args("sigmoid"), *batch(2)]
+    main([*args, "task.reference=precomputed", "plan.world=2", "plan.gpu=h100", f"plan.out={out}"])
+    plan = json.loads(out.read_text())
+    assert plan["world"] == 2 and all(role["fits"] for role in plan["roles"]), plan
+    assert not list(bad_root.glob(".cumulus-cache/plan_jsonl-*/reference/*"))
+
+
 def test_cut_of_packed_pairs_names_the_key(bad_root: Path) -> None:
     with pytest.raises(UserError) as err:
         open_data(

@@ -273,9 +273,10 @@ def assemble(
     except ValueError as exc:
         raise ConfigError("task", str(exc)) from None
     attach_reference(task, model, adapter)  # task=dpo: the initial policy, before layout
-    if simulated is None:  # (the planner's model is fake tensors: nothing to score)
-        micro = cfg.train.micro_batch_size
-        precompute_reference(task, model, data, info, micro if micro != "auto" else 1)
+    micro = cfg.train.micro_batch_size  # (the planner's model is fake tensors: no pass)
+    precompute_reference(
+        task, model, data, info, micro if micro != "auto" else 1, simulated is not None
+    )
     with building:
         wrapped = parallelize(
             model,

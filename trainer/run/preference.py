@@ -130,7 +130,7 @@ def _score(
 
 
 def precompute_reference(
-    task: object, model: nn.Module, data: Any, info: DistInfo, micro: int
+    task: object, model: nn.Module, data: Any, info: DistInfo, micro: int, planned: bool = False
 ) -> None:
     """`task.reference=precomputed`: every pair's reference log-probabilities (chosen,
     rejected), of the train and validation pairs, under the initial model (before it is laid
@@ -144,7 +144,8 @@ def precompute_reference(
     the data's token cache, keyed to the model's fingerprint, the pairs (store, rows,
     lengths, layout) and `micro`: to a temporary file renamed when whole, so an interrupted
     pass leaves nothing. A later start of the same base on the same pairs (a resumed run)
-    reads the file; another base computes anew. Any other task: nothing to do."""
+    reads the file; another base computes anew. `planned` (trainer.plan: the model is fake
+    tensors): zeros, the batches' shapes without a pass. Any other task: nothing to do."""
     if not isinstance(task, DPOTask) or task.reference != "precomputed":
         return
     splits = {"train": data.train, "val": data.val}
@@ -156,6 +157,10 @@ def precompute_reference(
                 f"preference, and the {split} set is {type(samples).__name__}: use data="
                 "preference, or task.reference=copy",
             )
+    if planned:
+        for samples in splits.values():
+            samples.reference = np.zeros((len(samples), 2))
+        return
     ident = {"model": model_key(model), "micro": micro}
     ident |= {k: v.identity() for k, v in splits.items()}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
