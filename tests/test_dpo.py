@@ -4,13 +4,15 @@ the whole set of pairs, for sigmoid DPO (with label smoothing) on one process as
 micro-batch, as 4 micro-batches of 2 pairs (padded, and packed: each pair one row, its sides
 two documents), on 2 DDP and 2 FSDP2 ranks (also under LoRA), on 2 DDP ranks with
 task.reference=precomputed (the initial model's log-probabilities written before training,
-each rank its share; a second start reads them, another base writes its own), and for ipo
-and simpo against their own references; the
-records `train/reward_*` and `val/*` equal the reference's means over the pairs. Under LoRA
-the reference is the base with the adapters disabled; a resumed run repeats the uninterrupted
-one. Bad input: rows without a side or with content that is not text are counted, a pair
-whose prompts differ and a set with no pair are one paragraph, task.reference=adapter without
-an adapter names the key.
+each rank its share; a second start reads them, another base writes its own; a run killed
+with -9 reruns bit for bit reading them back), and for ipo and simpo against their own
+references; the records `train/reward_*` and `val/*` equal the reference's means over the
+pairs. Under LoRA the reference is the base with the adapters disabled; a resumed run repeats
+the uninterrupted one, and exports (scripts/export_hf.py) as the trained policy. Composition:
+micro_batch_size=auto counts whole pairs and a redone window records once, trainer.certify
+and trainer.plan take DPO runs, trainer.preview shows pairs. Bad input: rows without a side
+or with content that is not text are counted, a pair whose prompts differ and a set with no
+pair are one paragraph, task.reference=adapter without an adapter names the key.
 
 The reference is computed here: transformers renders and tokenizes each side (its chat
 template with generation markers; the answer is the marked tokens after the prompt rendered
