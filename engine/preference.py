@@ -38,7 +38,10 @@ from engine.numerics.chunked_ce import IGNORE_INDEX
 from engine.tasks import TaskOutputError, logits_of
 
 LOSS_TYPES = ("sigmoid", "ipo", "simpo")
-REFERENCES = ("adapter", "copy", "none")
+REFERENCES = ("adapter", "copy", "precomputed", "none")
+# `task.reference=precomputed`: the batch field holding each pair's reference log-probabilities,
+# (pairs, 2), written before training (trainer/run/preference.py) and read by the data.
+PRECOMPUTED = "reference_log_probs"
 REWARDS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
 # Yields the module that scores a batch as the reference, given the policy as the step calls it.
 Reference = Callable[[nn.Module], contextlib.AbstractContextManager[nn.Module]]
@@ -88,8 +91,10 @@ class DPOTask:
         loss_type: `sigmoid`, `ipo` or `simpo`.
         gamma: simpo's target margin (applied as -gamma inside the sigmoid).
         label_smoothing: eps, the assumed share of flipped preferences (sigmoid, simpo).
-        reference: `copy`, `adapter` or `none` (simpo); null: chosen by the trainer (none for
-            simpo, adapter under adapter=lora, else copy). The trainer attaches it
+        reference: `copy`, `adapter`, `precomputed` (each pair's reference log-probabilities
+            come with the batch, field `reference_log_probs`, written by one pass of the
+            initial model before training) or `none` (simpo); null: chosen by the trainer
+            (none for simpo, adapter under adapter=lora, else copy). The trainer attaches it
             (`attach_reference`) before the first step.
     """
 
@@ -118,7 +123,9 @@ class DPOTask:
         if loss_type == "simpo" and reference not in (None, "none"):
             raise ValueError(f"reference: simpo is reference-free; got reference={reference}")
         if loss_type != "simpo" and reference == "none":
-            raise ValueError(f"reference: loss_type={loss_type} needs a reference (copy, adapter)")
+            raise ValueError(
+                f"reference: loss_type={loss_type} needs a reference (copy, adapter, precomputed)"
+            )
         self.beta, self.loss_type = float(beta), loss_type
         self.gamma, self.label_smoothing = float(gamma), float(label_smoothing)
         self.reference = "none" if loss_type == "simpo" else reference
@@ -187,6 +194,7 @@ class DPOTask:
         tokens per side, (pairs, 2)."""
         ids, labels, rest = self._fields(batch)
         side = rest.pop("pair_side", None)
+        rest.pop(PRECOMPUTED, None)  # the reference's, not the model's
         if side is None:  # (P, 2, T) -> (2P, T): each side its own row
             ids, labels = ids.flatten(0, 1), labels.flatten(0, 1)
             rest = {k: v.flatten(0, 1) for k, v in rest.items()}
@@ -213,7 +221,7 @@ class DPOTask:
             scores = policy
             logits = self.beta * (policy[:, 0] - policy[:, 1]) - self.gamma
         else:
-            ref = self._reference_log_probs(model, batch)
+            ref = self._reference_log_probs(model, batch).to(policy)
             if self.loss_type == "ipo":
                 ref = ref / lengths.clamp(min=1)
             scores = policy - ref
@@ -233,6 +241,18 @@ class DPOTask:
         }
 
     def _reference_log_probs(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        if self.reference == "precomputed":
+            ref = batch.get(PRECOMPUTED)
+            pairs = self._fields(batch)[0].shape[0]
+            if not isinstance(ref, torch.Tensor) or tuple(ref.shape) != (pairs, 2):
+                got = tuple(ref.shape) if isinstance(ref, torch.Tensor) else "none"
+                raise TaskOutputError(
+                    f"{self.name}: reference=precomputed reads each pair's reference "
+                    f"log-probabilities from the batch's `{PRECOMPUTED}` of shape (pairs, 2) = "
+                    f"({pairs}, 2), got {got} (the trainer writes them before training for "
+                    "data=preference)"
+                )
+            return ref.detach()
         if self._reference is None:
             raise TaskOutputError(
                 f"{self.name}: loss_type={self.loss_type} scores against a reference model, and "

@@ -2,12 +2,17 @@
 the first, the reference still the initial model) equals the float64 gradient of the loss over
 the whole set of pairs, for sigmoid DPO (with label smoothing) on one process as one
 micro-batch, as 4 micro-batches of 2 pairs (padded, and packed: each pair one row, its sides
-two documents), on 2 DDP and 2 FSDP2 ranks, and for ipo and simpo against their own references; the
-records `train/reward_*` and `val/*` equal the reference's means over the pairs. Under LoRA
-the reference is the base with the adapters disabled; a resumed run repeats the uninterrupted
-one. Bad input: rows without a side or with content that is not text are counted, a pair
-whose prompts differ and a set with no pair are one paragraph, task.reference=adapter without
-an adapter names the key.
+two documents), on 2 DDP and 2 FSDP2 ranks (also under LoRA), on 2 DDP ranks with
+task.reference=precomputed (the initial model's log-probabilities written before training,
+each rank its share; a second start reads them, another base writes its own; a run killed
+with -9 reruns bit for bit reading them back), and for ipo and simpo against their own
+references; the records `train/reward_*` and `val/*` equal the reference's means over the
+pairs. Under LoRA the reference is the base with the adapters disabled; a resumed run repeats
+the uninterrupted one, and exports (scripts/export_hf.py) as the trained policy. Composition:
+micro_batch_size=auto counts whole pairs and a redone window records once, trainer.certify
+and trainer.plan take DPO runs, trainer.preview shows pairs. Bad input: rows without a side
+or with content that is not text are counted, a pair whose prompts differ and a set with no
+pair are one paragraph, task.reference=adapter without an adapter names the key.
 
 The reference is computed here: transformers renders and tokenizes each side (its chat
 template with generation markers; the answer is the marked tokens after the prompt rendered
@@ -32,7 +37,8 @@ import torch.nn.functional as F
 from tests.chat_support import make_tokenizer, write_jsonl
 from tests.conftest import compose_config, read_metrics, train_in_process, train_records
 from tests.preference_support import pair_rows
-from tests.ranks import explain, launch_all, torchrun_cmd
+from tests.ranks import explain, launch, launch_all, torchrun_cmd
+from tests.test_checkpoint import kill_at, killed
 from trainer.config.cli import to_config
 from trainer.config.errors import UserError
 from trainer.run.assemble import build_data
@@ -90,6 +96,7 @@ TWO_STEPS = [
 
 
 LORA = ["adapter=lora", "adapter.r=4", "adapter.alpha=8"]
+PRECOMPUTED_FOUR = ["task.reference=precomputed", "train.max_steps=4", "checkpoint.every_steps=2"]
 
 
 def batch(micro: int, ranks: int = 1) -> list[str]:
@@ -140,8 +147,27 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # LoRA: the base with its adapters disabled (the default), and a frozen copy.
         "lora_adapter": two_steps("lora_adapter", "sigmoid", batch(2), 1, *LORA),
         "lora_copy": two_steps("lora_copy", "sigmoid", batch(2), 1, *LORA, "task.reference=copy"),
+        # LoRA under FSDP2: the base sharded, the reference its adapters disabled.
+        "lora_fsdp": two_steps("lora_fsdp", "sigmoid", batch(2, 2), 2, *LORA, "dist.strategy=fsdp"),
+        # The initial model's log-probabilities written before training, each rank its share.
+        "precomputed": two_steps(
+            "precomputed",
+            "sigmoid",
+            batch(2, 2),
+            2,
+            "task.reference=precomputed",
+            "eval.every_steps=2",
+        ),
+        # Precomputed, 4 steps with checkpoints at 2 and 4: uninterrupted, and killed (-9) at
+        # step 3 then started again.
+        # (Micro-batches of 4: a key of their own, the 2-rank run above computes its values.)
+        "four": two_steps("four", "sigmoid", batch(4), 1, *PRECOMPUTED_FOUR),
+        "killed": two_steps(
+            "killed", "sigmoid", batch(4), 1, *PRECOMPUTED_FOUR, *kill_at(3, root / "kill.marker")
+        ),
     }
     procs = launch_all(cmds, TIMEOUT)
+    procs["rerun"] = launch(cmds["killed"], TIMEOUT)
     rows = {"train": pair_rows(PAIRS, seed=5), "val": pair_rows(2, seed=6)}
     return {"root": root, "tok": tok, "procs": procs, "rows": rows}
 
@@ -271,6 +297,7 @@ def references(runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
 LOSS_OF = {"whole": "sigmoid", "accum": "sigmoid", "ddp": "sigmoid", "ipo": "ipo", "simpo": "simpo"}
 LOSS_OF["packed"] = "sigmoid"  # each pair one row, its sides two documents
 LOSS_OF["fsdp"] = "sigmoid"
+LOSS_OF["precomputed"] = "sigmoid"  # the reference's log-probabilities written before step 1
 
 
 @pytest.mark.multiproc
@@ -284,7 +311,10 @@ def test_second_step_has_the_float64_whole_set_gradient(
     error = relative_error(got, references[LOSS_OF[name]]["grads"])
     assert error <= TOL, (name, error)
     where = "sharded like the policy" if name == "fsdp" else "whole on each rank"
-    if LOSS_OF[name] != "simpo":  # (simpo has no reference)
+    if name == "precomputed":
+        line = "task.reference=precomputed: the initial model's log-probabilities of 10 pairs "
+        assert line + "computed (each rank its share) and written to" in proc.stdout
+    elif LOSS_OF[name] != "simpo":  # (simpo has no reference)
         assert f"task.reference=copy: a frozen copy of the initial model, {where}" in proc.stdout
     # The tolerance means something: a reference that follows the policy is far outside it.
     assert relative_error(references["bug"]["grads"], references["sigmoid"]["grads"]) > 100 * TOL
@@ -313,8 +343,8 @@ def test_lora_scores_the_reference_with_the_adapters_disabled(runs: dict[str, An
     """adapter=lora: the reference is the base with the adapters off (peft's
     disable_adapter(), no copy of the weights). LoRA's B starts at 0, so the initial model
     is the base: the step-2 gradient of the adapters equals that of a frozen copy of the
-    initial model (task.reference=copy), and the rewards are not 0 (the reference did not
-    follow the policy's step 1)."""
+    initial model (task.reference=copy), also on 2 FSDP2 ranks, and the rewards are not 0
+    (the reference did not follow the policy's step 1)."""
     procs, root = runs["procs"], runs["root"]
     for name in ("lora_adapter", "lora_copy"):
         assert procs[name].returncode == 0, explain(procs[name])
@@ -325,9 +355,103 @@ def test_lora_scores_the_reference_with_the_adapters_disabled(runs: dict[str, An
     frozen = torch.load(root / "lora_copy.pt", weights_only=True)
     assert adapter and all("lora_" in n for n in adapter), sorted(adapter)
     assert relative_error(adapter, {n: g.double() for n, g in frozen.items()}) <= TOL
+    # On 2 FSDP2 ranks (2 pairs x 2 micro-batches each), the same gradient.
+    assert procs["lora_fsdp"].returncode == 0, explain(procs["lora_fsdp"])
+    assert line in procs["lora_fsdp"].stdout
+    sharded = torch.load(root / "lora_fsdp.pt", weights_only=True)
+    assert relative_error(sharded, {n: g.double() for n, g in frozen.items()}) <= TOL
     records = {r["step"]: r for r in train_records(read_metrics(root / "lora_adapter"))}
     assert records[1]["train/reward_margin"] == 0.0
     assert abs(records[2]["train/reward_chosen"]) > 1e-4
+
+
+@pytest.mark.multiproc
+def test_precomputed_reference_is_read_back_and_keyed_to_the_base(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """task.reference=precomputed: a second start on the same pairs and the same initial model
+    reads the values the launched run wrote (no pass; and the values read are the ones used:
+    shifted by 1 nat, step 1's chosen reward is -beta); another base (seed=7, another initial
+    model) computes its own, under another key. Nothing but whole files is left in the
+    cache (each written to a temporary name and renamed)."""
+    proc, root = runs["procs"]["precomputed"], runs["root"]
+    assert proc.returncode == 0, explain(proc)
+    written = proc.stdout.split("computed (each rank its share) and written to ")[1].split()[0]
+    path = Path(written)
+    assert path.is_file()
+    args = [
+        *data_args(root, root / "pairs.jsonl", root / "val.jsonl"),
+        *task_args("sigmoid"),
+        *(a for a in TWO_STEPS if not a.startswith("train.max_steps")),
+        "train.max_steps=1",
+        *batch(2),  # the launched run's micro-batch: its key
+        "task.reference=precomputed",
+    ]
+    capsys.readouterr()
+    first = train_records(train_in_process(args, root / "precomputed_again"))[0]
+    out = capsys.readouterr().out
+    assert f"log-probabilities of 10 pairs read from {path}" in out, out
+    # The policy is the reference at step 1: the same chunks of 2 pairs, the same bits.
+    assert first["train/reward_margin"] == 0.0
+    stored = torch.load(path, weights_only=True)
+    try:
+        shifted = {k: v + torch.tensor([1.0, 0.0], dtype=v.dtype) for k, v in stored.items()}
+        torch.save(shifted, path)
+        moved = train_records(train_in_process(args, root / "precomputed_shifted"))[0]
+    finally:
+        torch.save(stored, path)
+    beta = LOSSES["sigmoid"][1]
+    assert moved["train/reward_chosen"] == pytest.approx(-beta, rel=1e-5)
+    assert moved["train/reward_margin"] == pytest.approx(-beta, rel=1e-5)
+    capsys.readouterr()
+    train_in_process([*args, "seed=7"], root / "precomputed_other_base")
+    out = capsys.readouterr().out
+    assert "pairs computed (each rank its share) and written to" in out, out
+    other = Path(out.split("written to ")[1].split()[0])
+    assert other != path and other.parent == path.parent and other.is_file()
+    assert not [p.name for p in path.parent.iterdir() if not p.name.endswith(".pt")]
+
+
+@pytest.mark.multiproc
+def test_a_killed_run_reruns_bit_for_bit_reading_its_reference(runs: dict[str, Any]) -> None:
+    """task.reference=precomputed, killed with -9 at step 3 and started again: it resumes
+    from step 2, reads the reference values written by the first start (no pass), and its 4
+    steps' loss and rewards equal the uninterrupted run's bit for bit."""
+    procs, root = runs["procs"], runs["root"]
+    assert procs["four"].returncode == 0, explain(procs["four"])
+    assert killed(procs["killed"]), explain(procs["killed"])
+    rerun = procs["rerun"]
+    assert rerun.returncode == 0, explain(rerun)
+    assert "resumed from" in rerun.stdout, explain(rerun)
+    assert "log-probabilities of 10 pairs read from" in rerun.stdout, explain(rerun)
+    keys = ["train/loss", "train/reward_chosen", "train/reward_margin", "train/reward_accuracy"]
+    want = {r["step"]: [r[k] for k in keys] for r in train_records(read_metrics(root / "four"))}
+    got = {r["step"]: [r[k] for k in keys] for r in train_records(read_metrics(root / "killed"))}
+    assert sorted(want) == sorted(got) == [1, 2, 3, 4]
+    assert got == want
+    assert want[4][2] != 0.0
+
+
+@pytest.mark.multiproc
+def test_certify_passes_pairs_and_skips_context_parallelism(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """trainer.certify on a DPO run (gpt_tiny, 8 pairs a step, 3 steps): micro-batches of 2
+    pairs train as the one-process reference (exit 0, train/loss and grad norm within 1e-5),
+    and cp2 is skipped with the trainer's reason (a pair's sequences are not split)."""
+    from tests.ranks import launch
+
+    root = runs["root"]
+    args = data_args(root, root / "pairs.jsonl", root / "val.jsonl")
+    cmd = [sys.executable, "-m", "trainer.certify", *args, *task_args("sigmoid")]
+    cmd += ["train.micro_batch_size=4", "train.grad_accum_steps=2", "certify.steps=3"]
+    cmd += ["certify.layouts=[accum,cp2]", f"certify.dir={tmp_path / 'work'}"]
+    proc = launch(cmd, TIMEOUT)
+    assert proc.returncode == 0, explain(proc)
+    assert "CERTIFIED: 1 layouts train as the reference" in proc.stdout, explain(proc)
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    assert lines["accum"].endswith("same"), lines["accum"]
+    assert "skipped: the trainer refuses it: invalid config `dist.cp`: task=dpo" in lines["cp2"]
 
 
 # --------------------------------------------------------------------------- bad input
@@ -411,14 +535,16 @@ def test_reference_adapter_without_an_adapter_names_the_key(bad_root: Path) -> N
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["whole", "precomputed"])
 def test_evaluation_reports_the_val_means(
-    runs: dict[str, Any], references: dict[str, dict[str, Any]]
+    name: str, runs: dict[str, Any], references: dict[str, dict[str, Any]]
 ) -> None:
     """The final evaluation (after step 2) reports val/loss and val/reward_* over the 2
-    validation pairs, and writes a text sample from the first pair's prompt."""
-    proc = runs["procs"]["whole"]
+    validation pairs (precomputed: their reference values written with the training pairs'),
+    and writes a text sample from the first pair's prompt."""
+    proc = runs["procs"][name]
     assert proc.returncode == 0, explain(proc)
-    val = [r for r in read_metrics(runs["root"] / "whole") if "val/loss" in r]
+    val = [r for r in read_metrics(runs["root"] / name) if "val/loss" in r]
     assert [r["step"] for r in val] == [2]
     want = references["sigmoid"]["val"]
     got = {k: val[0][f"val/{k}"] for k in want}
@@ -457,6 +583,131 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(bad_root: Path) -> None:
     keys = ["train/loss", "train/reward_chosen", "train/reward_margin", "train/reward_accuracy"]
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in whole[2:]]
     assert whole[3]["train/reward_margin"] != 0.0
+
+    # scripts/export_hf.py after DPO, as after data=chat: transformers' GPT2LMHeadModel with the
+    # run's tokenizer and chat template, which scores a pair's answers as the trained policy
+    # does (float64, against the checkpoint's weights in the in-tree GPT).
+    from scripts.export_hf import main as export
+    from trainer.models.gpt import GPT
+
+    out = bad_root / "exported"
+    export(
+        [f"checkpoint={bad_root / 'resumed'}", f"out={out}", f"data.tokenizer={bad_root / 'tok'}"]
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    assert type(hf).__name__ == "GPT2LMHeadModel"
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    original = transformers.AutoTokenizer.from_pretrained(bad_root / "tok")
+    assert tok.chat_template == original.chat_template
+    pair = [sides(tok, row) for row in pair_rows(8, seed=3)[:2]]
+    assert pair == [sides(original, row) for row in pair_rows(8, seed=3)[:2]]
+    state = torch.load(bad_root / "resumed" / "checkpoints/step_00000004/state.pt")["model"]
+    gpt = GPT(vocab_size=320, block_size=MAX_LENGTH, n_layer=2, n_head=2, n_embd=32)
+    gpt.load_state_dict(state)
+    with torch.no_grad():
+        exported, trained = log_probs(hf, pair)[0], log_probs(gpt.double().eval(), pair)[0]
+    torch.testing.assert_close(exported, trained, rtol=1e-9, atol=1e-9)
+
+
+def test_preview_shows_pairs_and_counts_their_scored_tokens(
+    bad_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """trainer.preview of data=preference: the first pairs training reads, each its prompt and
+    both answers with the scored tokens marked, and the JSON line's counts over the training
+    pairs equal transformers' rendering of the rows (the answer's assistant-marked tokens)."""
+    import json
+
+    from trainer.data.preview import first_rows
+    from trainer.preview import main
+
+    rows = pair_rows(8, seed=11)
+    path = write_jsonl(bad_root / "preview.jsonl", rows)
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    main([*data_args(bad_root, path, val), "task=dpo", "preview.samples=2"])
+    out = capsys.readouterr().out.strip().splitlines()
+    stats = json.loads(out[-1])
+    tok = transformers.AutoTokenizer.from_pretrained(bad_root / "tok")
+    want = {"pairs": 8, "prompt_tokens": 0, "chosen_tokens": 0, "rejected_tokens": 0}
+    want |= {"tokens": 0, "dropped": 0}
+    for row in rows:
+        (ids_c, mask_c), (ids_r, mask_r) = sides(tok, row)
+        want["prompt_tokens"] += mask_c.index(1)
+        want["chosen_tokens"] += sum(mask_c[1:])
+        want["rejected_tokens"] += sum(mask_r[1:])
+        want["tokens"] += len(ids_c) + len(ids_r)
+    want["padding_fraction"] = pytest.approx(1 - want["tokens"] / (8 * 2 * MAX_LENGTH))
+    assert stats == want
+    text = "\n".join(out[:-1])
+    assert text.count("=== pair ") == 2 and text.count("--- rejected ---") == 2
+    first = first_rows(8, 1337, 2)[0]
+    assert f"=== pair {first}: prompt " in text
+    shown = text.split(f"=== pair {first}: ")[1].split("=== pair ")[0]
+    prompt, answers = shown.split("--- chosen ---")
+    chosen, rejected = answers.split("--- rejected ---")
+    row = rows[first]
+    said = {k: row[k] if "prompt" in row else row[k][-1]["content"] for k in ("chosen", "rejected")}
+    asked = row["prompt"] if "prompt" in row else row["chosen"][-2]["content"]
+    assert asked in prompt and "{+" not in prompt
+    for answer, text_of in ((said["chosen"], chosen), (said["rejected"], rejected)):
+        marked = text_of.split("{+", 1)[1].split("+}", 1)[0]
+        assert answer in marked, (answer, text_of)
+
+
+def test_auto_micro_batch_counts_whole_pairs_and_a_redone_window_records_once(
+    bad_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train.micro_batch_size=auto on pairs: the divisors are of the pairs per rank (8), and a
+    model that holds 8 rows (4 pairs: each pair two rows) is given 4. At step 3 the limit
+    drops to 2 pairs after one micro-batch: the window is redone at 2 and the run, records
+    included, is one started at 2 pairs by hand (float64 parameters): the rewards of the
+    failed window's first micro-batch are not counted in step 3's means."""
+    path = write_jsonl(bad_root / "auto.jsonl", pair_rows(8, seed=4))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    limited = ["model._target_=tests.auto_batch_support.LimitedGPT", "+model.float64=true"]
+    common = [
+        *data_args(bad_root, path, val),
+        *limited,
+        *task_args("sigmoid"),
+        *(a for a in TWO_STEPS if not a.startswith("train.max_steps")),
+        "train.max_steps=4",
+        "train.global_batch_size=8",
+    ]
+    lower = "+callbacks.lower={_target_:tests.auto_batch_support.LowerLimit,"
+    lower += "at_step:2,fit:4,skip:1}"
+    capsys.readouterr()
+    auto = train_records(
+        train_in_process(
+            [*common, "train.micro_batch_size=auto", "+model.fit=8", lower], bad_root / "auto"
+        )
+    )
+    captured = capsys.readouterr()
+    assert "chose 4 of the divisors of the per-rank batch 8" in captured.out, captured.out
+    assert "shrinking the micro-batch to 2" in captured.err, captured.err
+    assert [r["train/micro_batch_size"] for r in auto] == [4, 4, 2, 2]
+    hand = train_records(train_in_process([*common, "train.micro_batch_size=2"], bad_root / "hand"))
+    keys = ["train/loss", *(f"train/{k}" for k in ("reward_chosen", "reward_margin"))]
+    keys.append("train/reward_accuracy")
+    for a, h in zip(auto, hand, strict=True):
+        assert [a[k] for k in keys] == pytest.approx([h[k] for k in keys], rel=1e-9, abs=1e-12)
+    assert hand[2]["train/reward_margin"] != 0.0
+
+
+def test_plan_of_a_precomputed_run_needs_no_pass(bad_root: Path, tmp_path: Path) -> None:
+    """trainer.plan of task.reference=precomputed (2 simulated ranks): the model is fake
+    tensors, so there is nothing to score; the planned step reads zeros of the values'
+    shape (it failed on the batch without them) and no reference file is written."""
+    import json
+
+    from trainer.plan import main
+
+    path = write_jsonl(bad_root / "plan.jsonl", pair_rows(8, seed=12))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    out = tmp_path / "plan.json"
+    args = [*data_args(bad_root, path, val), *task_args("sigmoid"), *batch(2)]
+    main([*args, "task.reference=precomputed", "plan.world=2", "plan.gpu=h100", f"plan.out={out}"])
+    plan = json.loads(out.read_text())
+    assert plan["world"] == 2 and all(role["fits"] for role in plan["roles"]), plan
+    assert not list(bad_root.glob(".cumulus-cache/plan_jsonl-*/reference/*"))
 
 
 def test_cut_of_packed_pairs_names_the_key(bad_root: Path) -> None:

@@ -1,5 +1,6 @@
-"""`python -m trainer.preview [training overrides] [preview.samples=N]`: what data=chat trains
-on, before training (trainer/data/preview.py).
+"""`python -m trainer.preview [training overrides] [preview.samples=N]`: what data=chat (or
+data=preference: pairs, each its prompt and both answers' scored tokens, with a JSON line of
+pair counts) trains on, before training (trainer/data/preview.py).
 
 Builds the run's data as training would (tokenizing it once, or reusing the token cache),
 prints the first N training samples (3 by default) as text with the supervised tokens between

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.preference import PRECOMPUTED
 from engine.tasks import IGNORE_INDEX
 from trainer.config.errors import UserError
 from trainer.data import DataSplits
@@ -259,12 +260,23 @@ def select_pairs(
 
 class PreferenceSamples:
     """The pairs of `selection` (a map-style dataset): sample i is pair i, its two sides read
-    from the memory-mapped store."""
+    from the memory-mapped store. With `reference` set ((pairs, 2) float64, task.reference=
+    precomputed), each sample also carries its pair's reference log-probabilities."""
 
     def __init__(self, store: TokenStore, selection: PairSelection, packed: bool = False) -> None:
         self.store, self.selection, self.packed = store, selection, packed
         self.starts = store.doc_offsets[selection.docs]
         self.chosen = store.doc_extra("chosen_len")[selection.docs]
+        self.reference: np.ndarray | None = None
+
+    def identity(self) -> dict[str, Any]:
+        """What the pairs' scored tokens depend on: the store (content-addressed), which of its
+        rows train and how long each side is kept, and the layout (padded or packed)."""
+        import hashlib
+
+        rows = hashlib.sha256(self.selection.docs.astype("<i8").tobytes())
+        rows.update(self.selection.lengths.astype("<i8").tobytes())
+        return {"store": str(self.store.root), "rows": rows.hexdigest(), "packed": self.packed}
 
     def __len__(self) -> int:
         return len(self.selection.docs)
@@ -280,6 +292,12 @@ class PreferenceSamples:
         return out
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        sample = self._pair(i)
+        if self.reference is not None:
+            sample[PRECOMPUTED] = torch.from_numpy(self.reference[i].copy())
+        return sample
+
+    def _pair(self, i: int) -> dict[str, torch.Tensor]:
         sides = self.sides(i)
         if self.packed:  # one row, two documents (TextSequence aligns: no target crosses)
             row = TextSequence.from_documents(sides)

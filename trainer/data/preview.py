@@ -1,6 +1,8 @@
 """What `python -m trainer.preview` shows of data=chat: the first training samples as text
 with the supervised tokens marked and the boundaries between packed conversations, then one
-JSON line of counts over the whole training split.
+JSON line of counts over the whole training split. Of data=preference: the first pairs, each
+its prompt then the chosen and the rejected answer with their scored tokens marked, and one
+JSON line of counts over the training pairs (`pair_summary`).
 
 The counts read the per-conversation figures the tokenizer stored (trainer/data/chat_encode.py)
 and, for conversations cut at `data.max_length`, their target masks: no row is assembled, so
@@ -20,6 +22,8 @@ import numpy as np
 
 from trainer.config.errors import UserError
 from trainer.data.chat import ChatSamples
+from trainer.data.preference import PreferenceSamples
+from trainer.data.sequence import TextSequence
 
 OPEN, CLOSE = "{+", "+}"  # around supervised text (wdiff's notation)
 
@@ -86,14 +90,68 @@ def first_rows(n_rows: int, seed: int, n: int) -> list[int]:
     return np.random.default_rng([seed, 0]).permutation(n_rows)[:n].tolist()
 
 
+def pair_summary(train: PreferenceSamples, max_length: int) -> dict[str, Any]:
+    """`pairs`, `prompt_tokens` (of the chosen side, before its first scored token),
+    `chosen_tokens` and `rejected_tokens` (the scored answer tokens, within the kept length),
+    `tokens` (both sides, not padding), `padding_fraction` (of the pairs' max_length positions:
+    two rows each, or one packed) and `dropped` (pairs)."""
+    sel = train.selection
+    scored = np.zeros((len(train), 2), np.int64)
+    prompt = 0
+    for i in range(len(train)):
+        for k, (_, mask) in enumerate(train.sides(i)):
+            scored[i, k] = int(mask[1:].sum())  # position 0 is predicted from nothing
+            if k == 0:
+                prompt += int(np.argmax(mask)) if mask.any() else len(mask)
+    tokens = int(sel.lengths.sum())
+    capacity = len(train) * (1 if train.packed else 2) * max_length
+    return {
+        "pairs": len(train),
+        "prompt_tokens": prompt,
+        "chosen_tokens": int(scored[:, 0].sum()),
+        "rejected_tokens": int(scored[:, 1].sum()),
+        "tokens": tokens,
+        "padding_fraction": 1.0 - tokens / capacity if capacity else 0.0,
+        "dropped": int(sel.dropped),
+    }
+
+
+def show_pair(train: PreferenceSamples, i: int, decode: Callable[[list[int]], str]) -> str:
+    """Pair `i`: its prompt (the chosen side's tokens before its first scored one), then each
+    answer, the tokens the loss scores between {+ and +}."""
+    sides = train.sides(i)
+    rows = [TextSequence.from_documents([side]) for side in sides]
+    starts = [int(np.argmax(r.targets())) if r.targets().any() else len(r.input_ids) for r in rows]
+    counts = [int(r.targets().sum()) for r in rows]
+    lines = [
+        f"=== pair {i}: prompt {starts[0]} tokens; chosen {counts[0]} scored of "
+        f"{len(rows[0].input_ids)} tokens, rejected {counts[1]} scored of "
+        f"{len(rows[1].input_ids)} ===",
+        "--- prompt ---",
+        decode(rows[0].input_ids[: starts[0]].tolist()),
+    ]
+    for name, row, start in zip(("chosen", "rejected"), rows, starts):
+        lines.append(f"--- {name} ---")
+        lines.append(marked(row.input_ids[start:], row.targets()[start:], decode))
+    return "\n".join(lines)
+
+
 def preview(data: Any, seed: int, samples: int, target: str) -> tuple[str, dict[str, Any]]:
-    """(the marked text of the first `samples` rows, the summary) of built data=chat data."""
+    """(the marked text of the first `samples` rows, the summary) of built data=chat data, or
+    of the first pairs of data=preference."""
     train = data.train
+    if isinstance(train, PreferenceSamples):
+        head = (
+            f"{data.description}\nscored text (the answer tokens whose log-probabilities the "
+            f"loss sums) is between {OPEN} and {CLOSE}"
+        )
+        shown = [show_pair(train, i, data.decode) for i in first_rows(len(train), seed, samples)]
+        return "\n".join([head, *shown]), pair_summary(train, int(data.seq_len))
     if not isinstance(train, ChatSamples):
         raise UserError(
             f"data: trainer.preview shows conversations of data=chat (rows of messages or "
-            f"prompt/completion with their supervised tokens); data._target_={target} is not "
-            "that data"
+            f"prompt/completion with their supervised tokens) and pairs of data=preference; "
+            f"data._target_={target} is neither"
         )
     decode = data.decode
     head = (

@@ -41,6 +41,7 @@ from trainer.run.preference import (
     check_pairs_layout,
     check_pairs_task,
     lay_out_reference,
+    precompute_reference,
 )
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -272,6 +273,10 @@ def assemble(
     except ValueError as exc:
         raise ConfigError("task", str(exc)) from None
     attach_reference(task, model, adapter)  # task=dpo: the initial policy, before layout
+    micro = cfg.train.micro_batch_size  # (the planner's model is fake tensors: no pass)
+    precompute_reference(
+        task, model, data, info, micro if micro != "auto" else 1, simulated is not None
+    )
     with building:
         wrapped = parallelize(
             model,

@@ -11,7 +11,8 @@ run that follows equals one started with that size by hand.
 During training `step_window` catches an out-of-memory error agreed by every rank (in a
 micro-batch's forward or backward, clipping or the optimizer step), rolls the window back to
 its start (gradients, module buffers, RNG, a half-applied update with the optimizer state and
-loss scale; the data position by rebuilding the loader at the same step), halves the
+loss scale, the sums a task records beside its loss (task=dpo's rewards); the data position
+by rebuilding the loader at the same step), halves the
 micro-batch to the next divisor and redoes the window.
 """
 
@@ -30,7 +31,7 @@ from engine.callbacks import Callback
 from engine.distributed import unwrap
 from engine.parallel.base import local_values
 from engine.rng import rng_state, set_rng_state
-from engine.step import StepContext
+from engine.step import ItemSums, StepContext
 from engine.steps.accumulate import AccumulateStep
 from engine.steps.cached import CachedStep, represent
 from engine.steps.oom import Agreement, OomGuard, OutOfMemoryAgreed, reset_window
@@ -269,6 +270,8 @@ def step_window(run: Any, window: Any, windows: Iterator[Any]) -> tuple[Any, Ite
             return run.step_fn(run.ctx, window), windows
         except OutOfMemoryAgreed as oom:
             start.restore()
+            if isinstance(run.ctx.task, ItemSums):  # the failed window's forwards: no step's
+                run.ctx.task.take_item_sums()
             size = shrink(run, oom)
         del window
         windows.close()
