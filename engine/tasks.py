@@ -23,8 +23,7 @@ from engine.numerics.chunked_ce import (
     HeadLoss,
     OutputHead,
     PlainCrossEntropy,
-    auto_chunk_size,
-    device_memory,
+    chunk_size_for,
 )
 
 
@@ -146,7 +145,7 @@ class CausalLMTask:
         if key not in self._chunked:
             chunk = self.chunk_size
             if not isinstance(chunk, int):  # "auto"
-                chunk = auto_chunk_size(head.out_features, device_memory(head.weight.device))
+                chunk = chunk_size_for(head.out_features, head.weight.device)
             self._chunked[key] = ChunkedCrossEntropy(chunk)
         return self._chunked[key]
 

@@ -15,8 +15,8 @@ Modes: `plain` is the output layer (compiled with `--compile`, as the model's gr
 end at the logits) followed by an eager fp32 copy of the logits and `F.cross_entropy`: the
 task's plain path before issue #61. `in-graph` is `PlainCrossEntropy`, the output layer and
 the loss in one function (one compiled graph with `--compile`): the plain path now.
-`chunked` is the chunked loss, `--chunk` tokens at a time (`auto`: `auto_chunk_size` from the
-vocabulary and this device's memory), compiled with `--compile` as inside a compiled model.
+`chunked` is the chunked loss, `--chunk` tokens at a time (`auto`: what `task.chunk_size=auto`
+takes, from the vocabulary and a CUDA device's memory, 2048 on a CPU), compiled with `--compile` as inside a compiled model.
 `--rounds N` runs every mode in one process, interleaved, and reports CPU-time ratios.
 """
 
@@ -43,9 +43,8 @@ sys.path.insert(0, str(REPO))
 
 from engine.numerics.chunked_ce import (  # noqa: E402
     PlainCrossEntropy,
-    auto_chunk_size,
+    chunk_size_for,
     chunked_cross_entropy,
-    device_memory,
 )
 
 MODES = ("plain", "in-graph", "chunked")
@@ -53,7 +52,7 @@ MODES = ("plain", "in-graph", "chunked")
 
 def chunk_of(args: argparse.Namespace, device: torch.device) -> int:
     if args.chunk == "auto":
-        return auto_chunk_size(args.vocab, device_memory(device))
+        return chunk_size_for(args.vocab, device)  # what task.chunk_size=auto takes
     return int(args.chunk)
 
 

@@ -19,8 +19,9 @@ and torch.compile see the whole computation). Below the vocabulary threshold, or
 `chunk_size=None`, the loss passed is `PlainCrossEntropy`: the whole micro-batch's logits, but
 still inside the forward, so a compiled model's graph ends at the loss, not at the logits.
 
-The chunk size (`auto_chunk_size`): the largest power of two of tokens whose fp32 logits
-(chunk x V x 4 bytes) take at most 1/32 of the device's memory. GPT-2's vocabulary (50,304)
+The chunk size on a CUDA device (`auto_chunk_size`): the largest power of two of tokens whose
+fp32 logits (chunk x V x 4 bytes) take at most 1/32 of the device's memory; on a CPU 2048,
+whatever the host's memory (`chunk_size_for`). GPT-2's vocabulary (50,304)
 gets 8,192 tokens on an 80 GB H100 (1.6 GB of logits), 16,384 on a 141 GB H200; Llama 3's
 (128,256) 4,096 on an H100. Larger chunks mean fewer, larger matmuls (on an H200,
 `task.chunk_size=8192` was 2.6% faster than 2048 and 512 3.6% slower than 2048: issue #61).
@@ -40,6 +41,9 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 IGNORE_INDEX = -100
 # The share of the device's memory one chunk's fp32 logits may take (auto_chunk_size).
 CHUNK_MEMORY_SHARE = 32
+# `auto` off a CUDA device: the fixed size it had before `auto`, so that a CPU run's
+# round-off (and its bit-exact resume elsewhere) does not depend on the host's memory.
+HOST_CHUNK_SIZE = 2048
 
 
 class HeadLoss(Protocol):
@@ -242,6 +246,14 @@ def device_memory(device: torch.device) -> int:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def chunk_size_for(vocab: int, device: torch.device) -> int:
+    """`chunk_size=auto`: from a CUDA device's memory (`auto_chunk_size`); `HOST_CHUNK_SIZE`
+    elsewhere."""
+    if device.type == "cuda":
+        return auto_chunk_size(vocab, device_memory(device))
+    return HOST_CHUNK_SIZE
 
 
 def auto_chunk_size(vocab: int, memory: int) -> int:
