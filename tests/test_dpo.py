@@ -410,6 +410,12 @@ def test_precomputed_reference_is_read_back_and_keyed_to_the_base(
     other = Path(out.split("written to ")[1].split()[0])
     assert other != path and other.parent == path.parent and other.is_file()
     assert not [p.name for p in path.parent.iterdir() if not p.name.endswith(".pt")]
+    # Under bf16 autocast the pass scores as the step scores the policy (it scored in fp32:
+    # step 1's rewards were the policy's bf16 rounding, not 0), and bf16 values are a key of
+    # their own.
+    bf16 = train_records(train_in_process([*args, "train.precision=bf16"], root / "bf16"))[0]
+    for key in ("reward_chosen", "reward_rejected", "reward_margin"):
+        assert abs(bf16[f"train/{key}"]) <= 1e-6, bf16
 
 
 @pytest.mark.multiproc

@@ -275,7 +275,13 @@ def assemble(
     attach_reference(task, model, adapter)  # task=dpo: the initial policy, before layout
     micro = cfg.train.micro_batch_size  # (the planner's model is fake tensors: no pass)
     precompute_reference(
-        task, model, data, info, micro if micro != "auto" else 1, simulated is not None
+        task,
+        model,
+        data,
+        info,
+        micro if micro != "auto" else 1,
+        precision=cfg.train.precision,
+        planned=simulated is not None,
     )
     with building:
         wrapped = parallelize(

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.checkpoint.fingerprint import row_sums
 from engine.distributed import DistInfo, all_gather_object
+from engine.numerics.precision import Precision
 from engine.parallel.base import Parallelism
 from engine.parallel.dims import ParallelDims
 from engine.preference import DPOTask, adapters_disabled, frozen_copy
@@ -117,20 +118,29 @@ def _score(
     rows: list[int],
     collate: Any,
     micro: int,
+    precision: str,
 ) -> np.ndarray:
     """(len(rows), 2) float64: the summed answer log-probabilities of pairs `rows` under
-    `model`, `micro` pairs at a time (in float32 without autocast, eval mode)."""
+    `model`, `micro` pairs at a time, in eval mode under the run's autocast (`precision`), as
+    the step scores the policy: at step 1 the two then cancel exactly, as a copy's do."""
     device = next(model.parameters()).device
     out = []
     for at in range(0, len(rows), micro):
         batch = collate([samples[i] for i in rows[at : at + micro]])
         batch = {k: v.to(device) for k, v in batch.items()}
-        out.append(task.log_probs(model, batch)[0].double().cpu())
+        with Precision(precision, device.type).autocast():
+            out.append(task.log_probs(model, batch)[0].double().cpu())
     return torch.cat(out).numpy() if out else np.zeros((0, 2))
 
 
 def precompute_reference(
-    task: object, model: nn.Module, data: Any, info: DistInfo, micro: int, planned: bool = False
+    task: object,
+    model: nn.Module,
+    data: Any,
+    info: DistInfo,
+    micro: int,
+    precision: str = "fp32",
+    planned: bool = False,
 ) -> None:
     """`task.reference=precomputed`: every pair's reference log-probabilities (chosen,
     rejected), of the train and validation pairs, under the initial model (before it is laid
@@ -161,7 +171,7 @@ def precompute_reference(
         for samples in splits.values():
             samples.reference = np.zeros((len(samples), 2))
         return
-    ident = {"model": model_key(model), "micro": micro}
+    ident = {"model": model_key(model), "micro": micro, "precision": precision}
     ident |= {k: v.identity() for k, v in splits.items()}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
     path = Path(data.train.store.root) / "reference" / f"{key}.pt"
@@ -180,7 +190,7 @@ def precompute_reference(
             for split, samples in splits.items():
                 chunks = range(info.rank * micro, len(samples), info.world_size * micro)
                 mine = [i for c in chunks for i in range(c, min(c + micro, len(samples)))]
-                part = _score(task, model, samples, mine, data.collate_fn, micro)
+                part = _score(task, model, samples, mine, data.collate_fn, micro, precision)
                 table = np.zeros((len(samples), 2))
                 for rows, vals in all_gather_object((mine, part), info):
                     table[rows] = vals
