@@ -16,7 +16,8 @@ end at the logits) followed by an eager fp32 copy of the logits and `F.cross_ent
 task's plain path before issue #61. `in-graph` is `PlainCrossEntropy`, the output layer and
 the loss in one function (one compiled graph with `--compile`): the plain path now.
 `chunked` is the chunked loss, `--chunk` tokens at a time (`auto`: what `task.chunk_size=auto`
-takes, from the vocabulary and a CUDA device's memory, 2048 on a CPU), compiled with `--compile` as inside a compiled model.
+takes, from the vocabulary and a CUDA device's memory, 2048 on a CPU), compiled with
+`--compile` as inside a compiled model.
 `--rounds N` runs every mode in one process, interleaved, and reports CPU-time ratios.
 """
 
