@@ -85,14 +85,17 @@ class ExpertGroup:
         send = send.view(self.size, self.local)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)  # recv[src, j]: src's rows for j
-        in_splits = send.sum(1).tolist()
-        out_splits = recv.sum(1).tolist()
+        # The sizes are read to the host once: what this rank sends it knows already.
+        counts = list(counts)
+        in_splits = [sum(counts[r * self.local : (r + 1) * self.local]) for r in range(self.size)]
+        received = recv.tolist()  # (ep, local)
+        out_splits = [sum(row) for row in received]
         got = AllToAll.apply(xs, out_splits, in_splits, self.group)  # by source, then expert
         # Regroup by local expert (stable: each source's rows keep their order).
         local = torch.arange(self.local, device=xs.device).repeat(self.size)
         owner = torch.repeat_interleave(local, recv.reshape(-1))  # (rows,) each row's expert
         order = torch.argsort(owner, stable=True)
-        ys = compute(got[order], recv.sum(0).tolist())
+        ys = compute(got[order], [sum(column) for column in zip(*received)])
         back = torch.empty_like(ys).index_copy(0, order, ys)  # by source again
         return AllToAll.apply(back, in_splits, out_splits, self.group)
 
