@@ -43,13 +43,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import DistInfo
-from engine.moe.routing import BiasedRouter, HookedRouter, Routed, Routing
+from engine.moe.routing import HALF, BiasedRouter, HookedRouter, Routed, Routing
 from engine.numerics.chunked_ce import IGNORE_INDEX
 from engine.step import EvalTask
 from engine.steps.cached import RandomState, cuda_devices
 
 BALANCES = ("global", "micro", "bias", "none")
-_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ class LayerSums:
     def of(cls, routings: Sequence[Routing], mask: torch.Tensor) -> LayerSums:
         counts, probs, lse2 = [], [], []
         for r in routings:
-            logits = r.logits.float() if r.logits.dtype in _HALF else r.logits
+            logits = r.logits.float() if r.logits.dtype in HALF else r.logits
             # Masked, not indexed: no shape that depends on the values (no host sync on a
             # GPU; a planned step's fake tensors have no values).
             m = mask.to(logits.device)  # (N,)
@@ -227,7 +226,8 @@ class BalancedTask:
         if entry is not None:  # compared on the device; read once per step (check_routing)
             differs = (sums.counts != entry[1]).any()
             window.differs = differs if window.differs is None else window.differs | differs
-        window.local.append(sums.flat())
+        if window.step is None:  # global's routing pass gave the step's sums already
+            window.local.append(sums.flat())
         extra = self.balance_term(sums, window)
         if extra is None:
             return loss

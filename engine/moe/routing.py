@@ -116,7 +116,7 @@ def top_k_route(
     logits' dtype (softmax in at least fp32), and the experts (N, k) int64. With `bias` (E,)
     (`moe.balance=bias`), experts are chosen by probability + bias; their weights are their
     probabilities all the same (DeepSeek-V3's auxiliary-loss-free balancing)."""
-    probs = F.softmax(logits.float() if logits.dtype in _HALF else logits, dim=-1)
+    probs = F.softmax(logits.float() if logits.dtype in HALF else logits, dim=-1)
     if bias is None:
         weights, experts = torch.topk(probs, top_k, dim=-1)
     else:
@@ -126,7 +126,7 @@ def top_k_route(
     return weights.to(logits.dtype), experts
 
 
-_HALF = (torch.float16, torch.bfloat16)
+HALF = (torch.float16, torch.bfloat16)  # routed in fp32 from these
 
 
 @dataclass(frozen=True)
