@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -184,27 +185,33 @@ BAD_ROWS = {
 def test_a_bad_row_is_one_paragraph_naming_file_and_line_and_leaves_no_cache(
     case: str, model_dir: tuple[Path, Any], tmp_path: Path
 ) -> None:
-    path, _ = model_dir
     bad, expected = BAD_ROWS[case]
-    rows = conversations(30, seed=11, max_turns=1)
-    rows.insert(4, bad)  # line 5
-    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    rows = [json.dumps(r) for r in conversations(30, seed=11, max_turns=1)]
+    rows.insert(4, json.dumps(bad))  # line 5
+    text = bad_file_error(rows, model_dir, tmp_path)
+    assert "chat.jsonl:5" in text and "\n" not in text, text
+    assert re.search(expected, text), text
+    cache = tmp_path / "cache"
+    assert not [p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+
+
+def bad_file_error(lines: list[str], model_dir: tuple[Path, Any], tmp_path: Path) -> str:
+    """The paragraph `chat_data` refuses `lines` (a chat.jsonl's) with, through 2 tokenizer
+    workers and the alternate template, caching under tmp_path/cache."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(lines) + "\n")
     template = tmp_path / "alternate.jinja"
     template.write_text(ALTERNATE)
-    cache = tmp_path / "cache"
     with pytest.raises(UserError) as err:
         chat_data(
             str(data),
-            tokenizer=str(path),
+            tokenizer=str(model_dir[0]),
             chat_template=str(template),
             max_length=MAX_LENGTH,
             tokenize_workers=2,
-            cache_dir=str(cache),
+            cache_dir=str(tmp_path / "cache"),
         )
-    text = str(err.value)
-    assert "chat.jsonl:5" in text and "\n" not in text, text
-    assert __import__("re").search(expected, text), text
-    assert not [p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+    return str(err.value)
 
 
 def test_every_bad_row_is_named_in_one_paragraph_in_file_order(
@@ -212,34 +219,20 @@ def test_every_bad_row_is_named_in_one_paragraph_in_file_order(
 ) -> None:
     """Four bad rows and a line that is not JSON (last in the file): one paragraph naming each
     as FILE:LINE in file order, the rows' shared advice said once, with 2 tokenizer workers."""
-    path, _ = model_dir
     rows = [json.dumps(r) for r in conversations(30, seed=11, max_turns=1)]
     bad_lines = {5: "neither", 9: "role", 12: "content", 20: "rejected"}
     for line, case in bad_lines.items():
         rows[line - 1] = json.dumps(BAD_ROWS[case][0])
     rows[24] = '{"messages": [{"role": "user", "content": "hi"}'  # line 25: not JSON
-    data = tmp_path / "chat.jsonl"
-    data.write_text("\n".join(rows) + "\n")
-    template = tmp_path / "alternate.jinja"
-    template.write_text(ALTERNATE)
-    cache = tmp_path / "cache"
-    with pytest.raises(UserError) as err:
-        chat_data(
-            str(data),
-            tokenizer=str(path),
-            chat_template=str(template),
-            max_length=MAX_LENGTH,
-            tokenize_workers=2,
-            cache_dir=str(cache),
-        )
-    text = str(err.value)
+    text = bad_file_error(rows, model_dir, tmp_path)
     assert "\n" not in text and text.startswith("data.path: 5 rows of"), text
-    named = [int(n) for n in __import__("re").findall(r"chat\.jsonl:(\d+)", text)]
+    named = [int(n) for n in re.findall(r"chat\.jsonl:(\d+)", text)]
     assert named == [*bad_lines, 25], text
     for case in bad_lines.values():
-        assert __import__("re").search(BAD_ROWS[case][1], text), (case, text)
+        assert re.search(BAD_ROWS[case][1], text), (case, text)
     assert "chat.jsonl:25 is not JSON" in text and "line 25 of" not in text, text
     assert text.count("data=chat reads rows") == 1, text
+    cache = tmp_path / "cache"
     assert not [p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
 
 
@@ -258,7 +251,7 @@ def test_reading_stops_after_enough_bad_rows(
     with pytest.raises(UserError) as err:
         hf_data(str(path), cache_dir=str(tmp_path / "cache"), tokenize_workers=1)
     text = str(err.value)
-    count = int(__import__("re").search(r"data.text_field: (\d+) or more rows of", text)[1])
+    count = int(re.search(r"data.text_field: (\d+) or more rows of", text)[1])
     assert 20 <= count < 40 and "reading stopped there" in text and "\n" not in text, text
     assert text.count("has no field 'text'") == 10, text
 
