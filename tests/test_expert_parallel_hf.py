@@ -14,6 +14,8 @@ tokens go all-to-all). The two 2-rank runs are launched together. Compared:
 - resume on one process (dist.ep=1) from each ep=2 run's step-2 checkpoint: Qwen3-MoE's DCP
   shards (the default), Mixtral's checkpoint.format=full (experts gathered): the reference's
   steps 3 and 4;
+- another transformers mixture (model.family=olmoe) under dist.ep=2: one paragraph naming
+  dist.ep and its experts' class;
 - scripts/export_hf.py of the ep=2 run: transformers' own class with every expert, which
   `from_pretrained` loads with the checkpoint's weights and the reference's logits.
 """
@@ -90,12 +92,15 @@ class Runs:
             )
             for f in FAMILIES
         }
+        # Another transformers mixture (OLMoE: fused experts too, not shown to split alike).
+        refused = [*common(self.text, "qwen3_moe"), "model.family=olmoe", "train.max_steps=1"]
+        launches["olmoe"] = torchrun(2, [*refused, "dist.ep=2", f"hydra.run.dir={root / 'olmoe'}"])
         for f in FAMILIES:
             ref = root / f"ref-{f}"
             train_in_process([*common(self.text, f), dump(ref), f"hydra.run.dir={ref}"], ref)
-        procs = launch_all(launches, timeout=600)
-        for proc in procs.values():
-            assert proc.returncode == 0, explain(proc)
+        self.procs = launch_all(launches, timeout=600)
+        for name, proc in self.procs.items():
+            assert proc.returncode == 0 or name == "olmoe", explain(proc)
         for f in FAMILIES:  # ep=2 -> one process, from the step-2 checkpoint
             resumed = root / f"from-ep2-{f}"
             shutil.copytree(root / f"ep2-{f}" / STEP2, resumed / STEP2)
@@ -227,3 +232,15 @@ def test_export_of_an_ep_run_writes_whole_experts(runs: Runs, tmp_path: Path) ->
         got, expected = model(ids).logits, ref(ids).logits
     err = ((got - expected).abs().max() / expected.abs().max()).item()
     assert err <= 1e-5, f"logits: relative error {err:.2e}"
+
+
+@pytest.mark.multiproc
+def test_other_transformers_mixtures_are_refused(runs: Runs) -> None:
+    """model.family=olmoe (its routers observable, its experts not split by cumulus) under
+    dist.ep=2: one paragraph naming dist.ep, OlmoeExperts and what dist.ep takes."""
+    proc = runs.procs["olmoe"]
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, explain(proc)
+    assert "invalid config `dist.ep`" in out and "transformers' OlmoeExperts" in out, explain(proc)
+    assert "model=hf_qwen3_moe" in out, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)

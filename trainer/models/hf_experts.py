@@ -14,6 +14,11 @@ routing (the block's router output), each expert's transformers math (gate and u
 product, act(gate) * up, down), and transformers' combine (each output times its weight,
 added into the token's row in the hidden states' dtype).
 
+Other transformers mixtures with observable routers (OLMoE, Qwen2-MoE, ...: `model.family=`)
+train as before under dist.ep=1; under dist.ep > 1 their expert modules (`*Experts`) refuse the
+split in one paragraph naming dist.ep (`UnsplitExperts`), whose math this module has not been
+shown to reproduce.
+
 Checkpoints name the kept slices as the unsplit model does (`...mlp.experts.gate_up_proj`),
 and `ExpertParallel` writes them whole, so a checkpoint resumes under any dist.ep and
 scripts/export_hf.py writes transformers' own class with every expert.
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.moe.routing import dispatch, expert_compute
+from engine.parallel import LayoutError
 from engine.parallel.expert import ExpertGroup
 
 # transformers' fused expert modules whose layout and math `SplitExperts` reproduces: gated
@@ -82,20 +88,44 @@ class SplitExperts(nn.Module):
         return out.index_add(0, d.tokens, (ys * w).to(out.dtype))
 
 
+class UnsplitExperts(nn.Module):
+    """The experts of another transformers mixture (not `FUSED_EXPERTS`): dist.ep finds them
+    (`SplitsExperts`) and they refuse the split, naming their class and what is split."""
+
+    num_experts: int
+    transformers_class: type  # the class this one extends
+
+    def split_experts(self, group: ExpertGroup) -> list[nn.Parameter]:
+        del group
+        raise LayoutError(
+            "dist.ep",
+            f"splits the experts of transformers' {self.transformers_class.__name__}, which "
+            "cumulus cannot split yet: dist.ep > 1 takes the in-tree GPT's mixtures "
+            "(model.moe.experts) and transformers' Qwen3-MoE and Mixtral (model=hf_qwen3_moe, "
+            "model=hf_mixtral); set dist.ep=1 to train this model with every expert on each rank",
+        )
+
+
 @functools.cache
-def _splittable(cls: type) -> type:
-    """`cls` with `SplitExperts` first; a module-level name so pickling sees a real class."""
-    sub = type(f"Split{cls.__name__}", (SplitExperts, cls), {"__module__": __name__})
+def _subclass(mixin: type, cls: type) -> type:
+    """`cls` with `mixin` first; a module-level name so pickling sees a real class."""
+    prefix = "Split" if mixin is SplitExperts else "Unsplit"
+    body = {"__module__": __name__, "transformers_class": cls}
+    sub = type(f"{prefix}{cls.__name__}", (mixin, cls), body)
     globals()[sub.__name__] = sub
     return sub
 
 
-def make_experts_splittable(model: nn.Module) -> int:
-    """Each of `model`'s transformers fused expert modules (`FUSED_EXPERTS`) becomes its
-    `Split<Class>` in place (nothing else changes until `split_experts`); how many did."""
-    count = 0
+def make_experts_splittable(model: nn.Module) -> None:
+    """In place, for a mixture of experts (transformers' top-k routers found): each fused
+    expert module of `FUSED_EXPERTS` becomes its `Split<Class>` (nothing else changes until
+    `split_experts`), any other `*Experts` module holding `num_experts` its refusing
+    `Unsplit<Class>`."""
     for m in model.modules():
-        if type(m).__name__ in FUSED_EXPERTS and not isinstance(m, SplitExperts):
-            m.__class__ = _splittable(type(m))
-            count += 1
-    return count
+        cls = type(m)
+        if isinstance(m, SplitExperts | UnsplitExperts) or not cls.__name__.endswith("Experts"):
+            continue
+        if cls.__name__ in FUSED_EXPERTS:
+            m.__class__ = _subclass(SplitExperts, cls)
+        elif isinstance(vars(m).get("num_experts"), int):
+            m.__class__ = _subclass(UnsplitExperts, cls)
