@@ -45,8 +45,10 @@ from torch import nn
 from engine.distributed import DistInfo
 from engine.moe.routing import HALF, BiasedRouter, HookedRouter, Routed, Routing
 from engine.numerics.chunked_ce import IGNORE_INDEX
+from engine.parallel.base import NO_GUARD, WindowGuard
 from engine.step import EvalTask
 from engine.steps.cached import RandomState, cuda_devices
+from engine.steps.oom import OutOfMemoryAgreed
 
 BALANCES = ("global", "micro", "bias", "none")
 
@@ -251,26 +253,41 @@ class BalancedTask:
                 "batch and the random state?)"
             )
 
-    def prepare_window(self, ctx: Any, window: Sequence[Any], global_count: torch.Tensor) -> None:
-        """Before any backward: with `global`, the routing pass and its one all-reduce."""
+    def prepare_window(
+        self,
+        ctx: Any,
+        window: Sequence[Any],
+        global_count: torch.Tensor,
+        guard: WindowGuard = NO_GUARD,
+    ) -> None:
+        """Before any backward: with `global`, the routing pass and its one all-reduce. Each
+        forward of the pass runs under `guard.micro_batch`, like a backward's (under
+        train.micro_batch_size=auto: ranks agree after each, so an out-of-memory error on one
+        rank is every rank's `OutOfMemoryAgreed` before any of them reaches the counts'
+        all-reduce)."""
         self.check_routing()  # the last window's, if no callback checked it
         dp = ctx.parallel.dp_size
         self.window = Window(global_count.clamp(min=1), len(window) * dp, list(window))
         if self.cfg.balance != "global":
             return
         with ctx.clock.span("moe routing pass"):
-            sums = self.routing_pass(ctx, window)
+            sums = self.routing_pass(ctx, window, guard)
         with ctx.clock.collective("moe routing counts"):
             flat = self.all_reduce(sums)
         self.window.step = StepSums.unflat(flat, len(self.routers), self.experts, self.top_k)
 
-    def routing_pass(self, ctx: Any, window: Sequence[Any]) -> torch.Tensor:
+    def routing_pass(
+        self, ctx: Any, window: Sequence[Any], guard: WindowGuard = NO_GUARD
+    ) -> torch.Tensor:
         devices = cuda_devices(ctx, window)
         total: torch.Tensor | None = None
         assert self.window is not None
-        for batch in window:
+        for i, batch in enumerate(window):
             state = RandomState.capture(devices)
-            sums = self.route(ctx, batch)
+            try:
+                sums = guard.micro_batch(i, len(window), lambda b=batch: self.route(ctx, b))
+            except OutOfMemoryAgreed as oom:  # named for what ran out: the routing pass
+                raise OutOfMemoryAgreed(f"moe routing pass of the {oom.where}", oom.ranks) from None
             self.window.replays[id(batch)] = (state, sums.counts)
             total = sums.flat() if total is None else total + sums.flat()
         assert total is not None
@@ -288,6 +305,10 @@ class BalancedTask:
                 self.task.loss_sum(ctx.model, batch)
         except RoutingDone:
             pass
+        except BaseException:
+            for r in self.routers:  # a forward that failed (out of memory): not kept alive
+                r.routing = None
+            raise
         finally:
             if hook is not None:
                 hook.remove()
