@@ -181,7 +181,6 @@ class Window:
     replays: dict[int, tuple[RandomState, torch.Tensor]] = field(default_factory=dict)
     step: StepSums | None = None
     local: list[torch.Tensor] = field(default_factory=list)  # pass-2 sums (records)
-    differs: torch.Tensor | None = None  # whether any micro-batch routed unlike its count
 
 
 class BalancedTask:
@@ -211,6 +210,8 @@ class BalancedTask:
         if any(r.num_experts != self.experts or r.top_k != self.top_k for r in routers):
             raise ValueError("every router must have the same number of experts and top_k")
         self.window: Window | None = None
+        # Whether a micro-batch routed unlike its count since the last check (on the device).
+        self.differs: torch.Tensor | None = None
 
     # ---- the task's contract ----
     def count_items(self, batch: Any) -> torch.Tensor:
@@ -225,32 +226,34 @@ class BalancedTask:
             entry[0].restore()  # the routing pass's random state: the same routing
         loss = self.task.loss_sum(model, batch)
         sums = self.sums(batch)
-        if entry is not None:  # compared on the device; read once per step (check_routing)
+        differs = None
+        if entry is not None:  # compared on the device; read when records are (check_routing)
             differs = (sums.counts != entry[1]).any()
-            window.differs = differs if window.differs is None else window.differs | differs
+            self.differs = differs if self.differs is None else self.differs | differs
         if window.step is None:  # global's routing pass gave the step's sums already
             window.local.append(sums.flat())
         extra = self.balance_term(sums, window)
-        if extra is None:
-            return loss
-        extra = (extra * window.global_count.to(extra.dtype)).to(loss.dtype)
-        return loss + (extra - extra.detach())  # the value stays the task's loss, exactly
+        if extra is not None:
+            extra = (extra * window.global_count.to(extra.dtype)).to(loss.dtype)
+            loss = loss + (extra - extra.detach())  # the value stays the task's loss, exactly
+        return loss if differs is None else _NanGradientIf.apply(loss, differs)
 
     # ---- the window ----
     def check_routing(self) -> None:
-        """With `global`: raise if a micro-batch of the window routed differently in its
-        backward pass than in the routing pass (its gradient would use another f). One host
-        read per window: the step's callbacks call it before the update, and the next window
-        for the last one otherwise."""
-        window = self.window
-        if window is None or window.differs is None:
+        """With `global`: raise if a micro-batch routed differently in its backward pass than
+        in the routing pass since the last check (its gradient would use another f). No step
+        waits for it: such a micro-batch's gradient is NaN (`_NanGradientIf`), so its step's
+        update is skipped on the device, on every rank (the gradients' reduction carries the
+        NaN), as a non-finite gradient's is; `metrics` calls this, so the run stops at the
+        next record, with one host read where the records are read."""
+        if self.differs is None:
             return
-        differs, window.differs = window.differs, None
+        differs, self.differs = self.differs, None
         if bool(differs):
             raise RuntimeError(
                 "moe.balance=global: a micro-batch routed differently in its backward pass than "
                 "in the routing pass (a forward that depends on more than the weights, the "
-                "batch and the random state?)"
+                "batch and the random state?); its step was skipped (its gradient not applied)"
             )
 
     def prepare_window(
@@ -265,7 +268,6 @@ class BalancedTask:
         train.micro_batch_size=auto: ranks agree after each, so an out-of-memory error on one
         rank is every rank's `OutOfMemoryAgreed` before any of them reaches the counts'
         all-reduce)."""
-        self.check_routing()  # the last window's, if no callback checked it
         dp = ctx.parallel.dp_size
         self.window = Window(global_count.clamp(min=1), len(window) * dp, list(window))
         if self.cfg.balance != "global":
@@ -383,7 +385,9 @@ class BalancedTask:
     # ---- records ----
     def metrics(self) -> dict[str, torch.Tensor]:
         """The last step's whole-batch aux, z-loss and load (collective outside `global` and
-        `bias`: every rank calls it when a record is due)."""
+        `bias`: every rank calls it when a record is due); with `global`, first the routing
+        check of the steps since the last record (`check_routing`)."""
+        self.check_routing()
         sums = self.step_sums()
         return {} if sums is None else sums.records()
 
@@ -401,6 +405,21 @@ def balanced(
     """`task` with the routers' balancing; its evaluation sums kept when it has them."""
     kind = BalancedEvalTask if isinstance(task, EvalTask) else BalancedTask
     return kind(task, routers, cfg, info, group)
+
+
+class _NanGradientIf(torch.autograd.Function):
+    """The identity; in backward, a NaN gradient where `flag` (a bool tensor) is set: decided
+    on the device, no host read."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(flag)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (flag,) = ctx.saved_tensors
+        return torch.where(flag.to(grad.device), torch.full_like(grad, float("nan")), grad), None
 
 
 def _stop(module: nn.Module, args: Any, output: Any) -> None:
