@@ -219,6 +219,9 @@ def rel_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> di
 
 
 def assert_exact(dumped: dict, runs: Runs) -> None:
+    """The whole batch's gradient to 1e-5; no router holds a routing after the backward
+    passes (a block recomputed in backward keeps nothing)."""
+    assert dumped["held"] == [], dumped["held"]
     want = runs.reference()[0]
     errs = rel_error(dumped["grads"], want)
     worst = max(errs, key=errs.__getitem__)
@@ -272,7 +275,8 @@ def test_one_step_is_the_whole_batch_gradient(runs: Runs, split: str) -> None:
 
 
 def test_activation_checkpointing_counts_once(runs: Runs) -> None:
-    """Recomputing each block in backward routes again; nothing is counted twice."""
+    """Recomputing each block in backward routes again; nothing is counted twice, nor kept
+    (a routing kept would hold the recomputed block's activations: assert_exact)."""
     dumped, record = runs.one("4x6-ckpt", "global", "model.activation_checkpointing=true")
     assert_exact(dumped, runs)
     assert record["train/moe_aux_loss"] == pytest.approx(runs.reference()[1], rel=1e-6)
@@ -500,7 +504,9 @@ def hf_reference(
 
 def assert_hf_exact(family: str, dumped: dict, record: dict, runs: Runs) -> None:
     """The run's step-1 gradient is the whole batch's to 1e-5, from the reference's weights;
-    its records are the whole batch's aux and z to 1e-6."""
+    its records are the whole batch's aux and z to 1e-6; no router holds a routing after the
+    backward passes."""
+    assert dumped["held"] == [], dumped["held"]
     want, want_aux, want_z = runs.hf_reference(family)
     first = runs.hf(family, "4x6")[0]["weights"]
     assert all(torch.equal(w, first[n]) for n, w in dumped["weights"].items())
