@@ -11,7 +11,10 @@ computed here on the same weights, whatever the split (micro x accum 24x1, 4x6, 
 averaged over the layers (f: the share of the top-k assignments, P: the mean router
 probability); z = the mean of logsumexp(router logits)^2. Both are computed here from the
 router's logits, captured by a hook on its gate, with their own softmax and top-k. The data
-set is the whole batch, so the reference needs no knowledge of the sampler's order.
+set is the whole batch, so the reference needs no knowledge of the sampler's order. The same
+for model=hf_qwen3_moe at every split (hf_mixtral at 4x6), against transformers' own model in
+float64 (`hf_reference`). After the backward passes no router holds a routing (a block
+recomputed in backward would keep its activations alive through it).
 
 `moe.balance=micro` (the peers' per-micro-batch balancing) misses the same gradient by a
 measured amount: the negative control, and the README's number. `moe.balance=bias` moves
