@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.callbacks import Callback
 from engine.distributed import unwrap
+from engine.moe.routing import HasRouters
 from engine.parallel.base import whole_tensor
 from engine.step import StepContext
 from trainer.models.gpt import GPT
@@ -19,8 +20,12 @@ from trainer.models.moe import Router
 
 
 class DumpFirstStep(Callback):
-    """Before the first update: {"weights": {name: tensor}, "grads": {name: tensor}} to `path`
-    (every rank gathers sharded values; rank 0 writes)."""
+    """Before the first update: {"weights": {name: tensor}, "grads": {name: tensor}, "held":
+    [the index of each router still holding a routing]} to `path` (every rank gathers sharded
+    values; rank 0 writes). Every micro-batch's routing was read and dropped after its forward:
+    one still held after the backward passes was routed again by a block recomputed in
+    backward (activation checkpointing), and its logits' graph keeps the recomputed block's
+    activations alive."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
@@ -31,8 +36,11 @@ class DumpFirstStep(Callback):
         named = list(unwrap(ctx.model).named_parameters())
         weights = {n: whole_tensor(p.detach()).clone() for n, p in named}
         grads = {n: whole_tensor(p.grad).clone() for n, p in named if p.grad is not None}
+        model = unwrap(ctx.model)
+        routers = model.routers() if isinstance(model, HasRouters) else []
+        held = [i for i, r in enumerate(routers) if r.routing is not None]
         if ctx.dist.rank == 0:
-            torch.save({"weights": weights, "grads": grads}, self.path)
+            torch.save({"weights": weights, "grads": grads, "held": held}, self.path)
 
     def on_after_optimizer_step(self, ctx: StepContext, step: int) -> None:
         """After step 1: the model's buffers (routing biases) to `path` + `.buffers`."""

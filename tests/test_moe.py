@@ -11,7 +11,10 @@ computed here on the same weights, whatever the split (micro x accum 24x1, 4x6, 
 averaged over the layers (f: the share of the top-k assignments, P: the mean router
 probability); z = the mean of logsumexp(router logits)^2. Both are computed here from the
 router's logits, captured by a hook on its gate, with their own softmax and top-k. The data
-set is the whole batch, so the reference needs no knowledge of the sampler's order.
+set is the whole batch, so the reference needs no knowledge of the sampler's order. The same
+for model=hf_qwen3_moe at every split (hf_mixtral at 4x6), against transformers' own model in
+float64 (`hf_reference`). After the backward passes no router holds a routing (a block
+recomputed in backward would keep its activations alive through it).
 
 `moe.balance=micro` (the peers' per-micro-batch balancing) misses the same gradient by a
 measured amount: the negative control, and the README's number. `moe.balance=bias` moves
@@ -20,6 +23,7 @@ each router's bias by the whole step's assignments, on one rank or two, and resu
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +72,11 @@ def load_dump(run_dir: Path) -> dict[str, Any]:
     return dumped
 
 
+def hf_model(family: str) -> list[str]:
+    """model=hf_<family> in place of the in-tree GPT (its `model.moe` removed)."""
+    return [f"model=hf_{family}", "~model.moe"]
+
+
 def dump(run_dir: Path) -> str:
     return (
         f"+callbacks.dump={{_target_: tests.moe_support.DumpFirstStep, path: {run_dir}/step1.pt}}"
@@ -102,7 +111,8 @@ class Runs:
         return load_dump(run_dir), train_records(records)[-1]
 
     def two_ranks(self) -> dict[str, tuple[dict, dict]]:
-        """DDP and FSDP2, 2 ranks x micro 3 x accum 4, launched together."""
+        """DDP and FSDP2, 2 ranks x micro 3 x accum 4, the in-tree GPT and hf_qwen3_moe,
+        launched together."""
         return self.once("two ranks", self._two_ranks)
 
     def _two_ranks(self) -> dict[str, Any]:
@@ -113,6 +123,9 @@ class Runs:
             "fsdp": ["dist.strategy=fsdp"],
             "ddp-bias": ["dist.strategy=ddp", "moe=bias", f"moe.bias_rate={RATE}"],
         }
+        if importlib.util.find_spec("transformers") is not None:  # the `hf` extra
+            layouts["hf-ddp"] = ["dist.strategy=ddp", *hf_model("qwen3_moe")]
+            layouts["hf-fsdp"] = ["dist.strategy=fsdp", *hf_model("qwen3_moe")]
         cmds, dirs = {}, {}
         for name, extra in layouts.items():
             run_dir = dirs[name] = self.root / name
@@ -126,6 +139,21 @@ class Runs:
             assert proc.returncode == 0, explain(proc)
             out[name] = (load_dump(dirs[name]), train_records(read_metrics(dirs[name]))[-1])
         return out
+
+    def hf(self, family: str, name: str) -> tuple[dict, dict]:
+        """An in-process run of model=hf_<family> (`name`: a split, `-ckpt` with activation
+        checkpointing)."""
+        extra = ["model.activation_checkpointing=true"] if name.endswith("-ckpt") else []
+        return self.one(name, "global", *hf_model(family), *extra)
+
+    def hf_reference(self, family: str) -> tuple[dict[str, torch.Tensor], float, float]:
+        """`hf_reference` on the 4x6 run's first weights (every run starts from them)."""
+        return self.once(("hf reference", family), lambda: self._hf_reference(family))
+
+    def _hf_reference(self, family: str) -> tuple[dict[str, torch.Tensor], float, float]:
+        weights = self.hf(family, "4x6")[0]["weights"]
+        samples = load_splits(TextCfg(path=str(self.text), block_size=64)).train
+        return hf_reference(family, weights, torch.stack(list(samples)))
 
     def reference(self) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
         """The float64 gradient of the whole batch's loss on the runs' first weights, and the
@@ -194,6 +222,9 @@ def rel_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> di
 
 
 def assert_exact(dumped: dict, runs: Runs) -> None:
+    """The whole batch's gradient to 1e-5; no router holds a routing after the backward
+    passes (a block recomputed in backward keeps nothing)."""
+    assert dumped["held"] == [], dumped["held"]
     want = runs.reference()[0]
     errs = rel_error(dumped["grads"], want)
     worst = max(errs, key=errs.__getitem__)
@@ -247,7 +278,8 @@ def test_one_step_is_the_whole_batch_gradient(runs: Runs, split: str) -> None:
 
 
 def test_activation_checkpointing_counts_once(runs: Runs) -> None:
-    """Recomputing each block in backward routes again; nothing is counted twice."""
+    """Recomputing each block in backward routes again; nothing is counted twice, nor kept
+    (a routing kept would hold the recomputed block's activations: assert_exact)."""
     dumped, record = runs.one("4x6-ckpt", "global", "model.activation_checkpointing=true")
     assert_exact(dumped, runs)
     assert record["train/moe_aux_loss"] == pytest.approx(runs.reference()[1], rel=1e-6)
@@ -461,10 +493,11 @@ def test_bias_resumes_exactly(runs: Runs, tmp_path: Path) -> None:
 
 def hf_reference(
     family: str, weights: dict[str, torch.Tensor], batch: torch.Tensor
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], float, float]:
     """The float64 gradient of mean CE + AUX * aux + Z * z over `batch`, on transformers'
-    model of `family` (configs/model/hf_<family>.yaml) with the run's first weights; router
-    logits from a hook on each `*TopKRouter`, softmax and top-k computed here."""
+    model of `family` (configs/model/hf_<family>.yaml) with the run's first weights, and the
+    whole batch's aux and z; router logits from a hook on each `*TopKRouter`, softmax and
+    top-k computed here."""
     import yaml
 
     from trainer.models.hf import causal_lm
@@ -487,22 +520,54 @@ def hf_reference(
         f = torch.bincount(chosen.flatten(), minlength=E).double() / chosen.numel()
         aux.append(E * (f * probs.mean(0)).sum())
         z.append(torch.logsumexp(lg, -1).pow(2).mean())
-    (ce + AUX * torch.stack(aux).mean() + Z * torch.stack(z).mean()).backward()
-    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    aux_loss, z_loss = torch.stack(aux).mean(), torch.stack(z).mean()
+    (ce + AUX * aux_loss + Z * z_loss).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return grads, aux_loss.item(), z_loss.item()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_transformers_moe_is_the_whole_batch_gradient(runs: Runs, family: str) -> None:
-    """model=hf_qwen3_moe and hf_mixtral at micro 4 x accum 6: the whole batch's gradient to
-    1e-5, their own auxiliary loss off, cumulus's from their routers' logits."""
-    pytest.importorskip("transformers")
-    dumped, record = runs.one("4x6", "global", f"model=hf_{family}", "~model.moe")
-    samples = load_splits(TextCfg(path=str(runs.text), block_size=64)).train
-    want = hf_reference(family, dumped["weights"], torch.stack(list(samples)))
+def assert_hf_exact(family: str, dumped: dict, record: dict, runs: Runs) -> None:
+    """The run's step-1 gradient is the whole batch's to 1e-5, from the reference's weights;
+    its records are the whole batch's aux and z to 1e-6; no router holds a routing after the
+    backward passes."""
+    assert dumped["held"] == [], dumped["held"]
+    want, want_aux, want_z = runs.hf_reference(family)
+    first = runs.hf(family, "4x6")[0]["weights"]
+    assert all(torch.equal(w, first[n]) for n, w in dumped["weights"].items())
     errs = rel_error(dumped["grads"], want)
     worst = max(errs, key=errs.__getitem__)
     assert errs[worst] <= REL, f"{worst}: relative error {errs[worst]:.2e} > {REL:.0e}"
+    assert record["train/moe_aux_loss"] == pytest.approx(want_aux, rel=1e-6)
+    same = runs.hf(family, "4x6")[1]["train/moe_aux_loss"]
+    assert record["train/moe_aux_loss"] == pytest.approx(same, rel=1e-6)
+    assert record["train/moe_z_loss"] == pytest.approx(want_z, rel=1e-6)
     assert record["train/moe_load_max"] >= 1.0
+
+
+@pytest.mark.parametrize(
+    ("family", "split"),
+    [("qwen3_moe", "24x1"), ("qwen3_moe", "4x6"), ("qwen3_moe", "4x6-ckpt"), ("mixtral", "4x6")],
+)
+def test_transformers_moe_is_the_whole_batch_gradient(runs: Runs, family: str, split: str) -> None:
+    """model=hf_qwen3_moe at micro x accum 24x1, 4x6 and 4x6 with activation checkpointing
+    (each decoder layer recomputed in backward, its router's hook firing again), hf_mixtral at
+    4x6: the whole batch's gradient to 1e-5 and its aux to 1e-6, their own auxiliary loss
+    off, cumulus's from their routers' logits."""
+    pytest.importorskip("transformers")
+    dumped, record = runs.hf(family, split)
+    assert_hf_exact(family, dumped, record, runs)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_transformers_moe_on_two_ranks_is_the_whole_batch_gradient(
+    runs: Runs, strategy: str
+) -> None:
+    """model=hf_qwen3_moe on 2 ranks x micro 3 x accum 4 under DDP and FSDP2 (each decoder
+    layer sharded, its experts with it): as one process, whole batch to 1e-5, aux to 1e-6."""
+    pytest.importorskip("transformers")
+    dumped, record = runs.two_ranks()[f"hf-{strategy}"]
+    assert_hf_exact("qwen3_moe", dumped, record, runs)
 
 
 def test_transformers_moe_without_observable_routers_is_refused() -> None:

@@ -5,7 +5,8 @@ A router (`Routed`) scores every token against `num_experts` experts; each token
 Routing is dropless: no capacity, no token dropped, so a token's output does not depend on
 which other tokens share its micro-batch. The router keeps what its last forward routed
 (`routing`) for the load-balancing loss (engine/moe/balance.py), which a model exposes by
-declaring its routers (`HasRouters`).
+declaring its routers (`HasRouters`); not what a block recomputed in backward routes again
+(`recomputing`).
 
 The dispatch sorts the (token, slot) assignments by expert so that each expert runs one
 matmul on a contiguous slice (`dispatch` -> expert compute -> `combine`). Expert parallelism
@@ -50,7 +51,8 @@ class Routed(Protocol):
             def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 logits = self.gate(x)  # (N, E)
                 weights, experts = top_k_route(logits, self.top_k)  # (N, k), (N, k)
-                self.routing = Routing(logits, experts)
+                if not recomputing():  # activation checkpointing's second forward
+                    self.routing = Routing(logits, experts)
                 return weights, experts
     """
 
@@ -106,7 +108,20 @@ class HookedRouter:
                 f"last output; a router's forward must return (logits, ..., experts (N, "
                 f"{self.top_k}) indices)"
             )
-        self.routing = Routing(logits, experts)
+        if not recomputing():
+            self.routing = Routing(logits, experts)
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: activation checkpointing recomputing
+    the block. A router then keeps nothing: what it routes is the forward's routing again
+    (already counted), and its logits' graph would hold the recomputed block's activations
+    alive until the router's next forward: every recomputed block's, by the end of backward.
+    Compiled code is traced once, outside backward, and recomputes without running this."""
+    if torch.compiler.is_compiling():
+        return False
+    # torch.utils.checkpoint asks the same of the autograd engine: -1 outside a backward pass.
+    return torch._C._current_graph_task_id() != -1
 
 
 def top_k_route(

@@ -15,7 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.moe.routing import Routing, combine, dispatch, expert_compute, top_k_route
+from engine.moe.routing import (
+    Routing,
+    combine,
+    dispatch,
+    expert_compute,
+    recomputing,
+    top_k_route,
+)
 from engine.parallel.expert import ExpertGroup
 
 
@@ -101,7 +108,8 @@ class Router(nn.Module):
         logits = self.gate(x)  # (N, E)
         # A zero bias chooses as plain top-k does, exactly (p + 0.0 == p).
         weights, experts = top_k_route(logits, self.top_k, self.bias)  # (N, k), (N, k)
-        self.routing = Routing(logits, experts)
+        if not recomputing():  # activation checkpointing's second forward keeps nothing
+            self.routing = Routing(logits, experts)
         return weights, experts
 
 
