@@ -38,7 +38,7 @@ from trainer.checks.certify import TOLERANCE
 from trainer.config.cli import to_config
 from trainer.config.errors import ConfigError
 from trainer.config.schema import COMPILE_MODES
-from trainer.run.assemble import assemble, build_task
+from trainer.run.assemble import assemble, build_task, check_static_shapes
 from trainer.run.float8 import check_float8
 
 needs_torchao = pytest.mark.skipif(
@@ -293,3 +293,21 @@ def test_compile_mode_refusals(overrides: list[str], pattern: str, tmp_path: Pat
     with pytest.raises(ConfigError, match=pattern):
         train_in_process([*TINY, *overrides, f"hydra.run.dir={tmp_path}"], tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@needs_torchao
+def test_bench_variants_compose(tmp_path: Path) -> None:
+    """The GPU benchmark's fp8 and CUDA-graph rows (docs/benchmarks.md's pending command):
+    their overrides compose over the gpt2_small preset and its shapes are static enough for
+    reduce-overhead (packed data, a fixed micro-batch)."""
+    from scripts import bench_nanogpt as bench
+
+    extra = ["train.precision=fp8", "train.compile_mode=reduce-overhead"]
+    cmd = bench.cumulus_gpu_cmd(50, tmp_path / "data", tmp_path / "run", extra)
+    cfg, _ = to_config(compose_config(cmd[3:]))
+    assert (cfg.train.precision, cfg.train.compile, cfg.train.compile_mode) == (
+        "fp8",
+        True,
+        "reduce-overhead",
+    )
+    check_static_shapes(cfg)  # not refused
