@@ -155,6 +155,18 @@ def test_linear_layers_convert_and_the_head_stays() -> None:
     )
 
 
+@needs_torchao
+def test_a_model_with_nothing_to_convert_is_refused() -> None:
+    """24 wide: no Linear layer of gpt_tiny has sizes that are multiples of 16; fp8 would be
+    bf16 under another name."""
+    with pytest.raises(ConfigError) as info:
+        built([*FP8, "model.n_embd=24"])
+    message = str(info.value)
+    assert message.startswith("invalid config `train.precision`: fp8 found no Linear layer of GPT")
+    assert "blocks.0.attn.qkv: 24 x 72: not multiples of 16" in message
+    assert "lm_head: output head" in message and message.endswith("fp32, bf16, fp16")
+
+
 def test_plan_keeps_subclasses_and_odd_sizes() -> None:
     """Without torchao: what would be converted. A Linear subclass keeps its own forward."""
 
@@ -311,3 +323,44 @@ def test_bench_variants_compose(tmp_path: Path) -> None:
         "reduce-overhead",
     )
     check_static_shapes(cfg)  # not refused
+
+
+# ---- on a GPU (skipped here; docs/benchmarks.md's GPU session runs them)
+
+CUDA = torch.cuda.is_available()
+FLOAT8_GPU = CUDA and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")
+def test_cuda_graphs_train_as_the_default_mode(tmp_path: Path) -> None:
+    """reduce-overhead replays the compiled step's CUDA graphs over 2 micro-batches a step:
+    the same losses and gradient norms as torch.compile's default mode (the same kernels)."""
+    base = [*TINY, f"train.max_steps={STEPS}", "train.precision=bf16", "train.compile=true"]
+    runs = {}
+    for mode in ("null", "reduce-overhead"):
+        run_dir = tmp_path / mode
+        args = [*base, f"train.compile_mode={mode}", f"hydra.run.dir={run_dir}"]
+        runs[mode] = train_records(train_in_process(args, run_dir))
+    for key in ("train/loss", "train/grad_norm"):
+        got, want = [r[key] for r in runs["reduce-overhead"]], [r[key] for r in runs["null"]]
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (key, got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FLOAT8_GPU, reason="float8 matmuls need compute capability 8.9")
+def test_fp8_on_a_float8_gpu_trains_near_bf16(tmp_path: Path) -> None:
+    """Real float8 matmuls (no emulation): the losses stay near bf16's, as emulated ones do."""
+    base = [*TINY, f"train.max_steps={STEPS}"]
+    fp8 = train_records(
+        train_in_process(
+            [*base, "train.precision=fp8", f"hydra.run.dir={tmp_path / 'a'}"], tmp_path / "a"
+        )
+    )
+    bf16 = train_records(
+        train_in_process(
+            [*base, "train.precision=bf16", f"hydra.run.dir={tmp_path / 'b'}"], tmp_path / "b"
+        )
+    )
+    diff = max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(fp8, bf16))
+    assert 0 < diff <= FP8_VS_BF16, diff

@@ -10,7 +10,7 @@ from engine.distributed import DistInfo
 from engine.moe.routing import HasRouters, HookedRouter
 from engine.numerics import PRECISIONS
 from engine.numerics.chunked_ce import OutputHead
-from engine.numerics.float8 import Float8Layers, convert, unsupported
+from engine.numerics.float8 import Float8Layers, convert, plan, unsupported
 from engine.parallel.dims import ParallelDims
 from trainer.config.errors import ConfigError
 from trainer.config.schema import TrainCfg
@@ -54,9 +54,21 @@ def check_float8(train: TrainCfg, info: DistInfo, dims: ParallelDims) -> None:
 def to_float8(
     model: nn.Module, train: TrainCfg, info: DistInfo, dims: ParallelDims
 ) -> Float8Layers:
-    """Convert `model`'s Linear layers for fp8 in place (after `check_float8`'s refusals)."""
+    """Convert `model`'s Linear layers for fp8 in place (after `check_float8`'s refusals); a
+    model with none to convert is refused (fp8 would silently be bf16)."""
     check_float8(train, info, dims)
+    keep = kept_in_bf16(model)
+    chosen, kept = plan(model, keep)
+    if not chosen:
+        why = "; ".join(f"{name}: {reason}" for name, reason in kept.items())
+        raise ConfigError(
+            "train.precision",
+            f"fp8 found no Linear layer of {type(model).__name__} to train in float8 (plain "
+            f"nn.Linear layers whose sizes are multiples of 16, besides the output head and "
+            f"routers){'; ' + why if why else ': it has no nn.Linear'}. Valid for this "
+            f"model: {OTHERS}",
+        )
     try:
-        return convert(model, kept_in_bf16(model), emulate=train.fp8_emulate)
+        return convert(model, keep, emulate=train.fp8_emulate)
     except ModuleNotFoundError as exc:  # torchao vanished since the config's check
         raise ConfigError("train.precision", str(exc)) from None
