@@ -7,7 +7,8 @@
   resumed from its step-2 checkpoint continues the uninterrupted run bit for bit.
 - Without the switch a CPU is refused in one paragraph naming train.precision; so is a
   missing torchao (naming the extra), and dist.tp.
-- FSDP2 on 2 ranks trains as one process does, to certify's fp8 tolerance.
+- FSDP2 on 2 ranks trains as one process does, to certify's fp8 tolerance; 2 pipeline
+  stages bit for bit.
 - A converted GPT compiles (dynamo) as one graph with no break, its loss equal to eager fp8's.
 - `train.compile_mode` reaches torch.compile: the compiled forward's inductor configuration
   holds the mode's options (CUDA graphs for reduce-overhead). Unknown modes, a mode without
@@ -108,21 +109,29 @@ def test_fp8_resumes_bit_for_bit(runs: dict[str, Path], tmp_path: Path) -> None:
 
 @needs_torchao
 @pytest.mark.multiproc
-def test_fp8_under_fsdp_trains_as_one_process(runs: dict[str, Path], tmp_path: Path) -> None:
-    """FSDP2 on 2 ranks (micro 4 x accum 2, the same global batch of 16): the float8 layers
-    are sharded as any Linear (gathered in bf16, cast to float8 in their forward), and the
-    losses and gradient norms follow the one-process fp8 run to certify's fp8 tolerance
-    (measured: 1.8e-4 relative in loss, 2.3e-3 in gradient norm; the bound is 1e-2)."""
+@pytest.mark.parametrize(
+    ("layout", "rtol"),
+    [(["dist.strategy=fsdp", "train.micro_batch_size=4"], TOLERANCE["fp8"][1]), (["dist.pp=2"], 0)],
+    ids=["fsdp2", "pp2"],
+)
+def test_fp8_on_two_ranks_trains_as_one_process(
+    runs: dict[str, Path], layout: list[str], rtol: float, tmp_path: Path
+) -> None:
+    """The same global batch of 16 on 2 ranks. FSDP2 (micro 4 x accum 2 each) shards the
+    float8 layers as any Linear (gathered in bf16, cast to float8 in their forward): losses
+    and gradient norms follow the one-process fp8 run to certify's fp8 tolerance (measured:
+    1.8e-4 relative in loss, 2.3e-3 in gradient norm; the bound is 1e-2). Pipeline stages
+    (the same micro-batches of 8, so the same float8 scales) hold the converted blocks: bit
+    for bit."""
     from tests.conftest import read_metrics
 
-    args = [*TINY, "train.micro_batch_size=4", f"train.max_steps={STEPS}", *FP8]
-    proc = run_torchrun(2, [*args, "dist.strategy=fsdp", f"hydra.run.dir={tmp_path}"])
+    args = [*TINY, f"train.max_steps={STEPS}", *FP8, *layout]
+    proc = run_torchrun(2, [*args, f"hydra.run.dir={tmp_path}"])
     assert proc.returncode == 0, explain(proc)
     assert "precision fp8 (float8 Linear layers: 8 of 9" in proc.stdout
     got = train_records(read_metrics(tmp_path))
     want = train_records(read_metrics(runs["fp8"]))
     assert len(got) == len(want) == STEPS
-    _, rtol = TOLERANCE["fp8"]
     for key in ("train/loss", "train/grad_norm"):
         for a, b in zip(got, want):
             assert abs(a[key] - b[key]) <= rtol * abs(b[key]), (key, got, want)
