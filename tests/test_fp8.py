@@ -7,6 +7,7 @@
   resumed from its step-2 checkpoint continues the uninterrupted run bit for bit.
 - Without the switch a CPU is refused in one paragraph naming train.precision; so is a
   missing torchao (naming the extra), and dist.tp.
+- Activation checkpointing leaves the run bit for bit the same.
 - FSDP2 on 2 ranks trains as one process does, to certify's fp8 tolerance; 2 pipeline
   stages bit for bit.
 - A converted GPT compiles (dynamo) as one graph with no break, its loss equal to eager fp8's.
@@ -105,6 +106,21 @@ def test_fp8_resumes_bit_for_bit(runs: dict[str, Path], tmp_path: Path) -> None:
     assert [r["step"] for r in resumed] == [3, 4]
     for key in ("train/loss", "train/grad_norm"):
         assert [r[key] for r in resumed] == [r[key] for r in whole[2:]], key
+
+
+@needs_torchao
+def test_fp8_with_activation_checkpointing_is_the_same_run(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Each block recomputed in backward (its float8 casts with it): bit for bit the run
+    without activation checkpointing."""
+    from tests.conftest import read_metrics
+
+    args = [*TINY, f"train.max_steps={STEPS}", *FP8, "model.activation_checkpointing=true"]
+    got = train_records(train_in_process([*args, f"hydra.run.dir={tmp_path}"], tmp_path))
+    want = train_records(read_metrics(runs["fp8"]))
+    for key in ("train/loss", "train/grad_norm"):
+        assert [r[key] for r in got] == [r[key] for r in want], key
 
 
 @needs_torchao
