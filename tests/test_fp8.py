@@ -40,6 +40,7 @@ from trainer.checks.certify import TOLERANCE
 from trainer.config.cli import to_config
 from trainer.config.errors import ConfigError
 from trainer.config.schema import COMPILE_MODES
+from trainer.data import DataSplits, pad_collate
 from trainer.run.assemble import assemble, build_task, check_static_shapes
 from trainer.run.float8 import check_float8
 
@@ -328,8 +329,8 @@ CUDA_GRAPHS = ["train.compile=true", "train.compile_mode=reduce-overhead"]
 )
 def test_compile_mode_refusals(overrides: list[str], pattern: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=pattern):
-        train_in_process([*TINY, *overrides, f"hydra.run.dir={tmp_path}"], tmp_path)
-    assert not (tmp_path / "metrics.jsonl").exists()
+        train_in_process([*TINY, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 @needs_torchao
@@ -347,7 +348,12 @@ def test_bench_variants_compose(tmp_path: Path) -> None:
         True,
         "reduce-overhead",
     )
-    check_static_shapes(cfg)  # not refused
+    check_static_shapes(cfg, DataSplits([], [], seq_len=1024))  # packed tokens: not refused
+    # data=chat (packed conversations too), data=preference: rows padded to the micro-batch's
+    # longest by trainer.data's PadCollate
+    padded = DataSplits([], [], collate_fn=pad_collate({"input_ids": 0}), description="chat")
+    with pytest.raises(ConfigError, match=r"`data`: .*chat pads each micro-batch to its long"):
+        check_static_shapes(cfg, padded)
 
 
 # ---- on a GPU (skipped here; docs/benchmarks.md's GPU session runs them)

@@ -33,8 +33,9 @@ from engine.window_task import WindowTask, attach_loss_parameters
 from trainer.config.components import check, instantiate
 from trainer.config.errors import ConfigError
 from trainer.config.schema import CUDA_GRAPH_MODES, EXTRAS, Config, DataExtras, ModelExtras
-from trainer.data import DataSplits, as_splits
+from trainer.data import DataSplits, PadCollate, as_splits
 from trainer.data.checks import check_samples
+from trainer.data.pairs import PairCollate
 from trainer.models.lora import Adapter
 from trainer.models.lora import check_layout as check_adapter_layout
 from trainer.run.float8 import to_float8
@@ -161,7 +162,7 @@ def check_fits(
         )
 
 
-def check_static_shapes(cfg: Config) -> None:
+def check_static_shapes(cfg: Config, data: DataSplits) -> None:
     """`train.compile_mode` with CUDA graphs (reduce-overhead, max-autotune) replays graphs
     recorded for fixed shapes: refused where the trainer knows the training batches' shapes
     change from step to step (a new shape records a new graph, each holding its own memory).
@@ -172,6 +173,11 @@ def check_static_shapes(cfg: Config) -> None:
         "data.packed": (
             cfg.data.get("packed") is False,
             "false pads each micro-batch to its longest sample: lengths vary",
+        ),
+        "data": (
+            isinstance(data.collate_fn, PadCollate | PairCollate),
+            f"{data.description or 'this data'} pads each micro-batch to its longest row "
+            "(packed conversations too): lengths vary",
         ),
         "data.sampling": (
             cfg.data.get("sampling") == "poisson",
@@ -187,9 +193,9 @@ def check_static_shapes(cfg: Config) -> None:
             raise ConfigError(
                 key,
                 f"train.compile_mode={cfg.train.compile_mode} captures CUDA graphs, which need "
-                f"the same shapes every step; {why}. Use shapes that do not vary (data.packed="
-                "true, data.sampling=shuffle, a fixed micro-batch), or train.compile_mode=null "
-                "or max-autotune-no-cudagraphs",
+                f"the same shapes every step; {why}. Use shapes that do not vary (packed "
+                "token data, data.sampling=shuffle, a fixed micro-batch), or "
+                "train.compile_mode=null or max-autotune-no-cudagraphs",
             )
 
 

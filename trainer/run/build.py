@@ -185,8 +185,8 @@ def build_run(
     (trainer/config/trust.py:derived_keys), saved beside it."""
     dims = cfg.dist.dims(info.world_size)  # the layout and the batch arithmetic first
     plan = BatchPlan.from_config(cfg.train, dims.dp)
-    check_static_shapes(cfg)
     parts = assemble(cfg, info, dims)
+    check_static_shapes(cfg, parts.data)
     parallel = parts.parallel
     ctx = build_context(cfg, parts, info, dims)
     step_fn = step_for_task(build_step(cfg.step), ctx, cfg, plan)
