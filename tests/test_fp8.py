@@ -227,6 +227,7 @@ def test_converted_gpt_compiles_as_one_graph() -> None:
     g = torch.Generator().manual_seed(0)
     batches = [tuple(torch.randint(256, (4, 64), generator=g) for _ in "xy") for _ in "ab"]
     precision = Precision("fp8", "cpu")
+    assert precision.scaler is None and precision.dtype is torch.bfloat16  # as bf16
     with precision.autocast():
         want = [task.loss_sum(model, b).item() for b in batches]
     graphs: list[torch.fx.GraphModule] = []
