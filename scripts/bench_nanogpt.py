@@ -21,7 +21,11 @@ with the date, the GPU and torch's version, is appended to docs/benchmarks.md. T
 first copied into `.anchors/nanogpt` of this checkout (git-ignored), so a GPU machine that
 holds only the checkout has it: `--prepare-only` makes that copy (and the token file) and
 stops, for a session that ships the checkout to a GPU machine (carry `.anchors`). Each
-`--also 'k=v ...'` adds a cumulus run with those overrides (a row of its own).
+`--also 'k=v ...'` adds a cumulus run with those overrides (a row of its own), e.g. float8
+and CUDA graphs (issue #61; fp8 needs the extra `fp8`, torchao):
+
+    python scripts/bench_nanogpt.py --gpu --also 'train.precision=fp8' \
+        --also 'train.compile_mode=reduce-overhead'
 """
 
 from __future__ import annotations

@@ -11,14 +11,17 @@ import torch
 
 from engine.numerics import PRECISIONS
 
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8: the Linear layers torchao converted compute in float8 (engine/numerics/float8.py); the
+# rest runs under bf16 autocast, as bf16, and needs no loss scaler either.
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 class Precision:
     """Owns autocast, the loss scaler and the skip-on-non-finite optimizer update.
 
     Args:
-        mode: `fp32`, `bf16` (autocast) or `fp16` (autocast + GradScaler).
+        mode: `fp32`, `bf16` (autocast), `fp16` (autocast + GradScaler) or `fp8` (bf16
+            autocast around Linear layers converted by `engine.numerics.float8.convert`).
         device_type: `cpu` or `cuda`; autocast and the scaler run on this device type.
     """
 

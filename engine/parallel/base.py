@@ -617,7 +617,9 @@ def micro_backward(
     ctx.precision.backward(micro_sum * (ctx.grad_sync_divisor / count.to(micro_sum.dtype)))
     if synced:
         ctx.clock.after_backward()
-    return micro_sum.detach()
+    # A copy: under CUDA graphs (train.compile_mode=reduce-overhead) the loss lives in the
+    # graph's static memory, which the next micro-batch's replay overwrites.
+    return micro_sum.detach().clone()
 
 
 def squares_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

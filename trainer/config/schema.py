@@ -16,10 +16,15 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from engine.numerics import PRECISIONS
+from engine.numerics import FP8_INSTALL, PRECISIONS
 from engine.parallel import LayoutError
 from engine.parallel.dims import ParallelDims
 from trainer.config.errors import ConfigError, require
+
+# torch.compile's modes (torch._inductor.list_mode_options() of torch 2.13): train.compile_mode.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "lite")
+# The modes that capture CUDA graphs: they need the same shapes on every call.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def _positive(value: int | float | None, key: str) -> None:
@@ -37,9 +42,15 @@ class TrainCfg:
     global_batch_size: int | None = None
     clip_grad_norm: float | None = 1.0
     precision: str = "fp32"
+    # fp8 on a device without float8 matmuls (a CPU, a GPU before Ada/Hopper): emulate their
+    # casts in higher precision. Slow: for checking fp8's numerics only, never for speed.
+    fp8_emulate: bool = False
     log_every: int = 10
     max_consecutive_skips: int = 10
     compile: bool = False
+    # torch.compile's mode (with compile=true); null: its default. reduce-overhead: CUDA
+    # graphs (static shapes only), max-autotune: autotuned kernels and CUDA graphs.
+    compile_mode: str | None = None
     # Slow: records where a NaN/Inf first appears in backward. For debugging only.
     detect_anomaly: bool = False
     # total: one global norm per record. per_layer: also grad_norm/<layer> for every block.
@@ -69,6 +80,8 @@ class TrainCfg:
             "train.precision",
             f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}",
         )
+        self._check_fp8()
+        self._check_compile_mode()
         require(
             self.grad_norms in ("total", "per_layer"),
             "train.grad_norms",
@@ -78,6 +91,36 @@ class TrainCfg:
             self.device in ("auto", "cpu", "cuda"),
             "train.device",
             f"must be auto, cpu or cuda, got {self.device!r}",
+        )
+
+    def _check_fp8(self) -> None:
+        if self.precision == "fp8":
+            require(
+                importlib.util.find_spec("torchao") is not None,
+                "train.precision",
+                f"fp8 needs torchao, which is not installed: {FP8_INSTALL}",
+            )
+        require(
+            not self.fp8_emulate or self.precision == "fp8",
+            "train.fp8_emulate",
+            f"emulates float8 matmuls for train.precision=fp8; this run's precision is "
+            f"{self.precision} (set train.precision=fp8, or leave train.fp8_emulate=false)",
+        )
+
+    def _check_compile_mode(self) -> None:
+        if self.compile_mode is None:
+            return
+        require(
+            self.compile_mode in COMPILE_MODES,
+            "train.compile_mode",
+            f"must be null (torch.compile's default) or one of {', '.join(COMPILE_MODES)}, "
+            f"got {self.compile_mode!r}",
+        )
+        require(
+            self.compile,
+            "train.compile_mode",
+            f"is torch.compile's mode; set train.compile=true to compile with "
+            f"{self.compile_mode}, or leave train.compile_mode=null",
         )
 
 

@@ -134,7 +134,7 @@ def _simulate_roles(
         parts.flops_per_token,
         parts.data.seq_len or 1,
         bool(parts.model_extras.activation_checkpointing),
-        cfg.train.precision in ("bf16", "fp16"),
+        cfg.train.precision in ("bf16", "fp16", "fp8"),  # fp8: planned as bf16
     )
     routed = isinstance(parts.model, HasRouters) and bool(parts.model.routers())
     return _Roles(memories, comms, plan, work, parts.n_params, ASSUMPTION if routed else None)

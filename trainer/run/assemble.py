@@ -24,6 +24,7 @@ from engine.model import (
     flops_per_token,
     require_blocks,
 )
+from engine.numerics.float8 import Float8Layers
 from engine.parallel.base import LayoutError, Parallelism, RunShape
 from engine.parallel.dims import ParallelDims
 from engine.rng import seed_everything
@@ -31,11 +32,13 @@ from engine.step import Task
 from engine.window_task import WindowTask, attach_loss_parameters
 from trainer.config.components import check, instantiate
 from trainer.config.errors import ConfigError
-from trainer.config.schema import EXTRAS, Config, DataExtras, ModelExtras
-from trainer.data import DataSplits, as_splits
+from trainer.config.schema import CUDA_GRAPH_MODES, EXTRAS, Config, DataExtras, ModelExtras
+from trainer.data import DataSplits, PadCollate, as_splits
 from trainer.data.checks import check_samples
+from trainer.data.pairs import PairCollate
 from trainer.models.lora import Adapter
 from trainer.models.lora import check_layout as check_adapter_layout
+from trainer.run.float8 import to_float8
 from trainer.run.preference import (
     attach_reference,
     check_pairs_layout,
@@ -160,6 +163,43 @@ def check_fits(
         )
 
 
+def check_static_shapes(cfg: Config, data: DataSplits) -> None:
+    """`train.compile_mode` with CUDA graphs (reduce-overhead, max-autotune) replays graphs
+    recorded for fixed shapes: refused where the trainer knows the training batches' shapes
+    change from step to step (a new shape records a new graph, each holding its own memory).
+    Evaluation's batches (eval mode, maybe a short last one) record a few graphs once."""
+    if cfg.train.compile_mode not in CUDA_GRAPH_MODES:
+        return
+    varying = {
+        "data.packed": (
+            cfg.data.get("packed") is False,
+            "false pads each micro-batch to its longest sample: lengths vary",
+        ),
+        "data": (
+            isinstance(data.collate_fn, PadCollate | PairCollate),
+            f"{data.description or 'this data'} pads each micro-batch to its longest row "
+            "(packed conversations too): lengths vary",
+        ),
+        "data.sampling": (
+            cfg.data.get("sampling") == "poisson",
+            "poisson draws a batch of a different size every step",
+        ),
+        "train.micro_batch_size": (
+            cfg.train.micro_batch_size == "auto",
+            "auto probes several micro-batch sizes",
+        ),
+    }
+    for key, (bad, why) in varying.items():
+        if bad:
+            raise ConfigError(
+                key,
+                f"train.compile_mode={cfg.train.compile_mode} captures CUDA graphs, which need "
+                f"the same shapes every step; {why}. Use shapes that do not vary (packed "
+                "token data, data.sampling=shuffle, a fixed micro-batch), or "
+                "train.compile_mode=null or max-autotune-no-cudagraphs",
+            )
+
+
 def layout_error(exc: LayoutError) -> ConfigError:
     """An engine refusal of a layout, as the config error naming its key."""
     return ConfigError(exc.key, str(exc))
@@ -187,11 +227,12 @@ def parallelize(
     parallel: Parallelism,
     *,
     compile: bool = False,
+    compile_mode: str | None = None,
     precision: str = "fp32",
 ) -> nn.Module:
-    """Activation checkpointing, compilation and the parallelism (DDP; FSDP2 sharding each
-    block and the root; tensor or pipeline splits), in that order. The model's own parameter
-    names are kept."""
+    """Activation checkpointing, compilation (`torch.compile`'s `compile_mode`, None for its
+    default) and the parallelism (DDP; FSDP2 sharding each block and the root; tensor or
+    pipeline splits), in that order. The model's own parameter names are kept."""
     try:
         blocks = find_blocks(model, extras.block_classes, key="model.block_classes")
         if extras.activation_checkpointing:
@@ -206,8 +247,8 @@ def parallelize(
         raise ConfigError("model.block_classes", message) from None
     if compile:  # in place: parameter names (and checkpoints) stay the same
         for module in blocks if parallel.per_block else [model]:
-            module.compile()
-    param_dtype = torch.bfloat16 if precision == "bf16" else None
+            module.compile(mode=compile_mode)
+    param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else None
     try:
         return parallel.apply(model, blocks, param_dtype=param_dtype)
     except LayoutError as exc:
@@ -231,6 +272,11 @@ class Assembly:
     n_params: int
     adapter: Adapter | None = None  # adapter=lora: peft's adapters on the frozen base
     n_trainable: int | None = None  # parameters that train (all of them without an adapter)
+    float8: Float8Layers | None = None  # train.precision=fp8: the layers converted and kept
+
+    def precision(self, mode: str) -> str:
+        """`train.precision` in the banner's words (fp8: which layers are float8)."""
+        return self.float8.describe() if self.float8 is not None else mode
 
 
 def assemble(
@@ -284,12 +330,15 @@ def assemble(
         planned=simulated is not None,
         low_precision_parameters=cfg.train.precision == "bf16" and parallel.shards_parameters,
     )
-    with building:
+    with building:  # fp8: the planner's fake model plans as bf16, not converted
+        fp8 = cfg.train.precision == "fp8" and simulated is None
+        float8 = to_float8(model, cfg.train, info, dims) if fp8 else None
         wrapped = parallelize(
             model,
             model_extras,
             parallel,
             compile=cfg.train.compile,
+            compile_mode=cfg.train.compile_mode,
             precision=cfg.train.precision,
         )
         lay_out_reference(
@@ -313,4 +362,5 @@ def assemble(
         n_params,
         adapter,
         n_trainable,
+        float8,
     )

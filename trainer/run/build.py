@@ -28,7 +28,7 @@ from trainer.data.batches import build_train_batches, build_val_batches
 from trainer.data.loader import TrainBatches
 from trainer.models.export import export_line
 from trainer.models.lora import export_line as adapter_line
-from trainer.run.assemble import Assembly, assemble, check_layout
+from trainer.run.assemble import Assembly, assemble, check_layout, check_static_shapes
 from trainer.run.auto_batch import setup_auto
 from trainer.run.batch_plan import AUTO, BatchPlan
 from trainer.run.fit import Run, RunSettings, plain_step_window
@@ -186,6 +186,7 @@ def build_run(
     dims = cfg.dist.dims(info.world_size)  # the layout and the batch arithmetic first
     plan = BatchPlan.from_config(cfg.train, dims.dp)
     parts = assemble(cfg, info, dims)
+    check_static_shapes(cfg, parts.data)
     parallel = parts.parallel
     ctx = build_context(cfg, parts, info, dims)
     step_fn = step_for_task(build_step(cfg.step), ctx, cfg, plan)
@@ -229,7 +230,7 @@ def build_run(
             n_val=len(parts.data.val),
             plan=plan,
             layout=parallel.describe(),
-            precision=cfg.train.precision,
+            precision=parts.precision(cfg.train.precision),
             device=str(info.device),
             resumed=resumed,
             export=export_line(parts.model)
