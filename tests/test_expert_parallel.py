@@ -138,7 +138,7 @@ class Runs:
             assert self.procs[name].returncode == 0, explain(self.procs[name])
         assert self.procs["killed"].returncode != 0, explain(self.procs["killed"])
         assert (root / "killed" / "killed").exists(), explain(self.procs["killed"])
-        for name in ("resumed1", "resumed2"):
+        for name in ("resumed1", "resumed2", "resumed-fsdp"):
             shutil.copytree(root / "killed", root / name)
         resumed1, from4 = root / "resumed1", root / "from4"
         train_in_process([*args, f"hydra.run.dir={resumed1}"], resumed1)
@@ -152,6 +152,7 @@ class Runs:
         train_in_process([*args, f"hydra.run.dir={fsdp4to1}"], fsdp4to1)
         again = {name: [*args, *ep2] for name in ("resumed2", "from4x2")}
         again["fsdp4to2"] = [*args, "dist.strategy=fsdp"]
+        again["resumed-fsdp"] = [*args, *ep2, "dist.strategy=fsdp", "checkpoint.format=full"]
         resumed = launch_all(
             {name: torchrun(2, [*a, f"hydra.run.dir={root / name}"]) for name, a in again.items()},
             timeout=300,
@@ -262,6 +263,30 @@ def test_resume_reshards_the_experts(runs: Runs) -> None:
         records = runs.records(name)
         assert [r["step"] for r in records] == [3, 4], name
         assert_same_records(records, runs.ref, [3, 4])
+
+
+@pytest.mark.multiproc
+def test_full_checkpoints_under_fsdp(runs: Runs) -> None:
+    """The killed ep=2 run's full checkpoint resumed under ep=2 x FSDP2 on 2 ranks, saving
+    full checkpoints too: the 4 steps are the reference's, and its step-4 checkpoint (the
+    other parameters gathered by FSDP2, the experts over their group) holds the reference's
+    step-4 weights and momentum, every expert whole, to 1e-6 of the largest entry."""
+    records = runs.records("resumed-fsdp")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert_same_records(records, runs.ref, [1, 2, 3, 4])
+    step4 = "checkpoints/step_00000004/state.pt"
+    got, want = (torch.load(runs.root / n / step4) for n in ("resumed-fsdp", "ref"))
+    assert not (runs.root / "resumed-fsdp" / step4).parent.joinpath("shards").exists()
+    pairs = [(n, got["model"][n], w) for n, w in want["model"].items()]
+    momenta = want["optimizer"]["state"].items()
+    pairs += [
+        (n, got["optimizer"]["state"][n]["momentum_buffer"], m["momentum_buffer"])
+        for n, m in momenta
+    ]
+    assert sum(is_expert(n) for n, _, _ in pairs) == 2 * 2 * 4  # weights and momenta
+    for name, g, w in pairs:
+        assert g.shape == w.shape, name
+        torch.testing.assert_close(g, w, rtol=0, atol=REL * w.abs().max().item(), msg=name)
 
 
 @pytest.mark.multiproc

@@ -430,16 +430,18 @@ class ExpertParallel(ExpertSplit, DataParallel):
         return super().apply(model)
 
     def reduce_guarded_window(self, params: list[nn.Parameter]) -> None:
+        # The replicated parameters only: `sync_gradients` reduces the experts after every
+        # window, guarded or not (it ran here too, which would have summed them twice).
         is_expert = self._is_expert()
         super().reduce_guarded_window([p for p in params if not is_expert(p)])
-        self.sync_gradients(params)
 
 
 class ExpertShardedParallel(ExpertSplit, FullyShardedDataParallel):
     """FSDP2 for the other parameters (each block and the root sharded over the dp ranks,
     gradients reduce-scattered as sums), the experts split over `ep` ranks and left out of
-    FSDP2 (`ignored_params`): whole on each rank of their replica group, in the model's
-    dtype, their gradients summed over the replicas after the window (module docstring)."""
+    FSDP2 (`ignored_params`): whole on each rank of their replica group, kept in the model's
+    dtype and computing in FSDP2's `param_dtype`, their gradients summed over the replicas
+    after the window (module docstring)."""
 
     name = "fsdp"
 
