@@ -40,13 +40,9 @@ STEP2 = "checkpoints/step_00000002"
 KEYS = ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_load_max")
 BALANCES = ("micro", "bias")
 MOE = [f"+model.moe.experts={E}", f"+model.moe.top_k={K}", f"+model.moe.hidden={HIDDEN}"]
-BF16 = [
-    "dist.strategy=fsdp",
-    "train.precision=bf16",
-    "train.max_steps=1",
-    "eval.every_steps=0",
-    "checkpoint.every_steps=0",
-]
+QUIET = ["eval.every_steps=0", "checkpoint.every_steps=0"]
+FP16 = ["train.precision=fp16", "train.max_steps=2", *QUIET]
+BF16 = ["dist.strategy=fsdp", "train.precision=bf16", "train.max_steps=1", *QUIET]
 
 
 def common(text: Path) -> list[str]:
@@ -108,6 +104,8 @@ class Runs:
             self.by_balance[balance] = train_records(
                 train_in_process([*args, f"moe={balance}", f"hydra.run.dir={run_dir}"], run_dir)
             )
+        ref_fp16 = root / "ref-fp16"
+        train_in_process([*args, *FP16, f"hydra.run.dir={ref_fp16}"], ref_fp16)
         ep2 = ["dist.ep=2"]
         cmds = {
             "ep2": [*args, *ep2, dump(root / "ep2"), "train.memory_report=true"],
@@ -121,6 +119,7 @@ class Runs:
             **{name: [*args, *a, *BF16] for name, a in (("bf16", ep2), ("bf16-fsdp", []))},
         }
         cmds["bf16"].append("model.activation_checkpointing=true")
+        cmds["fp16"] = [*args, *ep2, "dist.strategy=fsdp", *FP16]  # GradScaler's unscale
         launches = {
             name: torchrun(2, [*a, f"hydra.run.dir={root / name}"]) for name, a in cmds.items()
         }
@@ -133,7 +132,7 @@ class Runs:
         sharded += [dump(root / "fsdp4"), "train.memory_report=true"]
         launches["fsdp4"] = torchrun(4, [*sharded, f"hydra.run.dir={root / 'fsdp4'}"])
         self.procs = launch_all(launches, timeout=600)
-        done = ("ep2", "ep2x4", "fsdp4", "from1", "bf16", "bf16-fsdp")
+        done = ("ep2", "ep2x4", "fsdp4", "from1", "bf16", "bf16-fsdp", "fp16")
         for name in (*done, *(f"ep2-{b}" for b in BALANCES)):
             assert self.procs[name].returncode == 0, explain(self.procs[name])
         assert self.procs["killed"].returncode != 0, explain(self.procs["killed"])
@@ -329,6 +328,19 @@ def test_bf16_is_fsdp_without_experts_split(runs: Runs) -> None:
     for key in ("train/loss", "train/moe_aux_loss"):
         assert got[0][key] == pytest.approx(want[0][key], rel=REL), key
     assert got[0]["train/grad_norm"] == pytest.approx(want[0]["train/grad_norm"], rel=1e-4)
+
+
+@pytest.mark.multiproc
+def test_fp16_is_one_process(runs: Runs) -> None:
+    """fp16 (GradScaler) under ep=2 x FSDP2: unscaling and stepping FSDP2's DTensor shards
+    and the plain experts in one optimizer; 2 steps are one process's, step 1 to 1e-6 and
+    step 2 to 1e-5 (fp16 autocast rounds the split step's sums differently)."""
+    got, want = runs.records("fp16"), runs.records("ref-fp16")
+    assert [r["step"] for r in got] == [1, 2] == [r["step"] for r in want]
+    assert got[-1]["train/skipped_steps"] == 0 == want[-1]["train/skipped_steps"]
+    for step, rel in ((0, REL), (1, 1e-5)):
+        for key in KEYS:
+            assert got[step][key] == pytest.approx(want[step][key], rel=rel), (step + 1, key)
 
 
 @pytest.mark.multiproc

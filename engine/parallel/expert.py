@@ -28,6 +28,7 @@ reverse all-to-all.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -381,7 +382,8 @@ class ExpertSplit(ParallelBase):
 
             return put_back
 
-        load_sharded(path, model, optimizer, extra, trainable_only, lay_out=lay_out)
+        with self.optimizer_context():  # loading initializes the optimizer's state
+            load_sharded(path, model, optimizer, extra, trainable_only, lay_out=lay_out)
 
     def load_full_state(
         self,
@@ -458,3 +460,11 @@ class ExpertShardedParallel(ExpertSplit, FullyShardedDataParallel):
     ) -> nn.Module:
         experts = self.split_experts(model, param_dtype)  # they compute as FSDP2's would
         return self.shard(model, blocks, param_dtype, reshard_after_forward, whole=experts)
+
+    def optimizer_context(self) -> contextlib.AbstractContextManager:
+        """Around the optimizer's step, GradScaler's unscale and optimizer state loads: the
+        experts are plain tensors next to FSDP2's DTensor shards in one optimizer, taken as
+        replicated (each of those operations works parameter by parameter)."""
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        return implicit_replication()
