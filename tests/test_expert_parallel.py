@@ -267,12 +267,17 @@ def test_resume_reshards_the_experts(runs: Runs) -> None:
 @pytest.mark.multiproc
 def test_full_checkpoints_under_fsdp(runs: Runs) -> None:
     """The killed ep=2 run's full checkpoint resumed under ep=2 x FSDP2 on 2 ranks, saving
-    full checkpoints too: the 4 steps are the reference's, and its step-4 checkpoint (the
-    other parameters gathered by FSDP2, the experts over their group) holds the reference's
-    step-4 weights and momentum, every expert whole, to 1e-6 of the largest entry."""
+    full checkpoints too: the 4 steps and the step-4 evaluation are the reference's, and its
+    step-4 checkpoint (the other parameters gathered by FSDP2, the experts over their group)
+    holds the reference's step-4 weights and momentum, every expert whole, to 1e-6 of the
+    largest entry."""
     records = runs.records("resumed-fsdp")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert_same_records(records, runs.ref, [1, 2, 3, 4])
+    val = [r for r in read_metrics(runs.root / "resumed-fsdp") if "val/loss" in r]
+    want_val = [r for r in read_metrics(runs.root / "ref") if "val/loss" in r]
+    assert val[-1]["step"] == 4 == want_val[-1]["step"]  # evaluated in lockstep
+    assert val[-1]["val/loss"] == pytest.approx(want_val[-1]["val/loss"], rel=REL)
     step4 = "checkpoints/step_00000004/state.pt"
     got, want = (torch.load(runs.root / n / step4) for n in ("resumed-fsdp", "ref"))
     assert not (runs.root / "resumed-fsdp" / step4).parent.joinpath("shards").exists()
