@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.distributed import DistInfo
 from engine.numerics.precision import Precision
-from engine.parallel.base import Parallelism
+from engine.parallel.base import Parallelism, WindowGuard
 from engine.parallel.dims import parallelism_of
 from engine.tasks import TaskOutputError
 from engine.timing import PhaseClock
@@ -56,10 +56,16 @@ def item_count(task: Task, batch: Batch) -> torch.Tensor:
 @runtime_checkable
 class PreparesWindow(Protocol):
     """A task that looks at the whole window once before any backward (engine/moe/balance.py:
-    the load-balancing loss's routing pass). The accumulation step calls it after counting."""
+    the load-balancing loss's routing pass). The accumulation step calls it after counting,
+    with the window's guard: each forward of the look runs under `guard.micro_batch` (an
+    out-of-memory error there is agreed by every rank, as one in a backward)."""
 
     def prepare_window(
-        self, ctx: StepContext, window: Sequence[Batch], global_count: torch.Tensor
+        self,
+        ctx: StepContext,
+        window: Sequence[Batch],
+        global_count: torch.Tensor,
+        guard: WindowGuard,
     ) -> None: ...
 
 

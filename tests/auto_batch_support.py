@@ -4,7 +4,8 @@
 than `fit` samples (or, with `fit_tokens`, more padded tokens): in forward, in backward
 (a custom autograd Function on the token embeddings), or in `block`: as the first block
 starts (under FSDP2 inside that unit, after its all-gather; in forward, the token embeddings
-run in the root unit, between the root's all-gather and the first block's), on the `ranks`
+run in the root unit, between the root's all-gather and the first block's), or in `routing`:
+a training forward without a graph (moe.balance=global's routing pass), on the `ranks`
 given (None: every rank). `LowerLimit`, a callback, lowers the limit during a
 run: after optimizer step `at_step` (0: before the first), the limit becomes `fit` after
 `skip` more training forwards, so an OOM can land in the middle of a window. `OomInStep`
@@ -76,6 +77,8 @@ class LimitedGPT(GPT):
             raise torch.OutOfMemoryError(f"test limit: {batch} samples > {self.fit} ({where})")
 
     def _limit(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        if self.training and not torch.is_grad_enabled():  # moe.balance=global's routing pass
+            self.check(out.shape[0], "routing")
         if not (self.training and torch.is_grad_enabled()):
             return out
         self.last_batch = out.shape[0]

@@ -1,11 +1,16 @@
-"""Preference pairs to tune on (data=preference): what test_dpo and test_config share."""
+"""Preference pairs to tune on (data=preference): what test_dpo and test_config share; a
+model that fits only sharded."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from tests.chat_support import sentence
+from trainer.models.gpt import GPT
 
 
 def pair_rows(n: int, seed: int) -> list[dict[str, Any]]:
@@ -28,3 +33,17 @@ def pair_rows(n: int, seed: int) -> list[dict[str, Any]]:
         answer = [{"role": "assistant", "content": sentence(rng, 1, 6)} for _ in range(2)]
         rows.append({"chosen": [*head, answer[0]], "rejected": [*head, answer[1]]})
     return rows
+
+
+class ShardedOnlyGPT(GPT):
+    """A GPT that fits in memory only sharded: on a rank of several, a forward of the whole
+    model (not laid out by FSDP2's fully_shard) runs out of memory (a real
+    `torch.OutOfMemoryError`)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.fsdp import FSDPModule
+
+        several = dist.is_initialized() and dist.get_world_size() > 1
+        if several and not isinstance(self, FSDPModule):
+            raise torch.OutOfMemoryError("test limit: the whole model does not fit on a rank")
+        return super().forward(*args, **kwargs)

@@ -309,5 +309,43 @@ def test_two_ranks_agree(tmp_path: Path) -> None:
     assert_same_run(tmp_path / "fsdp16", tmp_path / "fsdp16_hand", 1e-6)
 
 
+@pytest.mark.multiproc
+def test_two_ranks_agree_on_an_oom_in_the_moe_routing_pass(tmp_path: Path) -> None:
+    """moe.balance=global on 2 DDP ranks and on 2 FSDP2 ranks, float64: the routing pass
+    (forwards without a graph before any backward) runs out of memory on rank 1 only, above 5
+    of the per-rank 12 (the probe's forwards keep graphs: it chooses 12); under FSDP2 rank 0
+    goes on to the next unit's all-gather. Both ranks agree, as for an OOM in a backward: the
+    window is redone at 6 (out of memory again) and at 3, and the run equals one process
+    trained at 3 (records, balancing records, final state). Before, rank 1 raised from the
+    routing pass outside the guard while rank 0 waited in the counts' all-reduce."""
+    moe = ("+model.moe.experts=4", "+model.moe.top_k=2", "moe=global", "moe.aux_coef=1.0")
+    common = (*moe, "+model.float64=true", "checkpoint.format=full")
+    limit = ("+model.fit=5", "+model.where=routing", "+model.ranks=[1]", "dist.timeout_s=60")
+    cmds = {
+        name: [
+            *torchrun_cmd(2),
+            "-m",
+            "trainer.train",
+            *overrides(2, 24, "auto", *limit, *common, f"dist.strategy={name}"),
+            f"hydra.run.dir={tmp_path / name}",
+        ]
+        for name in ("ddp", "fsdp")
+    }
+    procs = launch_all(cmds, timeout=180)
+    train_in_process(overrides(2, 24, 3, *common), tmp_path / "hand")
+    hand = train_records(read_metrics(tmp_path / "hand"))
+    for name, proc in procs.items():
+        assert proc.returncode == 0, explain(proc)
+        assert "chose 12 of the divisors of the per-rank batch 12" in proc.stdout, explain(proc)
+        for micro, then in (("1/1", 6), ("1/2", 3)):
+            line = f"in the moe routing pass of the micro-batch {micro} at step 1; shrinking the "
+            assert line + f"micro-batch to {then}" in proc.stderr, explain(proc)
+        assert sizes(tmp_path / name) == [3, 3]
+        assert_same_run(tmp_path / name, tmp_path / "hand", 1e-12)
+        auto = train_records(read_metrics(tmp_path / name))
+        for a, h in zip(auto, hand, strict=True):
+            assert abs(a["train/moe_aux_loss"] - h["train/moe_aux_loss"]) <= 1e-12, (name, a, h)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -2,10 +2,11 @@
 the first, the reference still the initial model) equals the float64 gradient of the loss over
 the whole set of pairs, for sigmoid DPO (with label smoothing) on one process as one
 micro-batch, as 4 micro-batches of 2 pairs (padded, and packed: each pair one row, its sides
-two documents), on 2 DDP and 2 FSDP2 ranks (also under LoRA), on 2 DDP ranks with
+two documents), on 2 DDP and 2 FSDP2 ranks (also under LoRA), on 2 FSDP2 ranks with
 task.reference=precomputed (the initial model's log-probabilities written before training,
-each rank its share; a second start reads them, another base writes its own; a run killed
-with -9 reruns bit for bit reading them back), and for ipo and simpo against their own
+scored by the sharded model, each rank its share: one process writes the same bits; a
+second start reads them, another base writes its own; a run killed with -9 reruns bit for
+bit reading them back), and for ipo and simpo against their own
 references; the records `train/reward_*` and `val/*` equal the reference's means over the
 pairs. Under LoRA the reference is the base with the adapters disabled; a resumed run repeats
 the uninterrupted one, and exports (scripts/export_hf.py) as the trained policy. Composition:
@@ -51,6 +52,7 @@ LR = 2.0
 TOL = 1e-5  # relative, fp32 runs against the float64 reference
 TIMEOUT = 300.0
 DUMP = "tests.chat_support.DumpAllGrads"
+SHARDED_ONLY = "tests.preference_support.ShardedOnlyGPT"
 # (loss_type, beta, label_smoothing, gamma) of each run's task.
 LOSSES = {"sigmoid": ("sigmoid", 0.5, 0.1, 0.0), "ipo": ("ipo", 0.5, 0.0, 0.0)}
 LOSSES["simpo"] = ("simpo", 2.0, 0.0, 0.5)
@@ -149,7 +151,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "lora_copy": two_steps("lora_copy", "sigmoid", batch(2), 1, *LORA, "task.reference=copy"),
         # LoRA under FSDP2: the base sharded, the reference its adapters disabled.
         "lora_fsdp": two_steps("lora_fsdp", "sigmoid", batch(2, 2), 2, *LORA, "dist.strategy=fsdp"),
-        # The initial model's log-probabilities written before training, each rank its share.
+        # The initial model's log-probabilities written before training, each rank its share,
+        # on 2 FSDP2 ranks by a model that fits only sharded (a whole one runs out of memory).
         "precomputed": two_steps(
             "precomputed",
             "sigmoid",
@@ -157,6 +160,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             2,
             "task.reference=precomputed",
             "eval.every_steps=2",
+            "dist.strategy=fsdp",
+            f"model._target_={SHARDED_ONLY}",
         ),
         # Precomputed, 4 steps with checkpoints at 2 and 4: uninterrupted, and killed (-9) at
         # step 3 then started again.
@@ -369,16 +374,24 @@ def test_lora_scores_the_reference_with_the_adapters_disabled(runs: dict[str, An
 def test_precomputed_reference_is_read_back_and_keyed_to_the_base(
     runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """task.reference=precomputed: a second start on the same pairs and the same initial model
-    reads the values the launched run wrote (no pass; and the values read are the ones used:
-    shifted by 1 nat, step 1's chosen reward is -beta); another base (seed=7, another initial
-    model) computes its own, under another key. Nothing but whole files is left in the
-    cache (each written to a temporary name and renamed)."""
+    """task.reference=precomputed: the pass of 2 FSDP2 ranks (the model sharded: it fits only
+    so) writes the bits one process writes under the same key; its step 1 is the frozen
+    sharded copy's (task.reference=copy), loss and rewards. A start on the same pairs and the
+    same initial model reads the values written (no pass; and the values read are the ones
+    used: shifted by 1 nat, step 1's chosen reward is -beta); another base (seed=7, another
+    initial model) computes its own, under another key. Nothing but whole files is left in
+    the cache (each written to a temporary name and renamed)."""
     proc, root = runs["procs"]["precomputed"], runs["root"]
     assert proc.returncode == 0, explain(proc)
     written = proc.stdout.split("computed (each rank its share) and written to ")[1].split()[0]
     path = Path(written)
     assert path.is_file()
+    sharded = torch.load(path, weights_only=True)
+    assert {k: v.shape for k, v in sharded.items()} == {"train": (PAIRS, 2), "val": (2, 2)}
+    steps = [train_records(read_metrics(root / name))[0] for name in ("precomputed", "fsdp")]
+    keys = ["train/loss", "train/reward_chosen", "train/reward_rejected", "train/reward_margin"]
+    assert [steps[0][k] for k in keys] == [steps[1][k] for k in keys], steps
+    assert steps[0]["train/reward_margin"] == 0.0
     args = [
         *data_args(root, root / "pairs.jsonl", root / "val.jsonl"),
         *task_args("sigmoid"),
@@ -387,13 +400,22 @@ def test_precomputed_reference_is_read_back_and_keyed_to_the_base(
         *batch(2),  # the launched run's micro-batch: its key
         "task.reference=precomputed",
     ]
+    # One process computes the same key's values anew: the sharded pass's bits.
+    path.unlink()
     capsys.readouterr()
     first = train_records(train_in_process(args, root / "precomputed_again"))[0]
     out = capsys.readouterr().out
-    assert f"log-probabilities of 10 pairs read from {path}" in out, out
+    assert (
+        f"log-probabilities of 10 pairs computed (each rank its share) and written to {path}" in out
+    )
+    stored = torch.load(path, weights_only=True)
+    assert all(torch.equal(stored[k], sharded[k]) for k in sharded), (stored, sharded)
     # The policy is the reference at step 1: the same chunks of 2 pairs, the same bits.
     assert first["train/reward_margin"] == 0.0
-    stored = torch.load(path, weights_only=True)
+    capsys.readouterr()
+    again = train_records(train_in_process(args, root / "precomputed_read"))[0]
+    assert f"log-probabilities of 10 pairs read from {path}" in capsys.readouterr().out
+    assert again["train/reward_margin"] == 0.0
     try:
         shifted = {k: v + torch.tensor([1.0, 0.0], dtype=v.dtype) for k, v in stored.items()}
         torch.save(shifted, path)

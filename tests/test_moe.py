@@ -306,11 +306,21 @@ def test_dropout_routes_alike_in_both_passes(runs: Runs) -> None:
 def test_a_backward_pass_routed_unlike_its_count_is_caught(runs: Runs, tmp_path: Path) -> None:
     """A model whose routing changes between the routing pass and the backward pass (here:
     with each forward) would get the gradient of another f: the step compares each
-    micro-batch's counts on the device and raises once, before the update."""
+    micro-batch's counts on the device, the gradient of one routed unlike its count is NaN, so
+    the update is skipped (no host read), and the run stops at the next record. Records every
+    3 steps, checkpoints every step: steps 1 and 2 were skipped (the parameters of both
+    checkpoints alike), step 3's record raises."""
     restless = ["model._target_=tests.moe_support.RestlessGPT", *runs.split(4, 6)]
-    args = [*common(runs.text), *restless, f"hydra.run.dir={tmp_path}"]
+    every = ["train.max_steps=3", "train.log_every=3", "checkpoint.every_steps=1"]
+    args = [*common(runs.text), *restless, *every, f"hydra.run.dir={tmp_path}"]
     with pytest.raises(RuntimeError, match="routed differently in its backward pass"):
         train_in_process(args, tmp_path)
+    saved = [torch.load(tmp_path / "checkpoints" / f"step_{s:08d}" / "state.pt") for s in (1, 2)]
+    # (The router's bias is RestlessGPT's own buffer, turned by every forward.)
+    weights = [{k: v for k, v in st["model"].items() if "router.bias" not in k} for st in saved]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert [float(st["meter"]["consecutive_skips"]) for st in saved] == [1.0, 2.0]
 
 
 class HostReads(TorchDispatchMode):
@@ -332,18 +342,29 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_routing_check_reads_the_device_once_per_step(runs: Runs, tmp_path: Path) -> None:
+def test_the_routing_check_reads_the_device_with_the_records(runs: Runs, tmp_path: Path) -> None:
     """The backward pass's routing is compared with the routing pass's on the device, and
-    read once per step: a step of 6 micro-batches reads values on the host as often as one of
-    a single micro-batch (the expert split's own counts aside, which do not dispatch)."""
+    read with the records: a step of 6 micro-batches reads values on the host as often as one
+    of a single micro-batch (the expert split's own counts aside, which do not dispatch), and
+    a step without a record reads as often as one of moe.balance=none (SGD's non-finite
+    flag: one read per step in both)."""
     reads = {}
-    for micro, accum in ((24, 1), (4, 6)):
-        run_dir = tmp_path / f"{micro}x{accum}"
-        args = [*common(runs.text), *runs.split(micro, accum), f"hydra.run.dir={run_dir}"]
+    for micro, accum, balance, steps in (
+        (24, 1, "global", 1),
+        (4, 6, "global", 1),
+        (4, 6, "global", 2),
+        (4, 6, "none", 1),
+        (4, 6, "none", 2),
+    ):
+        run_dir = tmp_path / f"{micro}x{accum}-{balance}-{steps}"
+        split = runs.split(micro, accum, f"train.max_steps={steps}", "train.log_every=100")
+        args = [*common(runs.text, balance), *split, f"hydra.run.dir={run_dir}"]
         with HostReads() as counted:
             train_in_process(args, run_dir)
-        reads[accum] = counted.count
-    assert reads[6] == reads[1], reads
+        reads[accum, balance, steps] = counted.count
+    assert reads[6, "global", 1] == reads[1, "global", 1], reads
+    per_step = {b: reads[6, b, 2] - reads[6, b, 1] for b in ("global", "none")}
+    assert per_step["global"] == per_step["none"] == 1, reads
 
 
 # ---------------------------------------------------------------- bad input

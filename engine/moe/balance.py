@@ -45,8 +45,10 @@ from torch import nn
 from engine.distributed import DistInfo
 from engine.moe.routing import HALF, BiasedRouter, HookedRouter, Routed, Routing
 from engine.numerics.chunked_ce import IGNORE_INDEX
+from engine.parallel.base import NO_GUARD, WindowGuard
 from engine.step import EvalTask
 from engine.steps.cached import RandomState, cuda_devices
+from engine.steps.oom import OutOfMemoryAgreed
 
 BALANCES = ("global", "micro", "bias", "none")
 
@@ -179,7 +181,6 @@ class Window:
     replays: dict[int, tuple[RandomState, torch.Tensor]] = field(default_factory=dict)
     step: StepSums | None = None
     local: list[torch.Tensor] = field(default_factory=list)  # pass-2 sums (records)
-    differs: torch.Tensor | None = None  # whether any micro-batch routed unlike its count
 
 
 class BalancedTask:
@@ -209,6 +210,8 @@ class BalancedTask:
         if any(r.num_experts != self.experts or r.top_k != self.top_k for r in routers):
             raise ValueError("every router must have the same number of experts and top_k")
         self.window: Window | None = None
+        # Whether a micro-batch routed unlike its count since the last check (on the device).
+        self.differs: torch.Tensor | None = None
 
     # ---- the task's contract ----
     def count_items(self, batch: Any) -> torch.Tensor:
@@ -223,54 +226,70 @@ class BalancedTask:
             entry[0].restore()  # the routing pass's random state: the same routing
         loss = self.task.loss_sum(model, batch)
         sums = self.sums(batch)
-        if entry is not None:  # compared on the device; read once per step (check_routing)
+        differs = None
+        if entry is not None:  # compared on the device; read when records are (check_routing)
             differs = (sums.counts != entry[1]).any()
-            window.differs = differs if window.differs is None else window.differs | differs
+            self.differs = differs if self.differs is None else self.differs | differs
         if window.step is None:  # global's routing pass gave the step's sums already
             window.local.append(sums.flat())
         extra = self.balance_term(sums, window)
-        if extra is None:
-            return loss
-        extra = (extra * window.global_count.to(extra.dtype)).to(loss.dtype)
-        return loss + (extra - extra.detach())  # the value stays the task's loss, exactly
+        if extra is not None:
+            extra = (extra * window.global_count.to(extra.dtype)).to(loss.dtype)
+            loss = loss + (extra - extra.detach())  # the value stays the task's loss, exactly
+        return loss if differs is None else _NanGradientIf.apply(loss, differs)
 
     # ---- the window ----
     def check_routing(self) -> None:
-        """With `global`: raise if a micro-batch of the window routed differently in its
-        backward pass than in the routing pass (its gradient would use another f). One host
-        read per window: the step's callbacks call it before the update, and the next window
-        for the last one otherwise."""
-        window = self.window
-        if window is None or window.differs is None:
+        """With `global`: raise if a micro-batch routed differently in its backward pass than
+        in the routing pass since the last check (its gradient would use another f). No step
+        waits for it: such a micro-batch's gradient is NaN (`_NanGradientIf`), so its step's
+        update is skipped on the device, on every rank (the gradients' reduction carries the
+        NaN), as a non-finite gradient's is; `metrics` calls this, so the run stops at the
+        next record, with one host read where the records are read."""
+        if self.differs is None:
             return
-        differs, window.differs = window.differs, None
+        differs, self.differs = self.differs, None
         if bool(differs):
             raise RuntimeError(
                 "moe.balance=global: a micro-batch routed differently in its backward pass than "
                 "in the routing pass (a forward that depends on more than the weights, the "
-                "batch and the random state?)"
+                "batch and the random state?); its step was skipped (its gradient not applied)"
             )
 
-    def prepare_window(self, ctx: Any, window: Sequence[Any], global_count: torch.Tensor) -> None:
-        """Before any backward: with `global`, the routing pass and its one all-reduce."""
-        self.check_routing()  # the last window's, if no callback checked it
+    def prepare_window(
+        self,
+        ctx: Any,
+        window: Sequence[Any],
+        global_count: torch.Tensor,
+        guard: WindowGuard = NO_GUARD,
+    ) -> None:
+        """Before any backward: with `global`, the routing pass and its one all-reduce. Each
+        forward of the pass runs under `guard.micro_batch`, like a backward's (under
+        train.micro_batch_size=auto: ranks agree after each, so an out-of-memory error on one
+        rank is every rank's `OutOfMemoryAgreed` before any of them reaches the counts'
+        all-reduce)."""
         dp = ctx.parallel.dp_size
         self.window = Window(global_count.clamp(min=1), len(window) * dp, list(window))
         if self.cfg.balance != "global":
             return
         with ctx.clock.span("moe routing pass"):
-            sums = self.routing_pass(ctx, window)
+            sums = self.routing_pass(ctx, window, guard)
         with ctx.clock.collective("moe routing counts"):
             flat = self.all_reduce(sums)
         self.window.step = StepSums.unflat(flat, len(self.routers), self.experts, self.top_k)
 
-    def routing_pass(self, ctx: Any, window: Sequence[Any]) -> torch.Tensor:
+    def routing_pass(
+        self, ctx: Any, window: Sequence[Any], guard: WindowGuard = NO_GUARD
+    ) -> torch.Tensor:
         devices = cuda_devices(ctx, window)
         total: torch.Tensor | None = None
         assert self.window is not None
-        for batch in window:
+        for i, batch in enumerate(window):
             state = RandomState.capture(devices)
-            sums = self.route(ctx, batch)
+            try:
+                sums = guard.micro_batch(i, len(window), lambda b=batch: self.route(ctx, b))
+            except OutOfMemoryAgreed as oom:  # named for what ran out: the routing pass
+                raise OutOfMemoryAgreed(f"moe routing pass of the {oom.where}", oom.ranks) from None
             self.window.replays[id(batch)] = (state, sums.counts)
             total = sums.flat() if total is None else total + sums.flat()
         assert total is not None
@@ -288,6 +307,10 @@ class BalancedTask:
                 self.task.loss_sum(ctx.model, batch)
         except RoutingDone:
             pass
+        except BaseException:
+            for r in self.routers:  # a forward that failed (out of memory): not kept alive
+                r.routing = None
+            raise
         finally:
             if hook is not None:
                 hook.remove()
@@ -362,7 +385,9 @@ class BalancedTask:
     # ---- records ----
     def metrics(self) -> dict[str, torch.Tensor]:
         """The last step's whole-batch aux, z-loss and load (collective outside `global` and
-        `bias`: every rank calls it when a record is due)."""
+        `bias`: every rank calls it when a record is due); with `global`, first the routing
+        check of the steps since the last record (`check_routing`)."""
+        self.check_routing()
         sums = self.step_sums()
         return {} if sums is None else sums.records()
 
@@ -380,6 +405,21 @@ def balanced(
     """`task` with the routers' balancing; its evaluation sums kept when it has them."""
     kind = BalancedEvalTask if isinstance(task, EvalTask) else BalancedTask
     return kind(task, routers, cfg, info, group)
+
+
+class _NanGradientIf(torch.autograd.Function):
+    """The identity; in backward, a NaN gradient where `flag` (a bool tensor) is set: decided
+    on the device, no host read."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(flag)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (flag,) = ctx.saved_tensors
+        return torch.where(flag.to(grad.device), torch.full_like(grad, float("nan")), grad), None
 
 
 def _stop(module: nn.Module, args: Any, output: Any) -> None:

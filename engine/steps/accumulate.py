@@ -3,7 +3,7 @@
 One optimizer step from a window of micro-batches, in textbook order:
 
     zero grads -> count loss items of the window (one all-reduce) -> [a task's look at the
-    whole window: the MoE balancing's routing pass] -> per micro-batch:
+    whole window, under the window's guard: the MoE balancing's routing pass] -> per micro-batch:
     forward + backward of loss_sum * divisor / global_count (no_sync but the last) ->
     unscale -> clip -> finite check -> optimizer step -> scheduler step
 
@@ -104,9 +104,9 @@ class AccumulateStep:
         guard.start(ctx)
         window = [ctx.parallel.local_batch(b) for b in window]
         global_count = count_window(ctx, window)
-        if isinstance(ctx.task, PreparesWindow):  # e.g. MoE balancing's routing pass
-            ctx.task.prepare_window(ctx, window, global_count)
         window_guard = guard.window(ctx) or NO_GUARD
+        if isinstance(ctx.task, PreparesWindow):  # e.g. MoE balancing's routing pass
+            ctx.task.prepare_window(ctx, window, global_count, window_guard)
         loss_sum = ctx.parallel.backward_window(ctx, window, global_count, window_guard)
         grad_norm, found_inf, lr = guard.update(ctx, lambda: apply_update(ctx))
         result = StepResult(loss_sum, global_count, grad_norm, found_inf, lr)

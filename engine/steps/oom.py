@@ -2,7 +2,8 @@
 
 `OomGuard` makes the accumulation step of engine/steps/accumulate.py recoverable (the same
 step, `AccumulateStep(guard=OomGuard(...))`, not a copy of it): an out-of-memory error in the
-forward or backward of any micro-batch on any rank becomes an `OutOfMemoryAgreed` raised on
+forward or backward of any micro-batch on any rank (or in a forward of a task's look at the
+window before them: moe.balance=global's routing pass) becomes an `OutOfMemoryAgreed` raised on
 *every* rank at the same point, with the window's gradients freed, so the caller can roll the
 window back and redo it with smaller micro-batches.
 

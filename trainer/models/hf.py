@@ -32,6 +32,7 @@ from engine.moe.routing import HookedRouter
 from engine.numerics.chunked_ce import HeadLoss
 from engine.parallel.pipeline import NotSplittable
 from trainer.config.errors import UserError
+from trainer.models.hf_experts import make_experts_splittable
 
 if TYPE_CHECKING:
     from engine.parallel.context import SequenceShard
@@ -453,6 +454,8 @@ def causal_lm(
     model.config.architectures = [cls.__name__]  # what save_pretrained records
     model.context_shard = None  # dist.cp: `context_parallel` sets it
     model.moe_routers = transformers_routers(model)
+    if model.moe_routers:
+        make_experts_splittable(model)  # dist.ep: trainer/models/hf_experts.py
     # Training builds no cache, whatever the saved config says: with one, transformers no
     # longer keeps packed documents (position ids restarting at 0) from attending to each
     # other. generate() passes use_cache itself.

@@ -42,6 +42,7 @@ from trainer.run.preference import (
     check_pairs_task,
     lay_out_reference,
     precompute_reference,
+    reference_file,
 )
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -274,14 +275,14 @@ def assemble(
         raise ConfigError("task", str(exc)) from None
     attach_reference(task, model, adapter)  # task=dpo: the initial policy, before layout
     micro = cfg.train.micro_batch_size  # (the planner's model is fake tensors: no pass)
-    precompute_reference(
+    reference = reference_file(  # keyed to the initial model, whole here
         task,
         model,
         data,
-        info,
         micro if micro != "auto" else 1,
         precision=cfg.train.precision,
         planned=simulated is not None,
+        low_precision_parameters=cfg.train.precision == "bf16" and parallel.shards_parameters,
     )
     with building:
         wrapped = parallelize(
@@ -297,6 +298,9 @@ def assemble(
             lambda ref: parallelize(ref, model_extras, parallel, precision=cfg.train.precision),
             info.is_main and simulated is None,
         )
+    # The pass scores with the model as the run lays it out (FSDP2: sharded, so a model that
+    # fits only sharded precomputes too).
+    precompute_reference(reference, task, model, data, info)
     return Assembly(
         model,
         wrapped,

@@ -18,18 +18,16 @@ from trainer.run.assemble import Assembly
 
 
 class MoERecords(Callback):
-    """`train/moe_aux_loss`, `train/moe_z_loss`, `train/moe_load_max` of the recorded step;
-    with `moe.balance=bias`, the routers' biases updated after each step (their state is the
+    """`train/moe_aux_loss`, `train/moe_z_loss`, `train/moe_load_max` of the recorded step
+    (with `moe.balance=global`, after the routing check of the steps since the last record:
+    a step routed unlike its count was skipped, and the run stops there); with
+    `moe.balance=bias`, the routers' biases updated after each step (their state is the
     model's: buffers in its checkpoint)."""
 
     state_optional = True
 
     def __init__(self, task: BalancedTask) -> None:
         self.task = task
-
-    def on_before_optimizer_step(self, ctx: Any) -> None:
-        del ctx
-        self.task.check_routing()  # before an update from a gradient of another routing
 
     def on_after_optimizer_step(self, ctx: Any, step: int) -> None:
         del ctx, step

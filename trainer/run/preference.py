@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def attach_reference(task: object, model: nn.Module, adapter: Adapter | None) ->
     if not isinstance(task, DPOTask) or task.reference == "none":
         return
     mode = task.reference or ("adapter" if adapter is not None else "copy")
-    if mode == "precomputed":  # written by precompute_reference, before layout
+    if mode == "precomputed":  # scored by precompute_reference, after layout
         task.attach_reference(None)
     elif mode == "adapter":
         if adapter is None:
@@ -115,49 +116,67 @@ def _score(
     task: DPOTask,
     model: nn.Module,
     samples: PreferenceSamples,
-    rows: list[int],
+    chunks: list[list[int]],
     collate: Any,
-    micro: int,
     precision: str,
+    device: torch.device,
 ) -> np.ndarray:
-    """(len(rows), 2) float64: the summed answer log-probabilities of pairs `rows` under
-    `model`, `micro` pairs at a time, in eval mode under the run's autocast (`precision`), as
-    the step scores the policy: at step 1 the two then cancel exactly, as a copy's do."""
-    device = next(model.parameters()).device
+    """(pairs, 2) float64: the summed answer log-probabilities of the pairs of `chunks` (lists
+    of rows; an empty list: a chunk run and dropped, so that a collective forward sees every
+    rank), in eval mode under the run's autocast (`precision`), as the step scores the
+    policy: at step 1 the two then cancel exactly, as a copy's do."""
     out = []
-    for at in range(0, len(rows), micro):
-        batch = collate([samples[i] for i in rows[at : at + micro]])
+    for rows in chunks:
+        batch = collate([samples[i] for i in (rows or range(min(1, len(samples))))])
         batch = {k: v.to(device) for k, v in batch.items()}
         with Precision(precision, device.type).autocast():
-            out.append(task.log_probs(model, batch)[0].double().cpu())
+            scored = task.log_probs(model, batch)[0].double().cpu()
+        if rows:
+            out.append(scored)
     return torch.cat(out).numpy() if out else np.zeros((0, 2))
 
 
-def precompute_reference(
+def my_chunks(n: int, micro: int, info: DistInfo) -> list[list[int]]:
+    """This rank's rows of `n` pairs, chunk by chunk: chunks of `micro` consecutive pairs,
+    chunk c on rank c % world, in rounds of one chunk per rank (an empty list where a rank has
+    none left in the last round), so that every rank runs as many forwards."""
+    starts = range(0, n, micro)
+    rounds = -(-len(starts) // info.world_size)
+    mine = [
+        starts[c] if c < len(starts) else None
+        for c in range(info.rank, rounds * info.world_size, info.world_size)
+    ]
+    return [[] if at is None else list(range(at, min(at + micro, n))) for at in mine]
+
+
+@dataclass(frozen=True)
+class ReferenceFile:
+    """Where task.reference=precomputed's values live (the data's token cache, under a key of
+    the initial model, the pairs, the chunk size and the precision) and how they are
+    scored."""
+
+    path: Path
+    micro: int
+    precision: str
+
+
+def reference_file(
     task: object,
     model: nn.Module,
     data: Any,
-    info: DistInfo,
     micro: int,
     precision: str = "fp32",
     planned: bool = False,
-) -> None:
-    """`task.reference=precomputed`: every pair's reference log-probabilities (chosen,
-    rejected), of the train and validation pairs, under the initial model (before it is laid
-    out, whole on each rank), attached to the data so that each batch carries its pairs'.
-
-    The pairs are scored `micro` consecutive pairs at a time (the run's micro-batch; 1 under
-    auto), chunk c on rank c % world, and the shares are gathered: the pass takes 1/world of
-    the time, every rank ends with all the values (no rank waits on another's file), and the
-    values do not depend on the number of ranks (a chunk is the same batch on any rank), so
-    runs of other layouts writing the same key write the same bits. Rank 0 writes them to
-    the data's token cache, keyed to the model's fingerprint, the pairs (store, rows,
-    lengths, layout) and `micro`: to a temporary file renamed when whole, so an interrupted
-    pass leaves nothing. A later start of the same base on the same pairs (a resumed run)
-    reads the file; another base computes anew. `planned` (trainer.plan: the model is fake
-    tensors): zeros, the batches' shapes without a pass. Any other task: nothing to do."""
+    low_precision_parameters: bool = False,
+) -> ReferenceFile | None:
+    """`task.reference=precomputed`, before the model is laid out (the initial model is whole
+    on each rank then): the file its values are kept in, keyed to the model's fingerprint, the
+    pairs (store, rows, lengths, layout), `micro` and `precision` (and, with
+    `low_precision_parameters`, the layout's bf16 parameters: FSDP2's computes with them, so
+    its values are not a whole model's). `planned` (trainer.plan: the model is fake tensors):
+    zeros attached, the batches' shapes without a pass, and None. Any other task: None."""
     if not isinstance(task, DPOTask) or task.reference != "precomputed":
-        return
+        return None
     splits = {"train": data.train, "val": data.val}
     for split, samples in splits.items():
         if not isinstance(samples, PreferenceSamples) or data.collate_fn is None:
@@ -170,11 +189,38 @@ def precompute_reference(
     if planned:
         for samples in splits.values():
             samples.reference = np.zeros((len(samples), 2))
-        return
-    ident = {"model": model_key(model), "micro": micro, "precision": precision}
+        return None
+    ident: dict[str, Any] = {"model": model_key(model), "micro": micro, "precision": precision}
+    if low_precision_parameters:
+        ident["parameters"] = "bf16"
     ident |= {k: v.identity() for k, v in splits.items()}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
-    path = Path(data.train.store.root) / "reference" / f"{key}.pt"
+    return ReferenceFile(Path(data.train.store.root) / "reference" / f"{key}.pt", micro, precision)
+
+
+def precompute_reference(
+    file: ReferenceFile | None, task: object, model: nn.Module, data: Any, info: DistInfo
+) -> None:
+    """`task.reference=precomputed` (`file`: see `reference_file`), after the model is laid
+    out: every pair's reference log-probabilities (chosen, rejected), of the train and
+    validation pairs, under the initial model as the run lays it out (FSDP2: sharded, every
+    rank in each forward), attached to the data so that each batch carries its pairs'.
+
+    The pairs are scored `file.micro` consecutive pairs at a time (the run's micro-batch; 1
+    under auto), chunk c on rank c % world, in rounds where every rank scores one chunk (a
+    rank without one left runs a chunk and drops it: a sharded forward is collective), and
+    the shares are gathered: the pass takes 1/world of the time, every rank ends with all the
+    values (no rank waits on another's file), and the values do not depend on the number of
+    ranks (a chunk is the same batch on any rank), so runs of other layouts writing the same
+    key write the same bits. Rank 0 writes them, once the pass is complete, to a temporary
+    file renamed when whole, so an interrupted pass leaves nothing. A later start of the same
+    base on the same pairs (a resumed run) reads the file; another base computes anew.
+    Nothing to do without a file."""
+    if file is None:
+        return
+    assert isinstance(task, DPOTask)
+    splits = {"train": data.train, "val": data.val}
+    path = file.path
     values: dict[str, np.ndarray] | None = None
     if all(all_gather_object(path.is_file(), info)):
         stored = torch.load(path, weights_only=True)
@@ -188,9 +234,11 @@ def precompute_reference(
         try:
             values = {}
             for split, samples in splits.items():
-                chunks = range(info.rank * micro, len(samples), info.world_size * micro)
-                mine = [i for c in chunks for i in range(c, min(c + micro, len(samples)))]
-                part = _score(task, model, samples, mine, data.collate_fn, micro, precision)
+                chunks = my_chunks(len(samples), file.micro, info)
+                part = _score(
+                    task, model, samples, chunks, data.collate_fn, file.precision, info.device
+                )
+                mine = [i for rows in chunks for i in rows]
                 table = np.zeros((len(samples), 2))
                 for rows, vals in all_gather_object((mine, part), info):
                     table[rows] = vals

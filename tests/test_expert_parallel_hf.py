@@ -1,0 +1,246 @@
+"""Expert parallelism (`dist.ep`) for transformers' mixtures: `model=hf_qwen3_moe` and
+`model=hf_mixtral` (8 experts top-2, fused 3-D expert weights) split over 2 ranks by
+trainer/models/hf_experts.py give the unsplit model's run.
+
+Each family trains 4 steps of one global batch of 24 samples (SGD with momentum, clipping on,
+moe.balance=global with large aux and z weights) on one process, the reference, and on 2 ranks
+with dist.ep=2 (each rank holds 4 experts of every block; the block's own router chooses,
+tokens go all-to-all). The two 2-rank runs are launched together. Compared:
+
+- every step's loss, clipped grad norm, aux loss and load, and both evaluations, to 1e-6
+  relative;
+- Qwen3-MoE's step-1 gradient as the optimizer applies it (each rank's experts joined along
+  the expert dimension) and its first weights;
+- resume on one process (dist.ep=1) from each ep=2 run's step-2 checkpoint: Qwen3-MoE's DCP
+  shards (the default), Mixtral's checkpoint.format=full (experts gathered): the reference's
+  steps 3 and 4;
+- another transformers mixture (model.family=olmoe) under dist.ep=2: one paragraph naming
+  dist.ep and its experts' class;
+- scripts/export_hf.py of the ep=2 run: transformers' own class with every expert, which
+  `from_pretrained` loads with the checkpoint's weights and the reference's logits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import TINY, read_metrics, stdlib_text, train_in_process, train_records
+from tests.ranks import REPO, explain, launch_all, torchrun
+
+E = 8
+REL = 1e-6
+STEP2 = "checkpoints/step_00000002"
+STEP4 = "checkpoints/step_00000004"
+KEYS = ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_load_max")
+FAMILIES = ("qwen3_moe", "mixtral")
+# The ep=2 run's checkpoint format by family: both of ExpertParallel's ways of saving.
+FORMATS = {"qwen3_moe": "auto", "mixtral": "full"}
+
+
+def common(text: Path, family: str) -> list[str]:
+    return [
+        *TINY,
+        f"model=hf_{family}",
+        "moe=global",
+        "moe.aux_coef=1.0",
+        "moe.z_coef=0.1",
+        f"data.path={text}",
+        "data.block_size=64",
+        "optim=sgd",
+        "optim.lr=0.1",
+        "optim.momentum=0.9",
+        "scheduler=constant",
+        "scheduler.warmup_steps=0",
+        "train.clip_grad_norm=1.0",
+        "train.global_batch_size=24",
+        "train.micro_batch_size=3",
+        "train.max_steps=4",
+        "checkpoint.every_steps=2",
+        "eval.every_steps=2",
+        "eval.max_batches=2",
+    ]
+
+
+def dump(run_dir: Path) -> str:
+    target = "tests.moe_support.DumpFirstStepPerRank"
+    return f"+callbacks.dump={{_target_: {target}, path: {run_dir}/step1.pt}}"
+
+
+class Runs:
+    """The ep=2 launches first (they run while the references train), then the references,
+    then the resumes on one process."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.text = stdlib_text(root / "text.txt", 1750)  # 24 samples of 65 tokens
+        launches = {
+            f"ep2-{f}": torchrun(
+                2,
+                [
+                    *common(self.text, f),
+                    "dist.ep=2",
+                    f"checkpoint.format={FORMATS[f]}",
+                    dump(root / f"ep2-{f}"),
+                    f"hydra.run.dir={root / f'ep2-{f}'}",
+                ],
+            )
+            for f in FAMILIES
+        }
+        # Another transformers mixture (OLMoE: fused experts too, not shown to split alike).
+        refused = [*common(self.text, "qwen3_moe"), "model.family=olmoe", "train.max_steps=1"]
+        launches["olmoe"] = torchrun(2, [*refused, "dist.ep=2", f"hydra.run.dir={root / 'olmoe'}"])
+        for f in FAMILIES:
+            ref = root / f"ref-{f}"
+            train_in_process([*common(self.text, f), dump(ref), f"hydra.run.dir={ref}"], ref)
+        self.procs = launch_all(launches, timeout=600)
+        for name, proc in self.procs.items():
+            assert proc.returncode == 0 or name == "olmoe", explain(proc)
+        for f in FAMILIES:  # ep=2 -> one process, from the step-2 checkpoint
+            resumed = root / f"from-ep2-{f}"
+            shutil.copytree(root / f"ep2-{f}" / STEP2, resumed / STEP2)
+            train_in_process([*common(self.text, f), f"hydra.run.dir={resumed}"], resumed)
+
+    def records(self, name: str) -> list[dict[str, Any]]:
+        return train_records(read_metrics(self.root / name))
+
+    def dumped(self, name: str, rank: int) -> dict[str, Any]:
+        return torch.load(self.root / name / f"step1.pt.rank{rank}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    pytest.importorskip("transformers")
+    return Runs(tmp_path_factory.mktemp("ep_hf"))
+
+
+def assert_same_records(got: list[dict], want: list[dict], steps: list[int]) -> None:
+    got_by_step = {r["step"]: r for r in got}
+    want_by_step = {r["step"]: r for r in want}
+    assert sorted(got_by_step) == steps
+    for step in steps:
+        for key in KEYS:
+            assert got_by_step[step][key] == pytest.approx(want_by_step[step][key], rel=REL), (
+                step,
+                key,
+            )
+
+
+def is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_expert_ranks_are_one_process(runs: Runs, family: str) -> None:
+    """ep=2 on 2 ranks: every step's loss, clipped grad norm, moe.balance=global's aux loss
+    and load are one process's to 1e-6 over 4 steps, and so are both evaluations."""
+    assert_same_records(runs.records(f"ep2-{family}"), runs.records(f"ref-{family}"), [1, 2, 3, 4])
+    val = [r for r in read_metrics(runs.root / f"ep2-{family}") if "val/loss" in r]
+    want = [r for r in read_metrics(runs.root / f"ref-{family}") if "val/loss" in r]
+    assert [r["step"] for r in val] == [2, 4] == [r["step"] for r in want]
+    for got, ref in zip(val, want):
+        assert got["val/loss"] == pytest.approx(ref["val/loss"], rel=REL)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", FAMILIES)
+def test_step_one_update_is_one_process(runs: Runs, family: str) -> None:
+    """Step 1's weights and applied gradient: each rank holds half of every block's fused
+    expert weights (gate_up_proj, down_proj), joined they are the one process's, to 1e-6 of
+    the largest entry; every other parameter is the same on both ranks."""
+    want = runs.dumped(f"ref-{family}", 0)
+    ranks = [runs.dumped(f"ep2-{family}", r) for r in (0, 1)]
+    experts = [n for n in want["grads"] if is_expert(n)]
+    assert len(experts) == 2 * 2  # gate_up_proj and down_proj in each of 2 blocks
+    for name, w in want["grads"].items():
+        if is_expert(name):
+            parts = [d["grads"][name] for d in ranks]
+            assert parts[0].shape[0] == E // 2, (name, parts[0].shape)
+            got = torch.cat(parts)
+            weights = torch.cat([d["weights"][name] for d in ranks])
+        else:
+            got, weights = ranks[0]["grads"][name], ranks[0]["weights"][name]
+            assert torch.equal(ranks[1]["grads"][name], got), name  # replicas agree
+        assert torch.equal(weights, want["weights"][name]), name
+        err = ((got - w).abs().max() / w.abs().max()).item()
+        assert err <= REL, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ep_checkpoint_resumes_on_one_process(runs: Runs, family: str) -> None:
+    """The ep=2 run's step-2 checkpoint (Qwen3-MoE: DCP shards, each expert written once;
+    Mixtral: checkpoint.format=full, the experts gathered to rank 0) resumes on one process:
+    steps 3 and 4 are the uninterrupted reference's."""
+    shards = (runs.root / f"ep2-{family}" / STEP2 / "shards").is_dir()
+    assert shards == (FORMATS[family] == "auto")
+    assert_same_records(runs.records(f"from-ep2-{family}"), runs.records(f"ref-{family}"), [3, 4])
+
+
+def run_export(checkpoint: Path, out: Path) -> None:
+    """scripts/export_hf.py's `main`, in this process."""
+    spec = importlib.util.spec_from_file_location("export_hf", REPO / "scripts" / "export_hf.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main([f"checkpoint={checkpoint}", f"out={out}"])
+
+
+@pytest.mark.multiproc
+def test_export_of_an_ep_run_writes_whole_experts(runs: Runs, tmp_path: Path) -> None:
+    """scripts/export_hf.py on the ep=2 Qwen3-MoE run (DCP shards of step 4): transformers'
+    `Qwen3MoeForCausalLM` loads it with every expert (8 along dim 0), its weights are the
+    checkpoint's bit for bit, and its logits are those of the one-process reference's step-4
+    weights to 1e-5."""
+    import transformers
+    from omegaconf import OmegaConf
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from engine.checkpoint import load_checkpoint
+    from engine.distributed import DistInfo
+    from tests.conftest import compose_config
+    from trainer.models.hf import causal_lm
+
+    out = tmp_path / "exported"
+    run_export(runs.root / "ep2-qwen3_moe", out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model) is transformers.Qwen3MoeForCausalLM
+    exported = model.state_dict()
+    experts = [n for n in exported if is_expert(n)]
+    assert experts and all(exported[n].shape[0] == E for n in experts), experts
+    # The shards read by torch's own converter, not by cumulus.
+    dcp_to_torch_save(runs.root / "ep2-qwen3_moe" / STEP4 / "shards", tmp_path / "whole.pt")
+    saved = torch.load(tmp_path / "whole.pt")["model"]
+    assert set(saved) == set(exported)
+    for name, w in saved.items():
+        assert torch.equal(exported[name], w), name
+
+    info = DistInfo()
+    cfg = OmegaConf.to_container(compose_config(common(runs.text, "qwen3_moe")).model)
+    assert isinstance(cfg, dict)
+    ref = causal_lm(cfg["family"], cfg["config"]).eval()
+    want = load_checkpoint(runs.root / "ref-qwen3_moe" / STEP4, info, checksums=False)
+    ref.load_state_dict(want.shared["model"])
+    ids = torch.arange(64).remainder(251).view(1, 64)
+    with torch.no_grad():
+        got, expected = model(ids).logits, ref(ids).logits
+    err = ((got - expected).abs().max() / expected.abs().max()).item()
+    assert err <= 1e-5, f"logits: relative error {err:.2e}"
+
+
+@pytest.mark.multiproc
+def test_other_transformers_mixtures_are_refused(runs: Runs) -> None:
+    """model.family=olmoe (its routers observable, its experts not split by cumulus) under
+    dist.ep=2: one paragraph naming dist.ep, OlmoeExperts and what dist.ep takes."""
+    proc = runs.procs["olmoe"]
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, explain(proc)
+    assert "invalid config `dist.ep`" in out and "transformers' OlmoeExperts" in out, explain(proc)
+    assert "model=hf_qwen3_moe" in out, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
