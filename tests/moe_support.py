@@ -73,14 +73,15 @@ class RestlessGPT(GPT):
 
 class DumpFirstStepPerRank(DumpFirstStep):
     """DumpFirstStep's weights and gradients of step 1 from every rank, to `path.rank<R>`
-    (expert parallelism: each rank holds its own experts)."""
+    (expert parallelism: each rank holds its own experts; FSDP2's shards of the other
+    parameters are gathered)."""
 
     def on_before_optimizer_step(self, ctx: StepContext) -> None:
         if ctx.step != 0:
             return
         named = list(unwrap(ctx.model).named_parameters())
-        weights = {n: p.detach().clone() for n, p in named}
-        grads = {n: p.grad.clone() for n, p in named if p.grad is not None}
+        weights = {n: whole_tensor(p.detach()).clone() for n, p in named}
+        grads = {n: whole_tensor(p.grad).clone() for n, p in named if p.grad is not None}
         torch.save({"weights": weights, "grads": grads}, f"{self.path}.rank{ctx.dist.rank}")
 
     def on_after_optimizer_step(self, ctx: StepContext, step: int) -> None:

@@ -5,15 +5,16 @@ steps of one global batch of 24 samples (SGD with momentum, clipping on, moe.bal
 with large aux and z weights) on one process, the reference, and on 2 ranks with dist.ep=2
 (each rank holds 4 experts of every block; tokens sent all-to-all). Compared:
 
-- on 4 ranks with ep=2 (each expert on 2 ranks) too;
+- on 4 ranks with ep=2 (each expert on 2 ranks) too, under DDP and under FSDP2
+  (dist.strategy=fsdp: the other parameters sharded over the 4 ranks, the experts split);
 - the records of every step (loss, clipped grad norm, aux loss, load) to 1e-6 relative, also
   with moe.balance=micro and bias, and the evaluations;
 - step 1's gradient as the optimizer applies it (each rank's experts joined along the expert
   dimension), and the first weights;
 - resume: the ep=2 run killed (SIGKILL) after step 3 resumes from step 2 (full format) on
   one process and on ep=2, the reference's step-2 checkpoint on ep=2, and the 4-rank run's
-  (DCP shards, each expert written once) on one process and on 2 ranks: the reference's
-  records;
+  (DCP shards, each expert written once) on one process and on 2 ranks, and ep=2 x FSDP2's
+  on one process and under FSDP2 without ep: the reference's records;
 - memory: each rank's parameter and optimizer bytes are the reference's less half the experts';
 - one mixture with every token routed to rank 0's experts (rank 1 receives nothing in both
   all-to-alls): tests/ep_support.py;
@@ -39,6 +40,9 @@ STEP2 = "checkpoints/step_00000002"
 KEYS = ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_load_max")
 BALANCES = ("micro", "bias")
 MOE = [f"+model.moe.experts={E}", f"+model.moe.top_k={K}", f"+model.moe.hidden={HIDDEN}"]
+QUIET = ["eval.every_steps=0", "checkpoint.every_steps=0"]
+FP16 = ["train.precision=fp16", "train.max_steps=2", *QUIET]
+BF16 = ["dist.strategy=fsdp", "train.precision=bf16", "train.max_steps=1", *QUIET]
 
 
 def common(text: Path) -> list[str]:
@@ -100,6 +104,8 @@ class Runs:
             self.by_balance[balance] = train_records(
                 train_in_process([*args, f"moe={balance}", f"hydra.run.dir={run_dir}"], run_dir)
             )
+        ref_fp16 = root / "ref-fp16"
+        train_in_process([*args, *FP16, f"hydra.run.dir={ref_fp16}"], ref_fp16)
         ep2 = ["dist.ep=2"]
         cmds = {
             "ep2": [*args, *ep2, dump(root / "ep2"), "train.memory_report=true"],
@@ -109,7 +115,11 @@ class Runs:
             **{f"ep2-{b}": [*args, *ep2, f"moe={b}"] for b in BALANCES},
             "dense": [*TINY, f"data.path={self.text}", "train.max_steps=1", *ep2],
             "experts": [*TINY, f"data.path={self.text}", "+model.moe.experts=5", *ep2],
+            # Step 1 in bf16 under FSDP2 with ep=2 (and activation checkpointing), and without.
+            **{name: [*args, *a, *BF16] for name, a in (("bf16", ep2), ("bf16-fsdp", []))},
         }
+        cmds["bf16"].append("model.activation_checkpointing=true")
+        cmds["fp16"] = [*args, *ep2, "dist.strategy=fsdp", *FP16]  # GradScaler's unscale
         launches = {
             name: torchrun(2, [*a, f"hydra.run.dir={root / name}"]) for name, a in cmds.items()
         }
@@ -117,23 +127,33 @@ class Runs:
         four = [*args, *ep2, dump(root / "ep2x4"), f"hydra.run.dir={root / 'ep2x4'}"]
         four.append("eval.every_steps=0")  # 2 validation samples: lockstep needs one a rank
         launches["ep2x4"] = torchrun(4, four)
+        # 4 ranks, ep=2 x FSDP2: the other parameters sharded over all 4, the experts split.
+        sharded = [*args, *ep2, "dist.strategy=fsdp", "eval.every_steps=0"]
+        sharded += [dump(root / "fsdp4"), "train.memory_report=true"]
+        launches["fsdp4"] = torchrun(4, [*sharded, f"hydra.run.dir={root / 'fsdp4'}"])
         self.procs = launch_all(launches, timeout=600)
-        for name in ("ep2", "ep2x4", "from1", *(f"ep2-{b}" for b in BALANCES)):
+        done = ("ep2", "ep2x4", "fsdp4", "from1", "bf16", "bf16-fsdp", "fp16")
+        for name in (*done, *(f"ep2-{b}" for b in BALANCES)):
             assert self.procs[name].returncode == 0, explain(self.procs[name])
         assert self.procs["killed"].returncode != 0, explain(self.procs["killed"])
         assert (root / "killed" / "killed").exists(), explain(self.procs["killed"])
-        for name in ("resumed1", "resumed2"):
+        for name in ("resumed1", "resumed2", "resumed-fsdp"):
             shutil.copytree(root / "killed", root / name)
         resumed1, from4 = root / "resumed1", root / "from4"
         train_in_process([*args, f"hydra.run.dir={resumed1}"], resumed1)
         shutil.copytree(root / "ep2x4" / STEP2, from4 / STEP2)  # 4 ranks, ep=2 -> 1
         shutil.copytree(root / "ep2x4" / STEP2, root / "from4x2" / STEP2)  # -> 2 ranks
         train_in_process([*args, f"hydra.run.dir={from4}"], from4)
+        # ep=2 x FSDP2's DCP shards on one process, and under FSDP2 without ep on 2 ranks.
+        for name in ("fsdp4to1", "fsdp4to2"):
+            shutil.copytree(root / "fsdp4" / STEP2, root / name / STEP2)
+        fsdp4to1 = root / "fsdp4to1"
+        train_in_process([*args, f"hydra.run.dir={fsdp4to1}"], fsdp4to1)
+        again = {name: [*args, *ep2] for name in ("resumed2", "from4x2")}
+        again["fsdp4to2"] = [*args, "dist.strategy=fsdp"]
+        again["resumed-fsdp"] = [*args, *ep2, "dist.strategy=fsdp", "checkpoint.format=full"]
         resumed = launch_all(
-            {
-                name: torchrun(2, [*args, *ep2, f"hydra.run.dir={root / name}"])
-                for name in ("resumed2", "from4x2")
-            },
+            {name: torchrun(2, [*a, f"hydra.run.dir={root / name}"]) for name, a in again.items()},
             timeout=300,
         )
         for proc in resumed.values():
@@ -166,15 +186,19 @@ def is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
+FOUR = ("ep2x4", "fsdp4")  # 4 ranks, ep=2: under DDP, and under FSDP2
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["ep2", "ep2x4"])
+@pytest.mark.parametrize("name", ["ep2", *FOUR])
 def test_two_expert_ranks_are_one_process(runs: Runs, name: str) -> None:
-    """ep=2 on 2 ranks and on 4 (dp=4: each expert on 2 ranks): every step's loss, clipped
-    grad norm, aux loss and load are one process's to 1e-6 over 4 steps, and so are both
-    evaluations of ep=2 on 2 ranks (in lockstep)."""
+    """ep=2 on 2 ranks and on 4 (dp=4: each expert on 2 ranks), and on 4 with FSDP2 sharding
+    the other parameters: every step's loss, clipped grad norm, aux loss (moe=global) and
+    load are one process's to 1e-6 over 4 steps, and so are both evaluations of ep=2 on 2
+    ranks (in lockstep)."""
     assert [r["step"] for r in runs.records(name)] == [1, 2, 3, 4]
     assert_same_records(runs.records(name), runs.ref, [1, 2, 3, 4])
-    if name == "ep2x4":
+    if name in FOUR:
         return
     val = [r for r in read_metrics(runs.root / name) if "val/loss" in r]
     want = [r for r in read_metrics(runs.root / "ref") if "val/loss" in r]
@@ -194,14 +218,14 @@ def test_balancing_is_one_process(runs: Runs, balance: str) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["ep2", "ep2x4"])
+@pytest.mark.parametrize("name", ["ep2", *FOUR])
 def test_step_one_update_is_one_process(runs: Runs, name: str) -> None:
     """Step 1's weights and applied gradient: each rank holds half the experts of every
-    block, joined they are the one process's, to 1e-6 of the largest entry; on 4 ranks,
-    ranks 2 and 3 hold the same as ranks 0 and 1."""
+    block, joined they are the one process's, to 1e-6 of the largest entry (under FSDP2 the
+    other parameters gathered); on 4 ranks, ranks 2 and 3 hold the same as ranks 0 and 1."""
     want = runs.dumped("ref", 0)
     ranks = [runs.dumped(name, r) for r in (0, 1)]
-    if name == "ep2x4":
+    if name in FOUR:
         for r in (2, 3):
             replica, same = runs.dumped(name, r), ranks[r - 2]
             for n, g in replica["grads"].items():
@@ -241,18 +265,87 @@ def test_resume_reshards_the_experts(runs: Runs) -> None:
 
 
 @pytest.mark.multiproc
-def test_each_rank_holds_half_the_experts(runs: Runs) -> None:
-    """memory_report.json: each ep=2 rank's parameter and optimizer (momentum) bytes are the
-    one process's less half of the experts', within 1%."""
+def test_full_checkpoints_under_fsdp(runs: Runs) -> None:
+    """The killed ep=2 run's full checkpoint resumed under ep=2 x FSDP2 on 2 ranks, saving
+    full checkpoints too: the 4 steps and the step-4 evaluation are the reference's, and its
+    step-4 checkpoint (the other parameters gathered by FSDP2, the experts over their group)
+    holds the reference's step-4 weights and momentum, every expert whole, to 1e-6 of the
+    largest entry."""
+    records = runs.records("resumed-fsdp")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert_same_records(records, runs.ref, [1, 2, 3, 4])
+    val = [r for r in read_metrics(runs.root / "resumed-fsdp") if "val/loss" in r]
+    want_val = [r for r in read_metrics(runs.root / "ref") if "val/loss" in r]
+    assert val[-1]["step"] == 4 == want_val[-1]["step"]  # evaluated in lockstep
+    assert val[-1]["val/loss"] == pytest.approx(want_val[-1]["val/loss"], rel=REL)
+    step4 = "checkpoints/step_00000004/state.pt"
+    got, want = (torch.load(runs.root / n / step4) for n in ("resumed-fsdp", "ref"))
+    assert not (runs.root / "resumed-fsdp" / step4).parent.joinpath("shards").exists()
+    pairs = [(n, got["model"][n], w) for n, w in want["model"].items()]
+    momenta = want["optimizer"]["state"].items()
+    pairs += [
+        (n, got["optimizer"]["state"][n]["momentum_buffer"], m["momentum_buffer"])
+        for n, m in momenta
+    ]
+    assert sum(is_expert(n) for n, _, _ in pairs) == 2 * 2 * 4  # weights and momenta
+    for name, g, w in pairs:
+        assert g.shape == w.shape, name
+        torch.testing.assert_close(g, w, rtol=0, atol=REL * w.abs().max().item(), msg=name)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["fsdp4to1", "fsdp4to2"])
+def test_sharded_experts_resume_anywhere(runs: Runs, name: str) -> None:
+    """The step-2 DCP shards of ep=2 x FSDP2 on 4 ranks (the other parameters sharded over
+    4, each expert written once) resumed on one process and under FSDP2 without ep on 2
+    ranks: steps 3 and 4 are the reference's."""
+    assert (runs.root / "fsdp4" / STEP2 / "shards").is_dir()
+    records = runs.records(name)
+    assert [r["step"] for r in records] == [3, 4], name
+    assert_same_records(records, runs.ref, [3, 4])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("name", "ranks", "shards"), [("ep2", 2, 1), ("fsdp4", 4, 4)])
+def test_each_rank_holds_half_the_experts(runs: Runs, name: str, ranks: int, shards: int) -> None:
+    """memory_report.json: each ep=2 rank's parameter and optimizer (momentum) bytes are half
+    the one process's experts' plus the other parameters' (a quarter of them under FSDP2 on
+    4 ranks), within 1%."""
     want = runs.dumped("ref", 0)["weights"]
     expert_bytes = sum(w.numel() * w.element_size() for n, w in want.items() if is_expert(n))
     ref = json.loads((runs.root / "ref" / "memory_report.json").read_text())["ranks"][0]
-    ep2 = json.loads((runs.root / "ep2" / "memory_report.json").read_text())["ranks"]
-    assert len(ep2) == 2
-    for rank in ep2:
+    got = json.loads((runs.root / name / "memory_report.json").read_text())["ranks"]
+    assert len(got) == ranks
+    for rank in got:
         for key in ("parameters_bytes", "optimizer_bytes"):
-            dense = ref[key] - expert_bytes
+            dense = (ref[key] - expert_bytes) / shards
             assert rank[key] - dense == pytest.approx(expert_bytes / 2, rel=0.01), (key, rank)
+
+
+@pytest.mark.multiproc
+def test_bf16_is_fsdp_without_experts_split(runs: Runs) -> None:
+    """bf16 under FSDP2 with ep=2 and activation checkpointing: the experts (left out of
+    FSDP2) compute with their weights cast to bf16 as FSDP2 casts the others; step 1's loss
+    and aux loss are FSDP2's without ep to 1e-6, its grad norm to 1e-4 (each expert's bf16
+    gradient is rounded per rank before the fp32 sum, and the ranks' shares differ)."""
+    got, want = runs.records("bf16"), runs.records("bf16-fsdp")
+    assert [r["step"] for r in got] == [1] == [r["step"] for r in want]
+    for key in ("train/loss", "train/moe_aux_loss"):
+        assert got[0][key] == pytest.approx(want[0][key], rel=REL), key
+    assert got[0]["train/grad_norm"] == pytest.approx(want[0]["train/grad_norm"], rel=1e-4)
+
+
+@pytest.mark.multiproc
+def test_fp16_is_one_process(runs: Runs) -> None:
+    """fp16 (GradScaler) under ep=2 x FSDP2: unscaling and stepping FSDP2's DTensor shards
+    and the plain experts in one optimizer; 2 steps are one process's, step 1 to 1e-6 and
+    step 2 to 1e-5 (fp16 autocast rounds the split step's sums differently)."""
+    got, want = runs.records("fp16"), runs.records("ref-fp16")
+    assert [r["step"] for r in got] == [1, 2] == [r["step"] for r in want]
+    assert got[-1]["train/skipped_steps"] == 0 == want[-1]["train/skipped_steps"]
+    for step, rel in ((0, REL), (1, 1e-5)):
+        for key in KEYS:
+            assert got[step][key] == pytest.approx(want[step][key], rel=rel), (step + 1, key)
 
 
 @pytest.mark.multiproc
@@ -285,10 +378,10 @@ def test_launched_bad_input_is_one_paragraph(runs: Runs, name: str, says: str) -
     [
         (["dist.ep=2"], "dist.ep", "must divide the data-parallel size (1)"),
         (["dist.ep=2", "dist.tp=2"], "dist.ep", "dist.tp=2"),
-        (["dist.ep=2", "dist.strategy=fsdp"], "dist.ep", "dist.strategy=fsdp"),
+        (["dist.ep=2", "dist.pp=2"], "dist.ep", "dist.pp=2"),
         (["dist.ep=0"], "dist.ep", "positive"),
     ],
-    ids=["ep>dp", "tp", "fsdp", "zero"],
+    ids=["ep>dp", "tp", "pp", "zero"],
 )
 def test_bad_input_is_one_paragraph(
     overrides: list[str], key: str, says: str, tmp_path: Path

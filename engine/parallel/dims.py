@@ -119,15 +119,9 @@ class ParallelDims:
                 size == 1,
                 "dist.ep",
                 f"does not compose with dist.{key}={size} yet (expert parallelism is carved from "
-                f"the data-parallel ranks of plain data parallelism); set dist.ep=1 or "
+                f"the data-parallel ranks of DDP or FSDP2); set dist.ep=1 or "
                 f"dist.{key}=1",
             )
-        _require(
-            self.strategy == "ddp",
-            "dist.ep",
-            "does not compose with dist.strategy=fsdp yet (the experts would be sharded twice); "
-            "use dist.strategy=ddp with dist.ep, or dist.ep=1",
-        )
 
     def _check_world(self) -> None:
         n = self.pp * self.tp * self.cp
@@ -219,8 +213,10 @@ class ParallelDims:
                 sequence_parallel=dims.sequence_parallel,
             )
         if dims.ep > 1:
-            from engine.parallel.expert import ExpertParallel
+            from engine.parallel.expert import ExpertParallel, ExpertShardedParallel
 
+            if dims.strategy == "fsdp":  # the other parameters sharded, the experts split
+                return ExpertShardedParallel(info, dims.ep, mesh)
             return ExpertParallel(info, dims.ep, mesh)
         return build_parallelism(dims.strategy, info, mesh)
 

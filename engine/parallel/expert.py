@@ -4,11 +4,16 @@ data-parallel ranks, tokens sent to the rank holding their expert and back (all-
 The data-parallel ranks 0..dp-1 form dp/ep expert groups of `ep` consecutive ranks; rank
 `r` holds experts [e*E/ep, (e+1)*E/ep) of every mixture, e = r mod ep (its expert rank), and
 shares them with the dp/ep ranks of the same expert rank (its replicas). Every other
-parameter is replicated as under plain DDP, which reduces it; DDP ignores the experts, whose
-gradients are summed over the replicas after the window and divided by dp as DDP divides
-(the step multiplies every backward by dp: engine/steps/accumulate.py), so the update is the
-unsplit model's. The total gradient norm counts each expert once: the squares of this rank's
-experts summed over its expert group, plus the replicated parameters' own.
+parameter is laid out by the run's strategy, which reduces it and leaves the experts out:
+replicated under DDP (`ExpertParallel`), or sharded over the dp ranks by FSDP2
+(`ExpertShardedParallel`: `ignored_params`, so FSDP2 neither shards, casts nor reduces the
+experts). The experts' gradients are summed over their replicas after the window and divided
+as the strategy divides the others (`sync_divisor`: dp under DDP, whose backward the step
+multiplies by dp, engine/steps/accumulate.py; 1 under FSDP2's sums), so the update is the
+unsplit model's. The total gradient norm counts each parameter once: the squares of this
+rank's experts summed over its expert group, plus the others' (FSDP2's shards summed over
+their mesh). Under FSDP2's bf16 (`param_dtype`) the experts compute with their weights cast
+to it, as FSDP2 casts the weights it shards. `ExpertSplit` is the expert side both share.
 
 Checkpoints hold every expert as the unsplit model names it: DCP shards by default (this
 rank's experts a DTensor slice, Shard(0) over the ep ranks, of the whole expert tensors), or
@@ -23,6 +28,7 @@ reverse all-to-all.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -33,8 +39,16 @@ from torch import nn
 
 from engine.distributed import unwrap
 from engine.parallel import LayoutError
-from engine.parallel.base import RunShape, squares_norm
+from engine.parallel.base import (
+    ParallelBase,
+    RunShape,
+    is_dtensor,
+    local_values,
+    squares_norm,
+    whole_tensor,
+)
 from engine.parallel.ddp import DataParallel
+from engine.parallel.fsdp import FullyShardedDataParallel
 
 if TYPE_CHECKING:
     from engine.numerics.precision import Precision
@@ -66,10 +80,20 @@ class AllToAll(torch.autograd.Function):
 
 class ExpertGroup:
     """This rank's place among the expert-parallel ranks: `size` ranks of `group` hold
-    `local` experts each; this rank (`rank` in the group) holds [rank*local, (rank+1)*local)."""
+    `local` experts each; this rank (`rank` in the group) holds [rank*local, (rank+1)*local).
+    `param_dtype`: the dtype the experts compute in (FSDP2's, under dist.strategy=fsdp with
+    bf16), None for their own."""
 
-    def __init__(self, group: dist.ProcessGroup, size: int, rank: int, local: int) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        size: int,
+        rank: int,
+        local: int,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
         self.group, self.size, self.rank, self.local = group, size, rank, local
+        self.param_dtype = param_dtype
 
     def run(
         self,
@@ -103,18 +127,20 @@ class ExpertGroup:
 @runtime_checkable
 class SplitsExperts(Protocol):
     """A mixture whose experts expert parallelism can split: `num_experts`, and
-    `split_experts(group)` keeps only the group rank's experts and dispatches through it."""
+    `split_experts(group)` keeps only the group rank's experts and dispatches through it
+    (computing them in `group.param_dtype` when it is set)."""
 
     num_experts: int
 
     def split_experts(self, group: ExpertGroup) -> list[nn.Parameter]: ...
 
 
-class ExpertParallel(DataParallel):
-    """DDP for the replicated parameters, the experts split over `ep` ranks (module
-    docstring)."""
+class ExpertSplit(ParallelBase):
+    """The expert side of expert parallelism, whatever holds the other parameters: the
+    groups, the split, the experts' gradient sync and their part of the norm, the checkpoints
+    of whole experts. Mixed in before `DataParallel` (`ExpertParallel`) or
+    `FullyShardedDataParallel` (`ExpertShardedParallel`), whose methods it extends."""
 
-    name = "ddp"
     # Some parameters (the experts) differ between ranks and every forward is collective:
     # evaluation runs in lockstep, nothing runs the model on one rank alone.
     shards_parameters = True
@@ -177,15 +203,11 @@ class ExpertParallel(DataParallel):
     def describe(self) -> str:
         return f"experts split over {self.ep} ranks (dist.ep={self.ep})"
 
-    def apply(
-        self,
-        model: nn.Module,
-        blocks: Sequence[nn.Module] = (),
-        *,
-        param_dtype: torch.dtype | None = None,
-        reshard_after_forward: bool = True,
-    ) -> nn.Module:
-        del blocks, param_dtype, reshard_after_forward
+    def split_experts(
+        self, model: nn.Module, param_dtype: torch.dtype | None = None
+    ) -> set[nn.Parameter]:
+        """Keep this rank's experts of every mixture of `model` (before any wrapper sees its
+        parameters), computing in `param_dtype` if given; the kept parameters."""
         mixtures = [(n, m) for n, m in model.named_modules() if isinstance(m, SplitsExperts)]
         if not mixtures:
             raise LayoutError(
@@ -202,24 +224,20 @@ class ExpertParallel(DataParallel):
                     "expert-parallel rank holds the same number of experts",
                 )
         assert self.expert_group is not None
-        owned: set[int] = set()
         for _, m in mixtures:
-            group = ExpertGroup(self.expert_group, self.ep, self.ep_rank, m.num_experts // self.ep)
-            for p in m.split_experts(group):
-                self.expert_params.append(p)
-                owned.add(id(p))
-        names = [n for n, p in model.named_parameters() if id(p) in owned]
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, names
-        )
-        return super().apply(model)
+            local = m.num_experts // self.ep
+            group = ExpertGroup(self.expert_group, self.ep, self.ep_rank, local, param_dtype)
+            self.expert_params.extend(m.split_experts(group))
+        return set(self.expert_params)
 
     def _is_expert(self) -> Callable[[nn.Parameter], bool]:
         owned = {id(p) for p in self.expert_params}
         return lambda p: id(p) in owned
 
     def sync_gradients(self, params: list[nn.Parameter]) -> None:
-        """The experts' gradients: summed over their replicas, divided by dp as DDP does."""
+        """The experts' gradients: summed over their replicas, divided as the wrapper divides
+        the others (DDP by dp, FSDP2 not at all: `sync_divisor`)."""
+        super().sync_gradients(params)
         is_expert = self._is_expert()
         grads = [p.grad for p in params if is_expert(p) and p.grad is not None]
         if not grads:
@@ -231,29 +249,35 @@ class ExpertParallel(DataParallel):
             ]
             for w in works:
                 w.wait()
-        torch._foreach_div_(grads, float(self.dp_size))
-
-    def reduce_guarded_window(self, params: list[nn.Parameter]) -> None:
-        is_expert = self._is_expert()
-        super().reduce_guarded_window([p for p in params if not is_expert(p)])
-        self.sync_gradients(params)
+        if self.sync_divisor > 1:
+            torch._foreach_div_(grads, float(self.sync_divisor))
 
     def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """Each parameter once: the replicated ones' squares plus this rank's experts' squares
-        summed over its expert group."""
+        """Each parameter once: the others' squares (FSDP2's shards summed over their mesh,
+        replicated ones as they are) plus this rank's experts' squares summed over its expert
+        group."""
         is_expert = self._is_expert()
-        dense = [p.grad for p in params if not is_expert(p) and p.grad is not None]
-        experts = [p.grad for p in params if is_expert(p) and p.grad is not None]
-        if not dense and not experts:
+        grads = [(p.grad, is_expert(p)) for p in params if p.grad is not None]
+        if not grads:
             return super().grad_norm(params)  # its error
-        squares = [
-            squares_norm(gs).double().pow(2)
-            if gs
-            else torch.zeros((), dtype=torch.float64, device=self.info.device)
-            for gs in (dense, experts)
-        ]
-        dist.all_reduce(squares[1], op=dist.ReduceOp.SUM, group=self.expert_group)
-        return (squares[0] + squares[1]).sqrt().float()
+        sharded = [g for g, expert in grads if not expert and is_dtensor(g)]
+        dense = [g for g, expert in grads if not expert and not is_dtensor(g)]
+        experts = [g for g, expert in grads if expert]
+
+        def squares(gs: list[torch.Tensor]) -> torch.Tensor:
+            if not gs:
+                return torch.zeros((), dtype=torch.float64, device=self.info.device)
+            return whole_tensor(squares_norm(gs)).double().pow(2)
+
+        expert_squares = squares(experts)
+        dist.all_reduce(expert_squares, op=dist.ReduceOp.SUM, group=self.expert_group)
+        return (squares(sharded) + squares(dense) + expert_squares).sqrt().float()
+
+    def clip_(self, params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+        # FSDP2's gradients are DTensor shards, the experts' plain tensors: scale each rank's
+        # own values in place.
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_([local_values(p.grad) for p in params if p.grad is not None], coef)
 
     def agree_found_inf(self, precision: Precision, optimizer: torch.optim.Optimizer) -> None:
         # An overflow in one rank's experts skips every rank's step (fp16's GradScaler).
@@ -358,7 +382,8 @@ class ExpertParallel(DataParallel):
 
             return put_back
 
-        load_sharded(path, model, optimizer, extra, trainable_only, lay_out=lay_out)
+        with self.optimizer_context():  # loading initializes the optimizer's state
+            load_sharded(path, model, optimizer, extra, trainable_only, lay_out=lay_out)
 
     def load_full_state(
         self,
@@ -382,3 +407,64 @@ class ExpertParallel(DataParallel):
             }
             optimizer_state = {**optimizer_state, "state": state}
         super().load_full_state(model, optimizer, model_state, optimizer_state, trainable_only)
+
+
+class ExpertParallel(ExpertSplit, DataParallel):
+    """DDP for the replicated parameters, the experts split over `ep` ranks (module
+    docstring)."""
+
+    name = "ddp"
+
+    def apply(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module] = (),
+        *,
+        param_dtype: torch.dtype | None = None,
+        reshard_after_forward: bool = True,
+    ) -> nn.Module:
+        del blocks, param_dtype, reshard_after_forward
+        owned = {id(p) for p in self.split_experts(model)}
+        names = [n for n, p in model.named_parameters() if id(p) in owned]
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, names
+        )
+        return super().apply(model)
+
+    def reduce_guarded_window(self, params: list[nn.Parameter]) -> None:
+        # The replicated parameters only: `sync_gradients` reduces the experts after every
+        # window, guarded or not (it ran here too, which would have summed them twice).
+        is_expert = self._is_expert()
+        super().reduce_guarded_window([p for p in params if not is_expert(p)])
+
+
+class ExpertShardedParallel(ExpertSplit, FullyShardedDataParallel):
+    """FSDP2 for the other parameters (each block and the root sharded over the dp ranks,
+    gradients reduce-scattered as sums), the experts split over `ep` ranks and left out of
+    FSDP2 (`ignored_params`): whole on each rank of their replica group, kept in the model's
+    dtype and computing in FSDP2's `param_dtype`, their gradients summed over the replicas
+    after the window (module docstring)."""
+
+    name = "fsdp"
+
+    def describe(self) -> str:
+        return f"{super().describe()}, the other parameters sharded by FSDP2"
+
+    def apply(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module] = (),
+        *,
+        param_dtype: torch.dtype | None = None,
+        reshard_after_forward: bool = True,
+    ) -> nn.Module:
+        experts = self.split_experts(model, param_dtype)  # they compute as FSDP2's would
+        return self.shard(model, blocks, param_dtype, reshard_after_forward, whole=experts)
+
+    def optimizer_context(self) -> contextlib.AbstractContextManager:
+        """Around the optimizer's step, GradScaler's unscale and optimizer state loads: the
+        experts are plain tensors next to FSDP2's DTensor shards in one optimizer, taken as
+        replicated (each of those operations works parameter by parameter)."""
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        return implicit_replication()

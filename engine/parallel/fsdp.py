@@ -5,7 +5,7 @@ out-of-memory error (agreed collectives, its per-iteration state reset)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,18 @@ class FullyShardedDataParallel(ParallelBase):
     ) -> nn.Module:
         """`param_dtype` (bf16) computes with low-precision parameters; gradients are reduced
         in fp32."""
+        return self.shard(model, blocks, param_dtype, reshard_after_forward)
+
+    def shard(
+        self,
+        model: nn.Module,
+        blocks: Sequence[nn.Module],
+        param_dtype: torch.dtype | None,
+        reshard_after_forward: bool,
+        whole: Collection[nn.Parameter] = (),
+    ) -> nn.Module:
+        """FSDP2 on each of `blocks` and the root, over the `dp` ranks; the parameters in
+        `whole` (and a task's own) are left out: not sharded, cast or reduced."""
         if not self.info.distributed:
             return model
         from torch.distributed.fsdp import FSDPModule
@@ -63,7 +75,9 @@ class FullyShardedDataParallel(ParallelBase):
         # A task's own parameters (engine/window_task.py) stay whole on every rank:
         # step=cached sums their gradient over ranks itself.
         own = {p for _, p in loss_parameters(model)}
-        shard_units([*blocks, model], mesh, param_dtype, reshard_after_forward, ignored=own)
+        shard_units(
+            [*blocks, model], mesh, param_dtype, reshard_after_forward, ignored=own | set(whole)
+        )
         return model
 
     @contextlib.contextmanager

@@ -8,7 +8,7 @@ loss of the whole step is engine/moe/balance.py's, fed by the routers these bloc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,19 +123,33 @@ class Experts(nn.Module):
         self.proj = nn.Parameter(torch.empty(n, hidden, dim))
         self.fc_bias = nn.Parameter(torch.zeros(n, hidden)) if bias else None
         self.proj_bias = nn.Parameter(torch.zeros(n, dim)) if bias else None
+        # dist.ep under FSDP2's bf16: the experts, which FSDP2 leaves to expert parallelism,
+        # compute with their weights cast as FSDP2 casts the ones it shards (param_dtype);
+        # the parameters stay the full-precision copy the optimizer updates.
+        self.compute_dtype: torch.dtype | None = None
 
-    def expert(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def expert(
+        self, i: int, weights: Sequence[torch.Tensor | None]
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        fc, proj, fc_bias, proj_bias = weights
+
         def run(x: torch.Tensor) -> torch.Tensor:  # (n_i, C) -> (n_i, C)
-            h = x @ self.fc[i]
-            h = h + self.fc_bias[i] if self.fc_bias is not None else h
-            y = F.gelu(h) @ self.proj[i]
-            return y + self.proj_bias[i] if self.proj_bias is not None else y
+            h = x @ fc[i]
+            h = h + fc_bias[i] if fc_bias is not None else h
+            y = F.gelu(h) @ proj[i]
+            return y + proj_bias[i] if proj_bias is not None else y
 
         return run
 
     def forward(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """`xs` (N*k, C) sorted by expert, `counts` rows per expert -> (N*k, C)."""
-        return expert_compute(xs, counts, [self.expert(i) for i in range(self.fc.shape[0])])
+        dtype = self.compute_dtype
+        weights = [
+            p.to(dtype) if p is not None and dtype is not None else p
+            for p in (self.fc, self.proj, self.fc_bias, self.proj_bias)
+        ]
+        n = self.fc.shape[0]
+        return expert_compute(xs, counts, [self.expert(i, weights) for i in range(n)])
 
     def keep(self, first: int, n: int) -> list[nn.Parameter]:
         """Keep experts [first, first + n) only (expert parallelism); the kept parameters."""
@@ -175,6 +189,7 @@ class MoE(nn.Module):
         """Expert parallelism (engine/parallel/expert.py): keep the group rank's experts,
         dispatch tokens to their ranks from now on; the kept parameters."""
         self.expert_group = group
+        self.experts.compute_dtype = group.param_dtype
         return self.experts.keep(group.rank * group.local, group.local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
