@@ -136,6 +136,8 @@ class CommCounter(TorchDispatchMode):
         if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
             tensors = [a for a in _flat(args) if isinstance(a, torch.Tensor)]
             size = max((t.numel() * t.element_size() for t in tensors), default=0)
+            if func is torch.ops.c10d.alltoall_base_.default:
+                size = _leaving_bytes(*args[1:5])
             # funcol's group is a name among its string arguments (beside a reduce op's);
             # c10d's the ProcessGroup itself, boxed (a ScriptObject).
             names = [a for a in _flat(args) if isinstance(a, str)]
@@ -152,6 +154,18 @@ _FUSED_UPDATES = {
     torch.ops.aten._fused_adam_.default,
     torch.ops.aten._fused_sgd_.default,
 }
+
+
+def _leaving_bytes(x: torch.Tensor, group: Any, _: list[int], in_splits: list[int]) -> int:
+    """What an all-to-all sends to the other ranks: its input less the rows it keeps (its own
+    split; even splits when none are given). Under uniform routing a rank receives as much."""
+    pg = dist.ProcessGroup.unbox(group)
+    total = x.numel() * x.element_size()
+    rows = x.shape[0] if x.dim() else 1
+    if rows == 0:
+        return 0
+    kept = in_splits[pg.rank()] if in_splits else rows // pg.size()
+    return total - kept * (total // rows)
 
 
 def _fake_scalar(x: Any) -> bool:
@@ -234,13 +248,15 @@ def simulate_rank(
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         progress.what = f"{role}: building the model and reading the data"
         parts = assemble(cfg, info, dims, building=mode, simulated=book)
+        names = {} if groups is None else groups
+        names.update(expert_groups(parts.parallel))  # before the counter resolves them
         window = worst_window(parts, plan, mode)  # integers real, floats faked
         with mode:
             ctx = build_context(cfg, parts, info, dims)
             step_fn = build_step(cfg.step)
             check_layout(parts.parallel, run_shape(cfg, step_fn, ctx, plan))
             ctx.callbacks.setup(ctx)
-            peaks, counter = StepPeaks(), CommCounter(meshes, {} if groups is None else groups)
+            peaks, counter = StepPeaks(), CommCounter(meshes, names)
             progress.peaks, peaks.blocks = peaks, blocks
             for step in range(STEPS):
                 progress.what = f"{role}: step {step + 1}/{STEPS}"
@@ -268,6 +284,18 @@ def simulate_rank(
         if key == "ddp_buckets":
             comm["allreduce/dp (DDP buckets)"] = value
     return memory, comm, parts, plan
+
+
+def expert_groups(parallel: Any) -> dict[str, str | None]:
+    """Under `dist.ep`, the expert groups' names -> `ep` (the all-to-all and the experts' norm)
+    and `ep_replica` (their gradients' all-reduce): process groups no mesh dimension names, and
+    whose ranks a data-parallel dimension of as many ranks would claim."""
+    from engine.parallel.expert import ExpertParallel
+
+    if not isinstance(parallel, ExpertParallel):
+        return {}
+    named = {"ep": parallel.expert_group, "ep_replica": parallel.replica_group}
+    return {g.group_name: dim for dim, g in named.items() if g is not None}
 
 
 @contextlib.contextmanager
