@@ -40,7 +40,7 @@ from trainer.planning.values import RealIntegers, real_or_fake
 from trainer.run.assemble import Assembly, assemble, check_layout
 from trainer.run.batch_plan import BatchPlan
 from trainer.run.build import build_context, build_step, run_shape
-from trainer.run.memory import MemoryReport, StepPeaks, report
+from trainer.run.memory import MemoryReport, StepPeaks, frozen_modules, report
 
 STEPS = 2  # the first builds the optimizer's state; the second is a steady step
 
@@ -264,7 +264,7 @@ def simulate_rank(
                     counter.bytes.clear()
                     book["sent_bytes"] = 0
                 steps_window = window if step == STEPS - 1 else window[: first_window(dims)]
-                tracked = peaks.step(parts.wrapped, ctx.optimizer)
+                tracked = peaks.step(parts.wrapped, ctx.optimizer, frozen_modules(parts.task))
                 with (
                     no_cycle_collection(),
                     RealIntegers(),
@@ -275,7 +275,8 @@ def simulate_rank(
                 ):
                     step_fn(ctx, steps_window)
             progress.peaks = None
-            memory = report(peaks, parts.model, ctx.optimizer, parts.parallel)
+            frozen = frozen_modules(parts.task)
+            memory = report(peaks, parts.model, ctx.optimizer, parts.parallel, frozen)
     comm = dict(counter.bytes)
     sent = book.pop("sent_bytes", 0)  # a pipeline stage's sends to its neighbours
     if sent:

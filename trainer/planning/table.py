@@ -68,6 +68,12 @@ def table(p: Any) -> str:
         )
     if p.routing is not None:
         lines.append(f"mixture of experts: routing planned as {p.routing}")
+    frozen = max((r.memory.reference_bytes for r in p.roles), default=0)
+    if frozen:
+        lines.append(
+            f"task.reference=copy: the frozen reference's weights, {size(frozen)} per rank, "
+            "are in the peak"
+        )
     sent = max((all_to_all(r.comm_bytes) for r in p.roles), default=0)
     if sent:
         lines.append(
