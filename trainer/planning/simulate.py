@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.distributed import DistInfo
 from engine.parallel.dims import ParallelDims
+from engine.parallel.expert import ExpertParallel
 from trainer.config.schema import Config
 from trainer.planning.attention import CudaAttention
 from trainer.planning.progress import Progress
@@ -291,8 +292,6 @@ def expert_groups(parallel: Any) -> dict[str, str | None]:
     """Under `dist.ep`, the expert groups' names -> `ep` (the all-to-all and the experts' norm)
     and `ep_replica` (their gradients' all-reduce): process groups no mesh dimension names, and
     whose ranks a data-parallel dimension of as many ranks would claim."""
-    from engine.parallel.expert import ExpertParallel
-
     if not isinstance(parallel, ExpertParallel):
         return {}
     named = {"ep": parallel.expert_group, "ep_replica": parallel.replica_group}

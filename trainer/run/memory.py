@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _ModMemStats
 
 from engine.parallel.base import Parallelism, local_values
+from engine.preference import DPOTask
 
 _BLOCK = re.compile(r"\.\d+$")  # a module name ending in a list index: one of the blocks
 
@@ -186,8 +187,6 @@ def frozen_modules(task: object) -> list[nn.Module]:
     """The modules a task runs in the step besides the model, frozen: task.reference=copy's
     copy of the initial policy (its weights are memory the model's parameters do not count;
     `adapter` scores with the policy's own base, `precomputed` and `none` with no model)."""
-    from engine.preference import DPOTask
-
     if isinstance(task, DPOTask) and task.frozen_copy is not None:
         return [task.frozen_copy.module]
     return []
