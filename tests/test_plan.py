@@ -174,7 +174,8 @@ def test_plan_predicts_expert_parallel_memory_and_traffic(
     all-to-all is counted on the expert group, the bytes that leave the rank: routed tokens x
     k x width x 4 bytes x 2 (dispatch and combine) x 3 passes (moe.balance=global's routing
     forward, the forward, the backward) x 2 blocks x (ep - 1) / ep, plus the expert counts
-    exchanged before each forward's dispatch; and exposed in the step time."""
+    exchanged before each forward's dispatch; and exposed in the step time. DDP's buckets
+    (and its all-reduce) hold the dense gradients only: it ignores the experts."""
     planned = plan([*MOE["gpt"], *EP2, "plan.world=2"], tmp_path)
     real = {r["rank"]: r for r in measured["moe_gpt_ep2"]}
     (role,) = planned["roles"]
@@ -194,6 +195,11 @@ def test_plan_predicts_expert_parallel_memory_and_traffic(
         for rank in real:
             per_rank = real[rank][key] - dense
             assert abs(per_rank / (copies * expert_bytes / ep) - 1) <= 0.01, (key, rank)
+    # DDP ignores the experts: its buckets, and what it all-reduces, are the dense gradients.
+    dense = unsplit["parameters_bytes"] - expert_bytes
+    assert role["untracked_bytes"] == {"ddp_buckets": dense}, role["untracked_bytes"]
+    assert all(real[rank]["untracked"] == {"ddp_buckets": dense} for rank in real), real
+    assert role["comm_bytes_per_step"]["allreduce/dp (DDP buckets)"] == dense
     tokens = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.model["block_size"]
     leaving = (ep - 1) / ep
     rows = tokens * k * width * 4 * 2 * 3 * layers * leaving
