@@ -458,6 +458,7 @@ def certify(settings: Settings, user: list[str]) -> int:
         ],
     )
     validate(merged(base, plan("single", batch, micro, 1, "").overrides))
+    chosen = settings.layouts if settings.layouts is not None else default_layouts(cfg)
     if work.exists() and any(work.iterdir()):
         raise ConfigError("certify.dir", f"{work} is not empty: name a new directory")
     work.mkdir(parents=True, exist_ok=True)
@@ -468,7 +469,6 @@ def certify(settings: Settings, user: list[str]) -> int:
         f"{work}",
         flush=True,
     )
-    chosen = settings.layouts if settings.layouts is not None else default_layouts(cfg)
     names = ["single", *[n for n in dict.fromkeys(chosen) if n != "single"]]
     layouts = [plan(name, batch, micro, slots, unit) for name in names]
     for layout in layouts:
