@@ -16,6 +16,16 @@ expert compute against a per-expert masked loop.
    gathers and scatters them itself). Tokens per CPU second, the same rounds.
 
 Prints a Markdown section for docs/benchmarks.md.
+
+    python scripts/bench_moe.py --ep [--rounds 8] [--threads 1]
+
+3. Expert parallelism on 2 ranks (torchrun, gloo): the same model and window on each rank
+   (its own tokens), `moe.balance=global`, under `dist.ep=1` (DDP: every expert on each rank)
+   and `dist.ep=2` (4 experts of every layer on each rank, tokens sent all-to-all), rounds
+   interleaving the two. Per step: wall seconds (both ranks start it together), CPU seconds,
+   and the bytes each rank sends and receives in the all-to-alls (the rows for another
+   rank's experts; `torch.distributed.all_to_all_single` counted), beside the planner's
+   formula under uniform routing (trainer/planning/, docs/plan.md).
 """
 
 from __future__ import annotations
@@ -28,8 +38,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -126,11 +138,145 @@ def spread(values: list[float], digits: int = 3) -> str:
     )
 
 
+class AllToAllBytes:
+    """Within: the bytes this rank sends to and receives from other ranks in
+    `torch.distributed.all_to_all_single` (its own split, kept, is not counted)."""
+
+    def __init__(self) -> None:
+        self.sent = self.received = 0
+
+    def __enter__(self) -> AllToAllBytes:
+        self.original = dist.all_to_all_single
+
+        def counted(out: Any, x: Any, out_splits: Any = None, in_splits: Any = None, **kw: Any):
+            group = kw.get("group")
+            me = dist.get_rank(group)
+            self.sent += _leaving(x, in_splits, me, dist.get_world_size(group))
+            self.received += _leaving(out, out_splits, me, dist.get_world_size(group))
+            return self.original(out, x, out_splits, in_splits, **kw)
+
+        dist.all_to_all_single = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_to_all_single = self.original
+
+
+def _leaving(t: torch.Tensor, splits: list[int] | None, me: int, size: int) -> int:
+    rows = t.shape[0]
+    row = t.numel() * t.element_size() // rows if rows else 0
+    kept = splits[me] if splits else rows // size
+    return (rows - kept) * row
+
+
+def ep_context(ep: int, info: DistInfo) -> StepContext:
+    """The bench's mixture on this rank, laid out with `dist.ep=ep` over the 2 ranks."""
+    from engine.moe.balance import balanced
+    from engine.parallel.dims import ParallelDims
+
+    torch.manual_seed(0)
+    model = GPT(block_size=128, n_layer=4, n_head=6, n_embd=192, moe=MOE)
+    parallel = ParallelDims(ep=ep).build(info)
+    wrapped = parallel.apply(model)
+    balance = BalanceCfg("global", stop_early=not parallel.shards_parameters)
+    task = balanced(CausalLMTask(), model.routers(), balance, info, parallel.dp_group)
+    return StepContext(
+        model=wrapped,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
+        scheduler=None,
+        task=task,
+        precision=Precision("fp32", "cpu"),
+        dist=info,
+        parallel=parallel,
+        clip_grad_norm=None,
+    )
+
+
+def ep_worker(rounds: int, threads: int) -> None:
+    """One of the 2 ranks of `--ep` (launched by torchrun); rank 0 prints the section."""
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo")
+    info = DistInfo(dist.get_rank(), dist.get_world_size())
+    g = torch.Generator().manual_seed(info.rank)
+    window = [
+        (torch.randint(0, 256, (8, 128), generator=g), torch.randint(0, 256, (8, 128), generator=g))
+        for _ in range(2)
+    ]
+    ctxs, step = {ep: ep_context(ep, info) for ep in (1, 2)}, AccumulateStep()
+    wall: dict[int, list[float]] = {1: [], 2: []}
+    cpu: dict[int, list[float]] = {1: [], 2: []}
+    moved: dict[int, tuple[int, int]] = {}
+    for _ in range(rounds):
+        for ep, ctx in ctxs.items():
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            with AllToAllBytes() as counted:
+                step(ctx, window)
+            dist.barrier()
+            wall[ep].append(time.perf_counter() - start)
+            cpu[ep].append(time.process_time() - start_cpu)
+            moved[ep] = (counted.sent, counted.received)
+    figures = [(wall[ep][DROPPED:], cpu[ep][DROPPED:], moved[ep]) for ep in (1, 2)]
+    everyone: list[Any] = [None, None]
+    dist.all_gather_object(everyone, figures)
+    dist.destroy_process_group()
+    if info.rank == 0:
+        print_ep(everyone, rounds, threads)
+
+
+def print_ep(everyone: list[Any], rounds: int, threads: int) -> None:
+    # The planner's figure (uniform routing): tokens x k x width x 4 bytes x 2 (dispatch and
+    # combine) x 3 passes (the routing pass's forward, the forward, the backward) x layers x
+    # (ep - 1) / ep of the rows leaving.
+    tokens, width, layers = 2 * 8 * 128, 192, 4
+    uniform = tokens * MOE["top_k"] * width * 4 * 2 * 3 * layers // 2
+    today = datetime.date.today().isoformat()
+    print(f"### Mixture of experts: expert parallelism on 2 ranks (CPU, gloo, {today})\n")
+    print(
+        f"torch {torch.__version__}, {platform.machine()}, {threads} thread(s) per rank, "
+        f"{rounds - DROPPED} rounds after {DROPPED} warm-up, dist.ep=1 and 2 interleaved; "
+        "gpt_small shapes, 8 experts x 384 units, top-2, moe.balance=global; each rank 2 "
+        "micro-batches of 8 x 128 tokens. Per step, median [min-max] over rounds (wall: the "
+        "slower rank's; CPU: the mean of the ranks'); all-to-all MiB each rank sends / receives "
+        "(the routed rows for another rank's experts, and the expert counts).\n"
+    )
+    print(
+        "| layout | wall s / step | CPU s / step | all-to-all MiB sent / received, rank 0; rank 1 "
+        "| planned (uniform routing) |\n| --- | --- | --- | --- | --- |"
+    )
+    for i, ep in enumerate((1, 2)):
+        walls = [max(w) for w in zip(*(rank[i][0] for rank in everyone))]
+        cpus = [statistics.mean(c) for c in zip(*(rank[i][1] for rank in everyone))]
+        moved = [rank[i][2] for rank in everyone]
+        mib = "; ".join(f"{s / 2**20:.3f} / {r / 2**20:.3f}" for s, r in moved)
+        planned = f"{uniform / 2**20:.3f}" if ep == 2 else "0"
+        print(f"| dist.ep={ep} | {spread(walls)} | {spread(cpus)} | {mib} | {planned} |")
+
+
+def launch_ep(rounds: int, threads: int) -> None:
+    """`--ep`: this script again on 2 ranks (torchrun, gloo), as workers."""
+    import os
+    import subprocess
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    worker = [__file__, "--ep-worker", "--rounds", str(rounds), "--threads", str(threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    subprocess.run([*torchrun, "--nproc_per_node=2", *worker], check=True, env=env)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ep", action="store_true", help="expert parallelism on 2 ranks")
+    parser.add_argument("--ep-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ep_worker:
+        ep_worker(args.rounds, args.threads)
+        return
+    if args.ep:
+        launch_ep(args.rounds, args.threads)
+        return
     torch.set_num_threads(args.threads)
     times = step_times(args.rounds)
     rates = compute_rates(args.rounds)

@@ -95,19 +95,43 @@ def test_user_model_is_certified(project: Path, tmp_path: Path) -> None:
     assert not re.search(r"https?:|\b(src|href)\s*=", page)
 
 
+MOE = ["model=gpt_tiny", "+model.moe.experts=4", "+model.moe.top_k=2", "moe.aux_coef=1.0"]
+
+
 @pytest.mark.multiproc
 def test_mixture_of_experts_is_certified(tmp_path: Path) -> None:
     """gpt_tiny as a mixture of experts (4 experts top-2, moe.balance=global, the aux loss
-    weighing): accumulation, DDP, FSDP2 and the automatic micro-batch train as the reference."""
-    moe = ["model=gpt_tiny", "+model.moe.experts=4", "+model.moe.top_k=2", "moe.aux_coef=1.0"]
+    weighing): accumulation, DDP, FSDP2, expert parallelism (ep2: 2 experts on each of 2
+    ranks, tokens sent all-to-all) and the automatic micro-batch train as the reference."""
     split = ["train.micro_batch_size=8", "train.grad_accum_steps=2", "certify.steps=3"]
-    layouts = "certify.layouts=[accum,ddp2,fsdp2,auto]"
-    cmd = [sys.executable, "-m", "trainer.certify", *moe, *split, layouts]
-    proc = launch([*cmd, f"certify.dir={tmp_path / 'work'}"], TIMEOUT, PYTHONPATH=str(REPO))
+    layouts = "certify.layouts=[accum,ddp2,fsdp2,ep2,auto]"
+    cmd = [sys.executable, "-m", "trainer.certify", *MOE, *split, layouts]
+    work = tmp_path / "work"
+    proc = launch([*cmd, f"certify.dir={work}"], TIMEOUT, PYTHONPATH=str(REPO))
     assert proc.returncode == 0, explain(proc)
-    assert "CERTIFIED: 4 layouts train as the reference" in proc.stdout, explain(proc)
-    for layout in ("accum", "ddp2", "fsdp2", "auto"):
+    assert "CERTIFIED: 5 layouts train as the reference" in proc.stdout, explain(proc)
+    for layout in ("accum", "ddp2", "fsdp2", "ep2", "auto"):
         assert row(proc.stdout, layout).endswith("same"), explain(proc)
+    assert "ep2: 2 ranks, train.micro_batch_size=8 dist.ep=2" in proc.stdout, proc.stdout
+    log = (work / "ep2.log").read_text()
+    assert "experts split over 2 ranks (dist.ep=2)" in log, log
+    assert "world 2 x micro 8 x accum 1 = global batch 16" in log, log
+
+
+def test_ep2_is_a_default_layout_of_a_mixture_dist_ep_splits() -> None:
+    """Without certify.layouts, a model whose mixture dist.ep can split (the in-tree GPT's
+    model.moe) is also certified under ep2; a dense model, or transformers' Qwen3-MoE (whose
+    experts the split does not know), is not offered it."""
+    from tests.conftest import compose_config
+    from trainer.checks.certify import DEFAULT_LAYOUTS, default_layouts
+    from trainer.config.cli import to_config
+
+    def layouts(args: list[str]) -> list[str]:
+        return default_layouts(to_config(compose_config(args))[0])
+
+    assert layouts(MOE) == [*DEFAULT_LAYOUTS, "ep2"]
+    assert layouts(["model=gpt_tiny"]) == list(DEFAULT_LAYOUTS)
+    assert layouts(["model=hf_qwen3_moe"]) == list(DEFAULT_LAYOUTS)
 
 
 @pytest.mark.launches

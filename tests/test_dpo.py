@@ -139,15 +139,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # The whole run also evaluates after its last step (val/*, and a text sample from the
         # chosen side's prompt).
         "whole": two_steps("whole", "sigmoid", batch(PAIRS), 1, "eval.every_steps=2"),
-        "accum": two_steps("accum", "sigmoid", batch(2)),
+        # (Each reference mode's memory measured: MEASURED.)
+        "accum": two_steps("accum", "sigmoid", batch(2), 1, "train.memory_report=true"),
         "ddp": two_steps("ddp", "sigmoid", batch(2, 2), 2),
         # FSDP2: the policy sharded, the reference a whole frozen copy on each rank.
         "fsdp": two_steps("fsdp", "sigmoid", batch(2, 2), 2, "dist.strategy=fsdp"),
         "ipo": two_steps("ipo", "ipo", batch(2)),
-        "simpo": two_steps("simpo", "simpo", batch(2)),
+        "simpo": two_steps("simpo", "simpo", batch(2), 1, "train.memory_report=true"),
         "packed": two_steps("packed", "sigmoid", batch(2), 1, "data.packed=true"),
         # LoRA: the base with its adapters disabled (the default), and a frozen copy.
-        "lora_adapter": two_steps("lora_adapter", "sigmoid", batch(2), 1, *LORA),
+        "lora_adapter": two_steps(
+            "lora_adapter", "sigmoid", batch(2), 1, *LORA, "train.memory_report=true"
+        ),
         "lora_copy": two_steps("lora_copy", "sigmoid", batch(2), 1, *LORA, "task.reference=copy"),
         # LoRA under FSDP2: the base sharded, the reference its adapters disabled.
         "lora_fsdp": two_steps("lora_fsdp", "sigmoid", batch(2, 2), 2, *LORA, "dist.strategy=fsdp"),
@@ -162,6 +165,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "eval.every_steps=2",
             "dist.strategy=fsdp",
             f"model._target_={SHARDED_ONLY}",
+            "train.memory_report=true",
         ),
         # Precomputed, 4 steps with checkpoints at 2 and 4: uninterrupted, and killed (-9) at
         # step 3 then started again.
@@ -368,6 +372,47 @@ def test_lora_scores_the_reference_with_the_adapters_disabled(runs: dict[str, An
     records = {r["step"]: r for r in train_records(read_metrics(root / "lora_adapter"))}
     assert records[1]["train/reward_margin"] == 0.0
     assert abs(records[2]["train/reward_chosen"]) > 1e-4
+
+
+# The runs of each task.reference whose memory is measured (train.memory_report=true).
+MEASURED = {"accum": "copy", "lora_adapter": "adapter", "precomputed": "precomputed"}
+MEASURED["simpo"] = "none"
+
+
+@pytest.mark.multiproc
+def test_plan_counts_the_frozen_reference_copy(runs: dict[str, Any], tmp_path: Path) -> None:
+    """task.reference=copy holds a frozen copy of the initial model beside the policy: the plan
+    counts its weights from the step's start (`reference_bytes`: 4 bytes per parameter of the
+    model, among the parameters at the peak) and its no-grad forward among the step's tensors,
+    the peak within 10% of the measured run's (train.memory_report=true, which reports the
+    copy's bytes too). adapter (the policy's own base), precomputed and none (simpo) hold no
+    second model: 0 measured (and planned for precomputed: the test below). The measured
+    adapter run is also the tracker's under LoRA's default reference, whose forward with the
+    adapters off (the policy's own modules again) reset what the policy's backward then read:
+    it failed with a KeyError, as did trainer.plan of it."""
+    import json
+
+    from trainer.plan import main
+
+    root = runs["root"]
+    for name in MEASURED:
+        assert runs["procs"][name].returncode == 0, explain(runs["procs"][name])
+    measured = {
+        mode: json.loads((root / name / "memory_report.json").read_text())["ranks"]
+        for name, mode in MEASURED.items()
+    }
+    args = [*data_args(root, root / "pairs.jsonl", root / "val.jsonl"), *task_args("sigmoid")]
+    args += [*TWO_STEPS, *batch(2), "plan.world=1"]
+    main([*args, f"plan.out={tmp_path / 'plan.json'}"])
+    planned = json.loads((tmp_path / "plan.json").read_text())
+    (role,) = planned["roles"]
+    (real,) = measured["copy"]
+    weights = 4 * planned["parameters"]  # fp32: the whole model, once more
+    assert role["reference_bytes"] == real["reference_bytes"] == weights, (role, real)
+    assert role["at_peak"]["PARAM"] == role["parameters_bytes"] + weights
+    assert 0.9 <= role["peak_bytes"] / real["peak_bytes"] <= 1.1, (role, real)
+    for mode in ("adapter", "precomputed", "none"):
+        assert all(r["reference_bytes"] == 0 for r in measured[mode]), mode
 
 
 @pytest.mark.multiproc
@@ -735,6 +780,7 @@ def test_plan_of_a_precomputed_run_needs_no_pass(bad_root: Path, tmp_path: Path)
     main([*args, "task.reference=precomputed", "plan.world=2", "plan.gpu=h100", f"plan.out={out}"])
     plan = json.loads(out.read_text())
     assert plan["world"] == 2 and all(role["fits"] for role in plan["roles"]), plan
+    assert all(role["reference_bytes"] == 0 for role in plan["roles"])  # no second model
     assert not list(bad_root.glob(".cumulus-cache/plan_jsonl-*/reference/*"))
 
 

@@ -69,6 +69,9 @@ MOE = {
     ],
 }
 
+# The in-tree mixture's experts split over 2 ranks (dist.ep=2: 4 experts of every block each).
+EP2 = ["dist.ep=2"]
+
 
 def overrides(model: str, layout: str) -> list[str]:
     """The run's overrides: the model's, the layout's, 2048 tokens where the layout is long."""
@@ -101,6 +104,10 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
         cmds[f"moe_{model}"] = command(
             1, [*args, "train.memory_report=true", f"hydra.run.dir={run_dir}"]
         )
+    run_dir = root / "moe_gpt_ep2"
+    cmds["moe_gpt_ep2"] = command(
+        2, [*MOE["gpt"], *EP2, "train.memory_report=true", f"hydra.run.dir={run_dir}"]
+    )
     results = launch_all(cmds, 600.0, TMPDIR=str(root))
     out = {}
     for name, proc in results.items():
@@ -154,6 +161,56 @@ def test_plan_predicts_a_mixture_of_experts_memory(
         assert role[key] == real[key], (key, role[key], real[key])
     assert 0.9 <= role["peak_bytes"] / real["peak_bytes"] <= 1.1, (role, real)
     assert planned["moe_routing"].startswith("uniform")
+
+
+@pytest.mark.multiproc
+def test_plan_predicts_expert_parallel_memory_and_traffic(
+    measured: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """gpt_tiny's mixture (8 experts top-2, moe.balance=global) with dist.ep=2 on 2 ranks: each
+    rank's parameter, gradient and optimizer bytes exactly the real ep=2 run's, its peak within
+    10%; its experts' parameter and optimizer bytes (the measured one-process run's, less the
+    experts counted from the shapes, subtracted) half the unsplit experts' within 1%; the
+    all-to-all is counted on the expert group, the bytes that leave the rank: routed tokens x
+    k x width x 4 bytes x 2 (dispatch and combine) x 3 passes (moe.balance=global's routing
+    forward, the forward, the backward) x 2 blocks x (ep - 1) / ep, plus the expert counts
+    exchanged before each forward's dispatch; and exposed in the step time. DDP's buckets
+    (and its all-reduce) hold the dense gradients only: it ignores the experts."""
+    planned = plan([*MOE["gpt"], *EP2, "plan.world=2"], tmp_path)
+    real = {r["rank"]: r for r in measured["moe_gpt_ep2"]}
+    (role,) = planned["roles"]
+    assert role["ranks"] == [0, 1]
+    for rank in role["ranks"]:
+        for key in EXACT:
+            assert role[key] == real[rank][key], (rank, key, role[key], real[rank][key])
+        ratio = role["peak_bytes"] / real[rank]["peak_bytes"]
+        assert 0.9 <= ratio <= 1.1, (rank, role["peak_bytes"], real[rank]["peak_bytes"])
+    cfg, _ = to_config(compose_config(MOE["gpt"]))
+    width, hidden, layers = cfg.model["n_embd"], cfg.model["moe"]["hidden"], cfg.model["n_layer"]
+    experts, k, ep = cfg.model["moe"]["experts"], cfg.model["moe"]["top_k"], 2
+    expert_bytes = layers * experts * (2 * width * hidden + hidden + width) * 4
+    (unsplit,) = measured["moe_gpt"]
+    for key, copies in (("parameters_bytes", 1), ("optimizer_bytes", 2)):  # AdamW: 2 moments
+        dense = unsplit[key] - copies * expert_bytes
+        for rank in real:
+            per_rank = real[rank][key] - dense
+            assert abs(per_rank / (copies * expert_bytes / ep) - 1) <= 0.01, (key, rank)
+    # DDP ignores the experts: its buckets, and what it all-reduces, are the dense gradients.
+    dense = unsplit["parameters_bytes"] - expert_bytes
+    assert role["untracked_bytes"] == {"ddp_buckets": dense}, role["untracked_bytes"]
+    assert all(real[rank]["untracked"] == {"ddp_buckets": dense} for rank in real), real
+    assert role["comm_bytes_per_step"]["allreduce/dp (DDP buckets)"] == dense
+    tokens = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.model["block_size"]
+    leaving = (ep - 1) / ep
+    rows = tokens * k * width * 4 * 2 * 3 * layers * leaving
+    counts = 2 * layers * cfg.train.grad_accum_steps * experts * 8 * leaving  # int64 per expert
+    comm = role["comm_bytes_per_step"]
+    assert comm["alltoall_base/ep"] == rows + counts, comm
+    assert not any(key.startswith("alltoall") and "/dp" in key for key in comm), comm
+    est = planned["estimate"]
+    a2a = est["comm_s"]["alltoall_base/ep"]
+    assert a2a > 0 and est["step_time_s"] >= est["compute_s"] + a2a, est
+    assert planned["layout"] == "DDP 2 x expert parallel 2"
 
 
 def llama_parameters(cfg: dict[str, int]) -> int:

@@ -82,6 +82,30 @@ def test_multirun_from_the_command_line_and_from_a_config(tmp_path: Path) -> Non
             assert saved["optim"]["lr"] == lr, (name, job, saved["optim"])
 
 
+def test_bench_moe_counts_the_all_to_all_rows_that_leave_the_rank() -> None:
+    """scripts/bench_moe.py --ep's counter, on one expert dispatch of rank 0 of 2 (a fake
+    process group: each all-to-all hands a rank the rows it sent, as if the other rank sent
+    the same): of 16 routed rows, the 10 for rank 1's experts (4-7) leave in the dispatch and
+    again in the combine, and 4 of the 8 expert counts exchanged first; as many arrive."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from engine.parallel.expert import ExpertGroup
+    from scripts import bench_moe as bench
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        group = ExpertGroup(dist.group.WORLD, 2, 0, 4)
+        counts = [3, 1, 0, 2, 5, 0, 1, 4]  # rows per expert: 6 for rank 0's, 10 for rank 1's
+        with bench.AllToAllBytes() as counted:
+            out = group.run(torch.randn(16, 8), counts, lambda rows, local: rows * 2)
+    finally:
+        dist.destroy_process_group()
+    assert out.shape == (16, 8)
+    leaving = 2 * 10 * 8 * 4 + 4 * 8  # float32 rows out and back, int64 counts
+    assert counted.sent == counted.received == leaving
+
+
 # ---- scripts/bench_nanogpt.py --gpu: what can be checked without a GPU
 
 ANCHOR = REPO.parent / "shared" / "anchors" / "nanogpt"

@@ -24,6 +24,10 @@ Layouts (N: number of processes, 2 if left out of the name):
 | `ppN` | N pipeline stages (`dist.pp=N`): the model must declare `pipeline_stage` |
 | `tpN`, `tpspN` | tensor parallelism (`dist.tp=N`), with sequence parallelism for `tpsp` |
 | `cpN` | context parallelism (`dist.cp=N`) |
+| `epN` | N ranks, `dist.ep=N`: each holds 1/N of a mixture's experts, tokens sent all-to-all |
+
+Without `certify.layouts`: accum, ddp2, fsdp2, pp2, tp2, tpsp2, cp2 and auto, and ep2 for a
+model with mixture-of-experts layers that `dist.ep` splits (the in-tree GPT's `model.moe`).
 
 A layout this machine cannot host (more processes than GPUs, or than CPU cores without a
 GPU), or one the trainer refuses for this configuration (a model that declares no pipeline

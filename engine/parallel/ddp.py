@@ -52,11 +52,11 @@ class DataParallel(ParallelBase):
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
     def untracked_bytes(self, model: nn.Module) -> dict[str, int]:
-        """DDP's gradient buckets: a copy of every trainable parameter's gradient, allocated
-        by its C++ reducer (gradient_as_bucket_view is off)."""
+        """DDP's gradient buckets: a copy of the gradient of every parameter it reduces,
+        allocated by its C++ reducer (gradient_as_bucket_view is off)."""
         if self.dp_size == 1:
             return {}
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = reduced_parameters(model)
         return {"ddp_buckets": sum(p.numel() * p.element_size() for p in params)}
 
     @contextlib.contextmanager
@@ -65,7 +65,7 @@ class DataParallel(ParallelBase):
         if enabled and self.simulated is not None and self.dp_size > 1:
             # Simulated: the reduction's working copy of the gradients, as DDP's reducer
             # allocates it around a synchronized backward (what a tracker sees of it).
-            params = [p for p in model.parameters() if p.requires_grad]
+            params = reduced_parameters(model)
             flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
             yield
             del flat
@@ -88,3 +88,11 @@ class DataParallel(ParallelBase):
         for w in works:
             w.wait()
         torch._foreach_div_(grads, float(self.dp_size))
+
+
+def reduced_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters DDP reduces, and holds buckets for: the trainable ones less those it was
+    told to ignore (dist.ep's experts, reduced over their replicas instead; a task's own
+    parameters). torch keeps that list on the module, where DDP reads it at wrapping."""
+    ignored = set(vars(model).get("_ddp_params_and_buffers_to_ignore", ()))
+    return [p for n, p in model.named_parameters() if p.requires_grad and n not in ignored]

@@ -36,14 +36,16 @@ TOLERANCE = {
     "fp8": (1e-6, 1e-2),
 }
 EXIT_DIFFERENT, EXIT_BAD_INPUT = 1, 2
-_NAME = re.compile(r"(ddp|fsdp|pp|tpsp|tp|cp)(\d*)")
+_NAME = re.compile(r"(ddp|fsdp|pp|tpsp|tp|cp|ep)(\d*)")
+# Of a model whose mixture-of-experts layers dist.ep can split, besides DEFAULT_LAYOUTS.
+EXPERT_LAYOUTS = ("ep2",)
 
 
 @dataclass
 class Settings:
     """`certify.*`: what to run and how close is close enough."""
 
-    layouts: list[str] = field(default_factory=lambda: list(DEFAULT_LAYOUTS))
+    layouts: list[str] | None = None  # null: DEFAULT_LAYOUTS (+ EXPERT_LAYOUTS: default_layouts)
     steps: int = 5
     dir: str | None = None  # null: outputs/certify/<date>/<time>
     atol: float | None = None  # null: by train.precision (TOLERANCE)
@@ -96,8 +98,8 @@ def parse(argv: list[str]) -> tuple[Settings, list[str]]:
         try:
             if name == "layouts":
                 items = value.strip().removeprefix("[").removesuffix("]").split(",")
-                settings.layouts = [i.strip() for i in items if i.strip()]
-                for layout in settings.layouts:
+                settings.layouts = layouts = [i.strip() for i in items if i.strip()]
+                for layout in layouts:
                     if layout not in ("single", "accum", "auto") and not _NAME.fullmatch(layout):
                         raise ValueError(f"unknown layout {layout!r}")
             elif name == "steps":
@@ -118,7 +120,7 @@ def parse(argv: list[str]) -> tuple[Settings, list[str]]:
             raise ConfigError(
                 key,
                 f"{exc} (got {value!r}). Layouts: single, accum, auto, ddpN, fsdpN, ppN, tpN, "
-                "tpspN, cpN (N processes, 2 by default), e.g. certify.layouts=[accum,ddp2]",
+                "tpspN, cpN, epN (N processes, 2 by default), e.g. certify.layouts=[accum,ddp2]",
             ) from None
     return settings, overrides
 
@@ -134,7 +136,7 @@ def largest_divisor(n: int, at_most: int, at_least_parts: int = 1) -> int | None
 def plan(name: str, batch: int, micro: int, slots: int, unit: str) -> Layout:
     """The layout `name` for global batch `batch` and reference micro-batch `micro`, on a
     machine that hosts `slots` processes (`unit`: what a slot is)."""
-    dist = {"dist.strategy": "ddp", "dist.pp": 1, "dist.tp": 1, "dist.cp": 1}
+    dist = {"dist.strategy": "ddp", "dist.pp": 1, "dist.tp": 1, "dist.cp": 1, "dist.ep": 1}
     dist["dist.tp_sequence_parallel"] = "false"
     if name in ("single", "accum", "auto"):
         nproc, kind = 1, name
@@ -153,8 +155,11 @@ def plan(name: str, batch: int, micro: int, slots: int, unit: str) -> Layout:
             layout.skip = "a global batch of 1 has only one split"
     elif kind == "auto":
         m = "auto"
-    elif kind in ("ddp", "fsdp"):
-        dist["dist.strategy"] = kind
+    elif kind in ("ddp", "fsdp", "ep"):
+        if kind == "ep":  # DDP over the N ranks, each holding 1/N of the experts
+            dist["dist.ep"] = nproc
+        else:
+            dist["dist.strategy"] = kind
         if batch % nproc:
             layout.skip = f"the global batch {batch} does not divide over {nproc} ranks"
         else:
@@ -171,10 +176,27 @@ def plan(name: str, batch: int, micro: int, slots: int, unit: str) -> Layout:
     elif kind == "cp":
         dist["dist.cp"] = nproc
     layout.overrides = [f"train.micro_batch_size={m}", *(f"{k}={v}" for k, v in dist.items())]
-    plain = {"dist.strategy=ddp", "dist.pp=1", "dist.tp=1", "dist.cp=1"}
+    plain = {"dist.strategy=ddp", "dist.pp=1", "dist.tp=1", "dist.cp=1", "dist.ep=1"}
     plain.add("dist.tp_sequence_parallel=false")
     layout.what = " ".join(o for o in layout.overrides if o not in plain)
     return layout
+
+
+def default_layouts(cfg: Any) -> list[str]:
+    """DEFAULT_LAYOUTS, and EXPERT_LAYOUTS for a model with mixture-of-experts layers whose
+    experts dist.ep splits (engine/parallel/expert.py's SplitsExperts: the in-tree GPT's
+    model.moe): the model built on fake tensors (no memory, no initialization's time)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from engine.distributed import DistInfo
+    from engine.parallel.expert import SplitsExperts
+    from trainer.run.assemble import build_model
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, _ = build_model(cfg.model, DistInfo(0, 1, 0, torch.device("cpu")))
+    splits = any(isinstance(m, SplitsExperts) for m in model.modules())
+    return [*DEFAULT_LAYOUTS, *(EXPERT_LAYOUTS if splits else ())]
 
 
 def machine_slots() -> tuple[int, str]:
@@ -444,6 +466,7 @@ def certify(settings: Settings, user: list[str]) -> int:
         ],
     )
     validate(merged(base, plan("single", batch, micro, 1, "").overrides))
+    chosen = settings.layouts if settings.layouts is not None else default_layouts(cfg)
     if work.exists() and any(work.iterdir()):
         raise ConfigError("certify.dir", f"{work} is not empty: name a new directory")
     work.mkdir(parents=True, exist_ok=True)
@@ -454,7 +477,7 @@ def certify(settings: Settings, user: list[str]) -> int:
         f"{work}",
         flush=True,
     )
-    names = ["single", *[n for n in dict.fromkeys(settings.layouts) if n != "single"]]
+    names = ["single", *[n for n in dict.fromkeys(chosen) if n != "single"]]
     layouts = [plan(name, batch, micro, slots, unit) for name in names]
     for layout in layouts:
         ranks = f"{layout.nproc} rank{'s' if layout.nproc > 1 else ''}"

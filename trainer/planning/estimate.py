@@ -43,7 +43,8 @@ def estimate(
     """Step time from FLOPs and bytes under the stated assumptions: compute at
     COMPUTE_EFFICIENCY of the peak, split evenly over every rank, a pipeline's bubble on top;
     collectives at LINK_EFFICIENCY of the link their group spans (within a node: NVLink);
-    data-parallel traffic overlapped with compute, the rest exposed."""
+    data-parallel traffic overlapped with compute, the rest exposed: the expert all-to-all
+    (`/ep`: the bytes leaving each rank) sits between a layer's router and its experts."""
     world = dims.world or 1
     tokens = plan.global_batch * (work.seq_len or 1)
     flops = work.flops_per_token * tokens
@@ -54,6 +55,8 @@ def estimate(
     if dims.pp > 1:  # 1F1B/GPipe bubble: (pp - 1) idle micro-batch slots per window
         compute *= (plan.accum + (dims.pp - 1) / dims.pp_virtual) / plan.accum
     inner = {"tp": dims.tp, "cp": dims.cp * dims.tp, "dp": dims.dp * dims.cp * dims.tp}
+    # dist.ep's groups: ep consecutive data-parallel ranks; the replicas strided across dp.
+    inner |= {"ep": dims.ep * dims.cp * dims.tp, "ep_replica": inner["dp"]}
     times: dict[str, float] = {}
     for key, nbytes in comm.items():
         dim = key.split("/")[1].split(" ")[0]

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.distributed import DistInfo
 from engine.parallel.dims import ParallelDims
+from engine.parallel.expert import ExpertParallel
 from trainer.config.schema import Config
 from trainer.planning.attention import CudaAttention
 from trainer.planning.progress import Progress
@@ -40,7 +41,7 @@ from trainer.planning.values import RealIntegers, real_or_fake
 from trainer.run.assemble import Assembly, assemble, check_layout
 from trainer.run.batch_plan import BatchPlan
 from trainer.run.build import build_context, build_step, run_shape
-from trainer.run.memory import MemoryReport, StepPeaks, report
+from trainer.run.memory import MemoryReport, StepPeaks, frozen_modules, report
 
 STEPS = 2  # the first builds the optimizer's state; the second is a steady step
 
@@ -136,6 +137,8 @@ class CommCounter(TorchDispatchMode):
         if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
             tensors = [a for a in _flat(args) if isinstance(a, torch.Tensor)]
             size = max((t.numel() * t.element_size() for t in tensors), default=0)
+            if func is torch.ops.c10d.alltoall_base_.default:
+                size = _leaving_bytes(*args[1:5])
             # funcol's group is a name among its string arguments (beside a reduce op's);
             # c10d's the ProcessGroup itself, boxed (a ScriptObject).
             names = [a for a in _flat(args) if isinstance(a, str)]
@@ -152,6 +155,18 @@ _FUSED_UPDATES = {
     torch.ops.aten._fused_adam_.default,
     torch.ops.aten._fused_sgd_.default,
 }
+
+
+def _leaving_bytes(x: torch.Tensor, group: Any, _: list[int], in_splits: list[int]) -> int:
+    """What an all-to-all sends to the other ranks: its input less the rows it keeps (its own
+    split; even splits when none are given). Under uniform routing a rank receives as much."""
+    pg = dist.ProcessGroup.unbox(group)
+    total = x.numel() * x.element_size()
+    rows = x.shape[0] if x.dim() else 1
+    if rows == 0:
+        return 0
+    kept = in_splits[pg.rank()] if in_splits else rows // pg.size()
+    return total - kept * (total // rows)
 
 
 def _fake_scalar(x: Any) -> bool:
@@ -234,13 +249,15 @@ def simulate_rank(
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         progress.what = f"{role}: building the model and reading the data"
         parts = assemble(cfg, info, dims, building=mode, simulated=book)
+        names = {} if groups is None else groups
+        names.update(expert_groups(parts.parallel))  # before the counter resolves them
         window = worst_window(parts, plan, mode)  # integers real, floats faked
         with mode:
             ctx = build_context(cfg, parts, info, dims)
             step_fn = build_step(cfg.step)
             check_layout(parts.parallel, run_shape(cfg, step_fn, ctx, plan))
             ctx.callbacks.setup(ctx)
-            peaks, counter = StepPeaks(), CommCounter(meshes, {} if groups is None else groups)
+            peaks, counter = StepPeaks(), CommCounter(meshes, names)
             progress.peaks, peaks.blocks = peaks, blocks
             for step in range(STEPS):
                 progress.what = f"{role}: step {step + 1}/{STEPS}"
@@ -248,7 +265,7 @@ def simulate_rank(
                     counter.bytes.clear()
                     book["sent_bytes"] = 0
                 steps_window = window if step == STEPS - 1 else window[: first_window(dims)]
-                tracked = peaks.step(parts.wrapped, ctx.optimizer)
+                tracked = peaks.step(parts.wrapped, ctx.optimizer, frozen_modules(parts.task))
                 with (
                     no_cycle_collection(),
                     RealIntegers(),
@@ -259,7 +276,8 @@ def simulate_rank(
                 ):
                     step_fn(ctx, steps_window)
             progress.peaks = None
-            memory = report(peaks, parts.model, ctx.optimizer, parts.parallel)
+            frozen = frozen_modules(parts.task)
+            memory = report(peaks, parts.model, ctx.optimizer, parts.parallel, frozen)
     comm = dict(counter.bytes)
     sent = book.pop("sent_bytes", 0)  # a pipeline stage's sends to its neighbours
     if sent:
@@ -268,6 +286,16 @@ def simulate_rank(
         if key == "ddp_buckets":
             comm["allreduce/dp (DDP buckets)"] = value
     return memory, comm, parts, plan
+
+
+def expert_groups(parallel: Any) -> dict[str, str | None]:
+    """Under `dist.ep`, the expert groups' names -> `ep` (the all-to-all and the experts' norm)
+    and `ep_replica` (their gradients' all-reduce): process groups no mesh dimension names, and
+    whose ranks a data-parallel dimension of as many ranks would claim."""
+    if not isinstance(parallel, ExpertParallel):
+        return {}
+    named = {"ep": parallel.expert_group, "ep_replica": parallel.replica_group}
+    return {g.group_name: dim for dim, g in named.items() if g is not None}
 
 
 @contextlib.contextmanager

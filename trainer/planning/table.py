@@ -31,12 +31,19 @@ def describe(dims: ParallelDims) -> str:
         parts.append(f"{dims.strategy.upper()} {dims.dp}")
     elif dims.strategy == "fsdp" and dims.cp > 1:
         parts.append("FSDP (over the context-parallel ranks)")
+    if dims.ep > 1:
+        parts.append(f"expert parallel {dims.ep}")
     if dims.cp > 1:
         parts.append(f"context parallel {dims.cp} ({dims.cp_impl})")
     if dims.tp > 1:
         sequence = " + sequence" if dims.sequence_parallel else ""
         parts.append(f"tensor parallel {dims.tp}{sequence}")
     return " x ".join(parts) or "one GPU"
+
+
+def all_to_all(comm: dict[str, int]) -> int:
+    """The bytes a rank sends in the expert all-to-alls of a step (`dist.ep`)."""
+    return sum(v for k, v in comm.items() if k.startswith("alltoall") and k.endswith("/ep"))
 
 
 def table(p: Any) -> str:
@@ -61,6 +68,18 @@ def table(p: Any) -> str:
         )
     if p.routing is not None:
         lines.append(f"mixture of experts: routing planned as {p.routing}")
+    frozen = max((r.memory.reference_bytes for r in p.roles), default=0)
+    if frozen:
+        lines.append(
+            f"task.reference=copy: the frozen reference's weights, {size(frozen)} per rank, "
+            "are in the peak"
+        )
+    sent = max((all_to_all(r.comm_bytes) for r in p.roles), default=0)
+    if sent:
+        lines.append(
+            f"expert all-to-all: {size(sent)} sent and as much received per rank per step "
+            "(the routed tokens that leave the rank, under that routing)"
+        )
     e = p.estimate
     lines.append(
         f"estimate (docs/plan.md's assumptions): step {e.step_time_s:.3f} s, "

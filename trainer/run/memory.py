@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _ModMemStats
 
 from engine.parallel.base import Parallelism, local_values
+from engine.preference import DPOTask
 
 _BLOCK = re.compile(r"\.\d+$")  # a module name ending in a list index: one of the blocks
 
@@ -64,6 +65,23 @@ class StepTracker(MemTracker):
         if again and set(self._mod_tracker.parents) - {name} == {"Global"}:
             self.reset_mod_stats()  # nothing runs inside a root module here: nothing lost
         super()._pre_fw_hook(module, inputs)
+
+    def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+        self._known(module)
+        super()._pre_bw_hook(module, args)
+
+    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+        self._known(module)
+        super()._post_bw_hook(module, args)
+
+    def _known(self, module: nn.Module | None) -> None:
+        """A module whose statistics a later root forward reset before its backward: the
+        same model run again between a forward and its backward (task.reference=adapter
+        scores with the policy's base, its adapters off, whose modules then miss: a KeyError in
+        MemTracker's backward hooks). The device-level figures need none of its statistics."""
+        if module is not None and module not in self.memory_tracking:
+            name = self._mod_tracker.get_known_fqn(module) or type(module).__name__
+            self.memory_tracking[module] = _ModMemStats(name)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         """The device-level peak only, after every op. MemTracker also walks every module it
@@ -138,6 +156,9 @@ class MemoryReport:
     activations_bytes: int  # at the peak: tensors kept for backward
     temporaries_bytes: int  # at the peak: everything else allocated in the step
     buffers_bytes: int
+    # A frozen module the task scores with (task.reference=copy): this rank's parameters and
+    # buffers of it, in the peak (the tracker's PARAM and BUFFER) and apart from the above.
+    reference_bytes: int = 0
     untracked: dict[str, int] = field(default_factory=dict)
     at_peak: dict[str, int] = field(default_factory=dict)  # the tracker's categories there
     # The categories at the highest point of each moment (StepTracker.moment): the planner's.
@@ -162,6 +183,15 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
 
+def frozen_modules(task: object) -> list[nn.Module]:
+    """The modules a task runs in the step besides the model, frozen: task.reference=copy's
+    copy of the initial policy (its weights are memory the model's parameters do not count;
+    `adapter` scores with the policy's own base, `precomputed` and `none` with no model)."""
+    if isinstance(task, DPOTask) and task.frozen_copy is not None:
+        return [task.frozen_copy.module]
+    return []
+
+
 class StepPeaks:
     """The tracked peak over steps, each step tracked on its own (the loop's work between
     steps, a loader materializing data, is not the step's memory): the breakdown of the step
@@ -175,10 +205,14 @@ class StepPeaks:
         self.steps = 0
 
     @contextlib.contextmanager
-    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    def step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, frozen: Iterable[nn.Module] = ()
+    ) -> Iterator[None]:
+        """Tracks one step of `model` and `optimizer`; `frozen`: modules the step runs besides
+        the model (`frozen_modules`), whose weights count among the parameters at the peak."""
         tracker = StepTracker(self.blocks)
         self.steps += 1
-        tracker.track_external(model, optimizer)
+        tracker.track_external(model, optimizer, *frozen)
         self.tracker = tracker
         try:
             with tracker:
@@ -209,8 +243,11 @@ def report(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     parallel: Parallelism,
+    frozen: Iterable[nn.Module] = (),
 ) -> MemoryReport:
-    """The breakdown at the tracked peak, with this rank's exact own bytes."""
+    """The breakdown at the tracked peak, with this rank's exact own bytes (and those of the
+    `frozen` modules the step ran, `reference_bytes`)."""
+    frozen = list(frozen)
     peak = peaks.peak
     untracked = parallel.untracked_bytes(model)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -222,6 +259,7 @@ def report(
         activations_bytes=peak.get("ACT", 0),
         temporaries_bytes=peak.get("TEMP", 0),
         buffers_bytes=local_bytes(model.buffers()),
+        reference_bytes=local_bytes(t for m in frozen for t in (*m.parameters(), *m.buffers())),
         untracked=untracked,
         at_peak=dict(peak),
         moments={k: dict(v) for k, v in peaks.moments.items()},
@@ -245,7 +283,7 @@ class MemoryWindow:
             return self.inner(run, window, windows)
         if self.first is None:
             self.first = run.step + 1
-        with self.peaks.step(run.ctx.model, run.ctx.optimizer):
+        with self.peaks.step(run.ctx.model, run.ctx.optimizer, frozen_modules(run.ctx.task)):
             out = self.inner(run, window, windows)
         self.done += 1
         if self.done == self.steps or run.step >= run.settings.train.max_steps:
@@ -256,7 +294,9 @@ class MemoryWindow:
     def _write(self, run: Any) -> None:
         from engine.distributed import gather_object
 
-        mine = report(self.peaks, run.state.model, run.ctx.optimizer, run.ctx.parallel)
+        ctx = run.ctx
+        frozen = frozen_modules(ctx.task)
+        mine = report(self.peaks, run.state.model, ctx.optimizer, ctx.parallel, frozen)
         everyone = gather_object({"rank": run.dist.rank, **mine.as_dict()}, run.dist)
         if everyone is not None:
             self.path.write_text(json.dumps({"steps": self.done, "ranks": everyone}, indent=1))
