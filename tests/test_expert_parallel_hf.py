@@ -16,7 +16,8 @@ sharded over the 4, each expert on 2 ranks). The ep runs are launched together. 
   shards (the default), Mixtral's checkpoint.format=full (experts gathered): the reference's
   steps 3 and 4;
 - another transformers mixture (model.family=olmoe) under dist.ep=2: one paragraph naming
-  dist.ep and its experts' class;
+  dist.ep and its experts' class; an expert count dist.ep=2 does not divide: one paragraph
+  naming the family's own key (model.config.num_experts, model.config.num_local_experts);
 - scripts/export_hf.py of the ep=2 run: transformers' own class with every expert, which
   `from_pretrained` loads with the checkpoint's weights and the reference's logits.
 """
@@ -44,6 +45,8 @@ FAMILIES = ("qwen3_moe", "mixtral")
 FORMATS = {"qwen3_moe": "auto", "mixtral": "full"}
 # The 2-rank ep runs by family, and Qwen3-MoE's ep=2 x FSDP2 on 4 ranks.
 EP_RUNS = {"ep2-qwen3_moe": "qwen3_moe", "ep2-mixtral": "mixtral", "fsdp4-qwen3_moe": "qwen3_moe"}
+# Each family's key for its expert count, set to 5 (dist.ep=2 does not divide it).
+COUNT_KEYS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
 
 
 def common(text: Path, family: str) -> list[str]:
@@ -98,6 +101,10 @@ class Runs:
         # Another transformers mixture (OLMoE: fused experts too, not shown to split alike).
         refused = [*common(self.text, "qwen3_moe"), "model.family=olmoe", "train.max_steps=1"]
         launches["olmoe"] = torchrun(2, [*refused, "dist.ep=2", f"hydra.run.dir={root / 'olmoe'}"])
+        for f, key in COUNT_KEYS.items():
+            five = [*common(self.text, f), f"model.config.{key}=5", "train.max_steps=1"]
+            run_dir = root / f"five-{f}"
+            launches[f"five-{f}"] = torchrun(2, [*five, "dist.ep=2", f"hydra.run.dir={run_dir}"])
         # 4 ranks, ep=2 x FSDP2; no evaluation (2 validation samples: lockstep needs one a rank).
         fsdp4 = [*common(self.text, "qwen3_moe"), "dist.ep=2", "dist.strategy=fsdp"]
         fsdp4 += ["eval.every_steps=0", "checkpoint.every_steps=0", dump(root / "fsdp4-qwen3_moe")]
@@ -262,4 +269,20 @@ def test_other_transformers_mixtures_are_refused(runs: Runs) -> None:
     assert proc.returncode != 0, explain(proc)
     assert "invalid config `dist.ep`" in out and "transformers' OlmoeExperts" in out, explain(proc)
     assert "model=hf_qwen3_moe" in out, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_expert_count_ep_does_not_divide_names_its_key(runs: Runs, family: str) -> None:
+    """5 experts under dist.ep=2: one paragraph naming the key the family counts its experts
+    in (Qwen3-MoE's model.config.num_experts, Mixtral's model.config.num_local_experts), not
+    the in-tree GPT's model.moe.experts."""
+    proc = runs.procs[f"five-{family}"]
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, explain(proc)
+    error = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(set(error)) == 1, explain(proc)
+    want = f"error: invalid config `dist.ep`: must divide model.config.{COUNT_KEYS[family]} (5)"
+    assert error[0].startswith(want), explain(proc)
     assert "Traceback" not in proc.stderr, explain(proc)

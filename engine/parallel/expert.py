@@ -126,11 +126,13 @@ class ExpertGroup:
 
 @runtime_checkable
 class SplitsExperts(Protocol):
-    """A mixture whose experts expert parallelism can split: `num_experts`, and
+    """A mixture whose experts expert parallelism can split: `num_experts`, the config key
+    that sets it (`experts_key`, named when dist.ep does not divide it), and
     `split_experts(group)` keeps only the group rank's experts and dispatches through it
     (computing them in `group.param_dtype` when it is set)."""
 
     num_experts: int
+    experts_key: str  # e.g. model.moe.experts, model.config.num_local_experts
 
     def split_experts(self, group: ExpertGroup) -> list[nn.Parameter]: ...
 
@@ -220,7 +222,7 @@ class ExpertSplit(ParallelBase):
             if m.num_experts % self.ep:
                 raise LayoutError(
                     "dist.ep",
-                    f"must divide model.moe.experts ({m.num_experts}), got {self.ep}: each "
+                    f"must divide {m.experts_key} ({m.num_experts}), got {self.ep}: each "
                     "expert-parallel rank holds the same number of experts",
                 )
         assert self.expert_group is not None
