@@ -74,6 +74,31 @@ def dump(run_dir: Path) -> str:
     return f"+callbacks.dump={{_target_: {target}, path: {run_dir}/step1.pt}}"
 
 
+# Refused at start-up under dist.ep=2 by the built parallelism's check (the run's other
+# choices), each launched on 2 ranks: the key named, and what the paragraph says.
+REFUSED = {
+    "compile": (["train.compile=true"], "train.compile", "train.compile=false, or dist.ep=1"),
+    "auto": (
+        ["train.micro_batch_size=auto"],
+        "train.micro_batch_size",
+        "set a number (e.g. train.micro_batch_size=4), or dist.ep=1",
+    ),
+    "per-layer": (
+        ["train.grad_norms=per_layer"],
+        "train.grad_norms",
+        "set train.grad_norms=total, or dist.ep=1",
+    ),
+    "sam": (
+        ["step=sam", "moe=micro"],
+        "step",
+        "SAMStep is not built with it yet; use step=accumulate, or dist.ep=1",
+    ),
+    # Refused before dist.ep's check sees it: the in-tree GPT's loss is per micro-batch.
+    "cached": (["step=cached"], "step", "step=cached needs a task whose loss is of the whole"),
+    "ema": (["callbacks=ema"], "callbacks.ema", "remove callbacks.ema or set dist.ep=1"),
+}
+
+
 def kill(run_dir: Path) -> list[str]:
     return [
         "+callbacks.kill._target_=tests.ckpt_support.KillOnce",
@@ -120,6 +145,9 @@ class Runs:
         }
         cmds["bf16"].append("model.activation_checkpointing=true")
         cmds["fp16"] = [*args, *ep2, "dist.strategy=fsdp", *FP16]  # GradScaler's unscale
+        refuse = [*TINY, *MOE, f"data.path={self.text}", "train.max_steps=1", *ep2]
+        refuse.append("train.global_batch_size=32")  # auto micro-batch needs a fixed one
+        cmds.update({name: [*refuse, *a] for name, (a, _, _) in REFUSED.items()})
         launches = {
             name: torchrun(2, [*a, f"hydra.run.dir={root / name}"]) for name, a in cmds.items()
         }
@@ -359,17 +387,25 @@ def test_an_empty_split_works() -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    ("name", "says"),
+    ("name", "key", "says"),
     [
-        ("dense", "has no mixture-of-experts layer"),
-        ("experts", "must divide model.moe.experts (5)"),
+        ("dense", "dist.ep", "has no mixture-of-experts layer"),
+        ("experts", "dist.ep", "must divide model.moe.experts (5)"),
+        *((name, key, says) for name, (_, key, says) in REFUSED.items()),
     ],
 )
-def test_launched_bad_input_is_one_paragraph(runs: Runs, name: str, says: str) -> None:
+def test_launched_bad_input_is_one_paragraph(runs: Runs, name: str, key: str, says: str) -> None:
+    """What dist.ep=2 refuses once the layout is built: a dense model, an expert count it does
+    not divide, and the choices that do not compose with it yet (the parallelism's check of
+    the run: compilation, the automatic micro-batch, per-layer norms, another step, an
+    averaged copy of the weights): one paragraph naming the key and what is valid."""
     proc = runs.procs[name]
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "invalid config `dist.ep`" in out and says in out, explain(proc)
+    error = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(set(error)) == 1, explain(proc)  # one paragraph (one line), the same on any rank
+    assert error[0].startswith(f"error: invalid config `{key}`: "), explain(proc)
+    assert says in error[0], explain(proc)
     assert "Traceback" not in proc.stderr, explain(proc)
 
 
@@ -379,13 +415,17 @@ def test_launched_bad_input_is_one_paragraph(runs: Runs, name: str, says: str) -
         (["dist.ep=2"], "dist.ep", "must divide the data-parallel size (1)"),
         (["dist.ep=2", "dist.tp=2"], "dist.ep", "dist.tp=2"),
         (["dist.ep=2", "dist.pp=2"], "dist.ep", "dist.pp=2"),
+        (["dist.ep=2", "dist.cp=2"], "dist.ep", "dist.cp=2"),
         (["dist.ep=0"], "dist.ep", "positive"),
     ],
-    ids=["ep>dp", "tp", "pp", "zero"],
+    ids=["ep>dp", "tp", "pp", "cp", "zero"],
 )
 def test_bad_input_is_one_paragraph(
     overrides: list[str], key: str, says: str, tmp_path: Path
 ) -> None:
+    """Refused from the config alone, before any launch: dist.ep not dividing the one
+    process's data-parallel size, with tensor, pipeline or context parallelism (which do not
+    compose with it yet), and not positive."""
     from trainer.config.errors import ConfigError
 
     text = stdlib_text(tmp_path / "text.txt", 1750)

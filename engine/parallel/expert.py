@@ -179,15 +179,21 @@ class ExpertSplit(ParallelBase):
             raise LayoutError(
                 f"callbacks.{name}",
                 "not available with dist.ep > 1 yet: it keeps an average of every weight, and "
-                "each rank holds only its own experts",
+                f"each rank holds only its own experts; remove callbacks.{name} or set dist.ep=1",
             )
         super().check(shape)
         refused = {
-            "train.micro_batch_size": (shape.auto_micro_batch, "auto is not probed with it yet"),
-            "train.compile": (shape.compile, "compiling the all-to-all is not built yet"),
+            "train.micro_batch_size": (
+                shape.auto_micro_batch,
+                "auto is not probed with it yet; set a number (e.g. train.micro_batch_size=4)",
+            ),
+            "train.compile": (
+                shape.compile,
+                "compiling the all-to-all is not built yet; set train.compile=false",
+            ),
             "train.grad_norms": (
                 shape.per_layer_norms,
-                "per-layer norms would see this rank's experts only",
+                "per-layer norms would see this rank's experts only; set train.grad_norms=total",
             ),
             "step": (
                 not shape.plain_accumulation,
@@ -196,7 +202,7 @@ class ExpertSplit(ParallelBase):
         }
         for key, (bad, why) in refused.items():
             if bad:
-                raise LayoutError(key, f"not available with dist.ep > 1: {why}")
+                raise LayoutError(key, f"not available with dist.ep > 1: {why}, or dist.ep=1")
 
     @property
     def checkpoint_format(self) -> str:
