@@ -1,6 +1,7 @@
 """For tests/test_moe.py, loaded by the trainer's ranks by `_target_`: a callback writing the
 weights and the gradients of optimizer step 1, whole (gathered under FSDP), from rank 0; a
-mixture whose routing does not repeat (`RestlessGPT`)."""
+mixture whose routing does not repeat (`RestlessGPT`); an overflow in one rank's experts
+(`OverflowInExperts`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 from engine.callbacks import Callback
 from engine.distributed import unwrap
 from engine.moe.routing import HasRouters
-from engine.parallel.base import whole_tensor
+from engine.parallel.base import local_values, whole_tensor
 from engine.step import StepContext
 from trainer.models.gpt import GPT
 from trainer.models.moe import Router
@@ -86,3 +87,46 @@ class DumpFirstStepPerRank(DumpFirstStep):
 
     def on_after_optimizer_step(self, ctx: StepContext, step: int) -> None:
         del ctx, step
+
+
+class OverflowInExperts(Callback):
+    """An fp16 overflow in one rank's experts at optimizer step 1: after the window's last
+    backward, rank `rank` puts inf in the (still scaled) gradient of its last expert of the
+    first mixture, before GradScaler unscales (it breaks `on_after_micro_batch`'s read-only
+    contract on purpose: a gradient that overflowed in backward). Each rank writes to
+    `path.rank<R>` its loss scale and its own values (FSDP2's shards, its experts) of every
+    parameter before and after step 1, and how many parameters its optimizer holds state for
+    after it (none: the step was skipped)."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.path, self.rank = Path(path), rank
+        self.before: dict[str, Any] = {}
+
+    def _values(self, ctx: StepContext) -> dict[str, torch.Tensor]:
+        named = unwrap(ctx.model).named_parameters()
+        return {n: local_values(p.detach()).clone() for n, p in named}
+
+    def on_after_micro_batch(
+        self, ctx: StepContext, batch: Any, global_count: torch.Tensor, last: bool
+    ) -> None:
+        del batch, global_count
+        if ctx.step != 0 or not last:
+            return
+        scale = ctx.precision.loss_scale()
+        assert scale is not None, "OverflowInExperts needs train.precision=fp16"
+        self.before = {"scale": scale.item(), "weights": self._values(ctx)}
+        if ctx.dist.rank != self.rank:
+            return
+        named = unwrap(ctx.model).named_parameters()
+        expert = next(p for n, p in named if ".mlp.experts." in n and p.grad is not None)
+        with torch.no_grad():
+            local_values(expert.grad)[-1].view(-1)[0] = float("inf")
+
+    def on_after_optimizer_step(self, ctx: StepContext, step: int) -> None:
+        if step != 1:
+            return
+        scale = ctx.precision.loss_scale()
+        assert scale is not None
+        after = {"scale": scale.item(), "weights": self._values(ctx)}
+        state = {"before": self.before, "after": after, "stepped": len(ctx.optimizer.state)}
+        torch.save(state, f"{self.path}.rank{ctx.dist.rank}")

@@ -41,7 +41,7 @@ KEYS = ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_load_m
 BALANCES = ("micro", "bias")
 MOE = [f"+model.moe.experts={E}", f"+model.moe.top_k={K}", f"+model.moe.hidden={HIDDEN}"]
 QUIET = ["eval.every_steps=0", "checkpoint.every_steps=0"]
-FP16 = ["train.precision=fp16", "train.max_steps=2", *QUIET]
+FP16 = ["train.precision=fp16", "train.max_steps=3", *QUIET]
 BF16 = ["dist.strategy=fsdp", "train.precision=bf16", "train.max_steps=1", *QUIET]
 
 
@@ -72,6 +72,37 @@ def common(text: Path) -> list[str]:
 def dump(run_dir: Path) -> str:
     target = "tests.moe_support.DumpFirstStepPerRank"
     return f"+callbacks.dump={{_target_: {target}, path: {run_dir}/step1.pt}}"
+
+
+def overflow(run_dir: Path, rank: int) -> str:
+    """fp16: inf in rank `rank`'s last expert gradient at step 1 (tests/moe_support.py)."""
+    target = "tests.moe_support.OverflowInExperts"
+    return f"+callbacks.overflow={{_target_: {target}, path: {run_dir}/overflow.pt, rank: {rank}}}"
+
+
+# Refused at start-up under dist.ep=2 by the built parallelism's check (the run's other
+# choices), each launched on 2 ranks: the key named, and what the paragraph says.
+REFUSED = {
+    "compile": (["train.compile=true"], "train.compile", "train.compile=false, or dist.ep=1"),
+    "auto": (
+        ["train.micro_batch_size=auto"],
+        "train.micro_batch_size",
+        "set a number (e.g. train.micro_batch_size=4), or dist.ep=1",
+    ),
+    "per-layer": (
+        ["train.grad_norms=per_layer"],
+        "train.grad_norms",
+        "set train.grad_norms=total, or dist.ep=1",
+    ),
+    "sam": (
+        ["step=sam", "moe=micro"],
+        "step",
+        "SAMStep is not built with it yet; use step=accumulate, or dist.ep=1",
+    ),
+    # Refused before dist.ep's check sees it: the in-tree GPT's loss is per micro-batch.
+    "cached": (["step=cached"], "step", "step=cached needs a task whose loss is of the whole"),
+    "ema": (["callbacks=ema"], "callbacks.ema", "remove callbacks.ema or set dist.ep=1"),
+}
 
 
 def kill(run_dir: Path) -> list[str]:
@@ -105,7 +136,9 @@ class Runs:
                 train_in_process([*args, f"moe={balance}", f"hydra.run.dir={run_dir}"], run_dir)
             )
         ref_fp16 = root / "ref-fp16"
-        train_in_process([*args, *FP16, f"hydra.run.dir={ref_fp16}"], ref_fp16)
+        train_in_process(
+            [*args, *FP16, overflow(ref_fp16, 0), f"hydra.run.dir={ref_fp16}"], ref_fp16
+        )
         ep2 = ["dist.ep=2"]
         cmds = {
             "ep2": [*args, *ep2, dump(root / "ep2"), "train.memory_report=true"],
@@ -119,7 +152,13 @@ class Runs:
             **{name: [*args, *a, *BF16] for name, a in (("bf16", ep2), ("bf16-fsdp", []))},
         }
         cmds["bf16"].append("model.activation_checkpointing=true")
-        cmds["fp16"] = [*args, *ep2, "dist.strategy=fsdp", *FP16]  # GradScaler's unscale
+        # GradScaler's unscale; an overflow in rank 1's experts at step 1, under FSDP2 (whose
+        # DTensor unscale also reduces the overflow flag over its mesh) and under DDP.
+        cmds["fp16"] = [*args, *ep2, "dist.strategy=fsdp", *FP16, overflow(root / "fp16", 1)]
+        cmds["fp16-ddp"] = [*args, *ep2, *FP16, overflow(root / "fp16-ddp", 1)]
+        refuse = [*TINY, *MOE, f"data.path={self.text}", "train.max_steps=1", *ep2]
+        refuse.append("train.global_batch_size=32")  # auto micro-batch needs a fixed one
+        cmds.update({name: [*refuse, *a] for name, (a, _, _) in REFUSED.items()})
         launches = {
             name: torchrun(2, [*a, f"hydra.run.dir={root / name}"]) for name, a in cmds.items()
         }
@@ -132,7 +171,7 @@ class Runs:
         sharded += [dump(root / "fsdp4"), "train.memory_report=true"]
         launches["fsdp4"] = torchrun(4, [*sharded, f"hydra.run.dir={root / 'fsdp4'}"])
         self.procs = launch_all(launches, timeout=600)
-        done = ("ep2", "ep2x4", "fsdp4", "from1", "bf16", "bf16-fsdp", "fp16")
+        done = ("ep2", "ep2x4", "fsdp4", "from1", "bf16", "bf16-fsdp", "fp16", "fp16-ddp")
         for name in (*done, *(f"ep2-{b}" for b in BALANCES)):
             assert self.procs[name].returncode == 0, explain(self.procs[name])
         assert self.procs["killed"].returncode != 0, explain(self.procs["killed"])
@@ -162,8 +201,8 @@ class Runs:
     def records(self, name: str) -> list[dict[str, Any]]:
         return train_records(read_metrics(self.root / name))
 
-    def dumped(self, name: str, rank: int) -> dict[str, Any]:
-        return torch.load(self.root / name / f"step1.pt.rank{rank}")
+    def dumped(self, name: str, rank: int, file: str = "step1.pt") -> dict[str, Any]:
+        return torch.load(self.root / name / f"{file}.rank{rank}")
 
 
 @pytest.fixture(scope="module")
@@ -335,17 +374,47 @@ def test_bf16_is_fsdp_without_experts_split(runs: Runs) -> None:
     assert got[0]["train/grad_norm"] == pytest.approx(want[0]["train/grad_norm"], rel=1e-4)
 
 
+FP16_RUNS = ("fp16", "fp16-ddp")  # ep=2 under FSDP2 and under DDP
+
+
 @pytest.mark.multiproc
-def test_fp16_is_one_process(runs: Runs) -> None:
-    """fp16 (GradScaler) under ep=2 x FSDP2: unscaling and stepping FSDP2's DTensor shards
-    and the plain experts in one optimizer; 2 steps are one process's, step 1 to 1e-6 and
-    step 2 to 1e-5 (fp16 autocast rounds the split step's sums differently)."""
-    got, want = runs.records("fp16"), runs.records("ref-fp16")
-    assert [r["step"] for r in got] == [1, 2] == [r["step"] for r in want]
-    assert got[-1]["train/skipped_steps"] == 0 == want[-1]["train/skipped_steps"]
-    for step, rel in ((0, REL), (1, 1e-5)):
+@pytest.mark.parametrize("name", FP16_RUNS)
+def test_fp16_is_one_process(runs: Runs, name: str) -> None:
+    """fp16 (GradScaler) under ep=2 x FSDP2 (unscaling and stepping FSDP2's DTensor shards
+    and the plain experts in one optimizer) and under DDP: 3 steps are one process's, whose
+    step 1 overflows in expert 7 as rank 1's does (skipped: its loss and aux to 1e-6), step 2
+    (the first update) to 1e-6 and step 3 to 1e-5 (fp16 autocast rounds the split step's sums
+    differently)."""
+    got, want = runs.records(name), runs.records("ref-fp16")
+    assert [r["step"] for r in got] == [1, 2, 3] == [r["step"] for r in want]
+    for records in (got, want):
+        assert [r["train/skipped_steps"] for r in records] == [1, 1, 1]
+    for key in ("train/loss", "train/moe_aux_loss"):
+        assert got[0][key] == pytest.approx(want[0][key], rel=REL), (1, key)
+    for step, rel in ((1, REL), (2, 1e-5)):
         for key in KEYS:
             assert got[step][key] == pytest.approx(want[step][key], rel=rel), (step + 1, key)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", FP16_RUNS)
+def test_fp16_overflow_in_one_ranks_experts_skips_every_rank(runs: Runs, name: str) -> None:
+    """fp16 under ep=2 (x FSDP2, and DDP), inf in rank 1's expert gradient at step 1 (rank
+    0's gradients finite): GradScaler's verdict is agreed (`agree_found_inf`; under FSDP2
+    the DTensor unscale reduces it over the mesh too), so both ranks skip the step (no
+    optimizer state made, every weight, shard and expert as before) and both halve the loss
+    scale, as the one process does; the next steps are its (test_fp16_is_one_process)."""
+    want = runs.dumped("ref-fp16", 0, "overflow.pt")
+    assert want["stepped"] == 0 and want["after"]["scale"] == want["before"]["scale"] / 2
+    for rank in (0, 1):
+        got = runs.dumped(name, rank, "overflow.pt")
+        assert got["before"]["scale"] == want["before"]["scale"], rank
+        assert got["after"]["scale"] == want["after"]["scale"], rank  # halved on both
+        assert got["stepped"] == 0, rank  # the optimizer skipped on both
+        before, after = got["before"]["weights"], got["after"]["weights"]
+        assert before.keys() == after.keys() and any(is_expert(n) for n in before)
+        for param, w in before.items():
+            assert torch.equal(after[param], w), (rank, param)
 
 
 @pytest.mark.multiproc
@@ -359,17 +428,25 @@ def test_an_empty_split_works() -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    ("name", "says"),
+    ("name", "key", "says"),
     [
-        ("dense", "has no mixture-of-experts layer"),
-        ("experts", "must divide model.moe.experts (5)"),
+        ("dense", "dist.ep", "has no mixture-of-experts layer"),
+        ("experts", "dist.ep", "must divide model.moe.experts (5)"),
+        *((name, key, says) for name, (_, key, says) in REFUSED.items()),
     ],
 )
-def test_launched_bad_input_is_one_paragraph(runs: Runs, name: str, says: str) -> None:
+def test_launched_bad_input_is_one_paragraph(runs: Runs, name: str, key: str, says: str) -> None:
+    """What dist.ep=2 refuses once the layout is built: a dense model, an expert count it does
+    not divide, and the choices that do not compose with it yet (the parallelism's check of
+    the run: compilation, the automatic micro-batch, per-layer norms, another step, an
+    averaged copy of the weights): one paragraph naming the key and what is valid."""
     proc = runs.procs[name]
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "invalid config `dist.ep`" in out and says in out, explain(proc)
+    error = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(set(error)) == 1, explain(proc)  # one paragraph (one line), the same on any rank
+    assert error[0].startswith(f"error: invalid config `{key}`: "), explain(proc)
+    assert says in error[0], explain(proc)
     assert "Traceback" not in proc.stderr, explain(proc)
 
 
@@ -379,13 +456,17 @@ def test_launched_bad_input_is_one_paragraph(runs: Runs, name: str, says: str) -
         (["dist.ep=2"], "dist.ep", "must divide the data-parallel size (1)"),
         (["dist.ep=2", "dist.tp=2"], "dist.ep", "dist.tp=2"),
         (["dist.ep=2", "dist.pp=2"], "dist.ep", "dist.pp=2"),
+        (["dist.ep=2", "dist.cp=2"], "dist.ep", "dist.cp=2"),
         (["dist.ep=0"], "dist.ep", "positive"),
     ],
-    ids=["ep>dp", "tp", "pp", "zero"],
+    ids=["ep>dp", "tp", "pp", "cp", "zero"],
 )
 def test_bad_input_is_one_paragraph(
     overrides: list[str], key: str, says: str, tmp_path: Path
 ) -> None:
+    """Refused from the config alone, before any launch: dist.ep not dividing the one
+    process's data-parallel size, with tensor, pipeline or context parallelism (which do not
+    compose with it yet), and not positive."""
     from trainer.config.errors import ConfigError
 
     text = stdlib_text(tmp_path / "text.txt", 1750)

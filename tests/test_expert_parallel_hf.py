@@ -5,17 +5,19 @@ trainer/models/hf_experts.py give the unsplit model's run.
 Each family trains 4 steps of one global batch of 24 samples (SGD with momentum, clipping on,
 moe.balance=global with large aux and z weights) on one process, the reference, and on 2 ranks
 with dist.ep=2 (each rank holds 4 experts of every block; the block's own router chooses,
-tokens go all-to-all). The two 2-rank runs are launched together. Compared:
+tokens go all-to-all), and Qwen3-MoE on 4 ranks with ep=2 x FSDP2 (the other parameters
+sharded over the 4, each expert on 2 ranks). The ep runs are launched together. Compared:
 
-- every step's loss, clipped grad norm, aux loss and load, and both evaluations, to 1e-6
-  relative;
-- Qwen3-MoE's step-1 gradient as the optimizer applies it (each rank's experts joined along
-  the expert dimension) and its first weights;
+- every step's loss, clipped grad norm, aux loss and load, and both evaluations (2 ranks),
+  to 1e-6 relative;
+- the step-1 gradient as the optimizer applies it (each rank's experts joined along the
+  expert dimension, FSDP2's shards gathered) and the first weights;
 - resume on one process (dist.ep=1) from each ep=2 run's step-2 checkpoint: Qwen3-MoE's DCP
   shards (the default), Mixtral's checkpoint.format=full (experts gathered): the reference's
   steps 3 and 4;
 - another transformers mixture (model.family=olmoe) under dist.ep=2: one paragraph naming
-  dist.ep and its experts' class;
+  dist.ep and its experts' class; an expert count dist.ep=2 does not divide: one paragraph
+  naming the family's own key (model.config.num_experts, model.config.num_local_experts);
 - scripts/export_hf.py of the ep=2 run: transformers' own class with every expert, which
   `from_pretrained` loads with the checkpoint's weights and the reference's logits.
 """
@@ -41,6 +43,10 @@ KEYS = ("train/loss", "train/grad_norm", "train/moe_aux_loss", "train/moe_load_m
 FAMILIES = ("qwen3_moe", "mixtral")
 # The ep=2 run's checkpoint format by family: both of ExpertParallel's ways of saving.
 FORMATS = {"qwen3_moe": "auto", "mixtral": "full"}
+# The 2-rank ep runs by family, and Qwen3-MoE's ep=2 x FSDP2 on 4 ranks.
+EP_RUNS = {"ep2-qwen3_moe": "qwen3_moe", "ep2-mixtral": "mixtral", "fsdp4-qwen3_moe": "qwen3_moe"}
+# Each family's key for its expert count, set to 5 (dist.ep=2 does not divide it).
+COUNT_KEYS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
 
 
 def common(text: Path, family: str) -> list[str]:
@@ -95,12 +101,21 @@ class Runs:
         # Another transformers mixture (OLMoE: fused experts too, not shown to split alike).
         refused = [*common(self.text, "qwen3_moe"), "model.family=olmoe", "train.max_steps=1"]
         launches["olmoe"] = torchrun(2, [*refused, "dist.ep=2", f"hydra.run.dir={root / 'olmoe'}"])
+        for f, key in COUNT_KEYS.items():
+            five = [*common(self.text, f), f"model.config.{key}=5", "train.max_steps=1"]
+            run_dir = root / f"five-{f}"
+            launches[f"five-{f}"] = torchrun(2, [*five, "dist.ep=2", f"hydra.run.dir={run_dir}"])
+        # 4 ranks, ep=2 x FSDP2; no evaluation (2 validation samples: lockstep needs one a rank).
+        fsdp4 = [*common(self.text, "qwen3_moe"), "dist.ep=2", "dist.strategy=fsdp"]
+        fsdp4 += ["eval.every_steps=0", "checkpoint.every_steps=0", dump(root / "fsdp4-qwen3_moe")]
+        run_dir = root / "fsdp4-qwen3_moe"
+        launches["fsdp4-qwen3_moe"] = torchrun(4, [*fsdp4, f"hydra.run.dir={run_dir}"])
         for f in FAMILIES:
             ref = root / f"ref-{f}"
             train_in_process([*common(self.text, f), dump(ref), f"hydra.run.dir={ref}"], ref)
         self.procs = launch_all(launches, timeout=600)
         for name, proc in self.procs.items():
-            assert proc.returncode == 0 or name == "olmoe", explain(proc)
+            assert proc.returncode == 0 or name not in EP_RUNS, explain(proc)
         for f in FAMILIES:  # ep=2 -> one process, from the step-2 checkpoint
             resumed = root / f"from-ep2-{f}"
             shutil.copytree(root / f"ep2-{f}" / STEP2, resumed / STEP2)
@@ -136,12 +151,16 @@ def is_expert(name: str) -> bool:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("family", FAMILIES)
-def test_two_expert_ranks_are_one_process(runs: Runs, family: str) -> None:
-    """ep=2 on 2 ranks: every step's loss, clipped grad norm, moe.balance=global's aux loss
-    and load are one process's to 1e-6 over 4 steps, and so are both evaluations."""
-    assert_same_records(runs.records(f"ep2-{family}"), runs.records(f"ref-{family}"), [1, 2, 3, 4])
-    val = [r for r in read_metrics(runs.root / f"ep2-{family}") if "val/loss" in r]
+@pytest.mark.parametrize("name", EP_RUNS)
+def test_two_expert_ranks_are_one_process(runs: Runs, name: str) -> None:
+    """ep=2 on 2 ranks, and Qwen3-MoE's ep=2 x FSDP2 on 4: every step's loss, clipped grad
+    norm, moe.balance=global's aux loss and load are one process's to 1e-6 over 4 steps, and
+    so are both evaluations on 2 ranks."""
+    family = EP_RUNS[name]
+    assert_same_records(runs.records(name), runs.records(f"ref-{family}"), [1, 2, 3, 4])
+    if name.startswith("fsdp4"):
+        return
+    val = [r for r in read_metrics(runs.root / name) if "val/loss" in r]
     want = [r for r in read_metrics(runs.root / f"ref-{family}") if "val/loss" in r]
     assert [r["step"] for r in val] == [2, 4] == [r["step"] for r in want]
     for got, ref in zip(val, want):
@@ -149,13 +168,20 @@ def test_two_expert_ranks_are_one_process(runs: Runs, family: str) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("family", FAMILIES)
-def test_step_one_update_is_one_process(runs: Runs, family: str) -> None:
+@pytest.mark.parametrize("name", EP_RUNS)
+def test_step_one_update_is_one_process(runs: Runs, name: str) -> None:
     """Step 1's weights and applied gradient: each rank holds half of every block's fused
     expert weights (gate_up_proj, down_proj), joined they are the one process's, to 1e-6 of
-    the largest entry; every other parameter is the same on both ranks."""
-    want = runs.dumped(f"ref-{family}", 0)
-    ranks = [runs.dumped(f"ep2-{family}", r) for r in (0, 1)]
+    the largest entry; every other parameter (under FSDP2 gathered) is the same on both
+    ranks; on 4 ranks, ranks 2 and 3 hold what ranks 0 and 1 do."""
+    want = runs.dumped(f"ref-{EP_RUNS[name]}", 0)
+    ranks = [runs.dumped(name, r) for r in (0, 1)]
+    if name.startswith("fsdp4"):
+        for r in (2, 3):
+            replica, same = runs.dumped(name, r), ranks[r - 2]
+            assert replica["grads"].keys() == same["grads"].keys()
+            for n, g in replica["grads"].items():
+                assert torch.equal(g, same["grads"][n]), (r, n)
     experts = [n for n in want["grads"] if is_expert(n)]
     assert len(experts) == 2 * 2  # gate_up_proj and down_proj in each of 2 blocks
     for name, w in want["grads"].items():
@@ -243,4 +269,20 @@ def test_other_transformers_mixtures_are_refused(runs: Runs) -> None:
     assert proc.returncode != 0, explain(proc)
     assert "invalid config `dist.ep`" in out and "transformers' OlmoeExperts" in out, explain(proc)
     assert "model=hf_qwen3_moe" in out, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_expert_count_ep_does_not_divide_names_its_key(runs: Runs, family: str) -> None:
+    """5 experts under dist.ep=2: one paragraph naming the key the family counts its experts
+    in (Qwen3-MoE's model.config.num_experts, Mixtral's model.config.num_local_experts), not
+    the in-tree GPT's model.moe.experts."""
+    proc = runs.procs[f"five-{family}"]
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, explain(proc)
+    error = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(set(error)) == 1, explain(proc)
+    want = f"error: invalid config `dist.ep`: must divide model.config.{COUNT_KEYS[family]} (5)"
+    assert error[0].startswith(want), explain(proc)
     assert "Traceback" not in proc.stderr, explain(proc)

@@ -126,11 +126,13 @@ class ExpertGroup:
 
 @runtime_checkable
 class SplitsExperts(Protocol):
-    """A mixture whose experts expert parallelism can split: `num_experts`, and
+    """A mixture whose experts expert parallelism can split: `num_experts`, the config key
+    that sets it (`experts_key`, named when dist.ep does not divide it), and
     `split_experts(group)` keeps only the group rank's experts and dispatches through it
     (computing them in `group.param_dtype` when it is set)."""
 
     num_experts: int
+    experts_key: str  # e.g. model.moe.experts, model.config.num_local_experts
 
     def split_experts(self, group: ExpertGroup) -> list[nn.Parameter]: ...
 
@@ -177,15 +179,21 @@ class ExpertSplit(ParallelBase):
             raise LayoutError(
                 f"callbacks.{name}",
                 "not available with dist.ep > 1 yet: it keeps an average of every weight, and "
-                "each rank holds only its own experts",
+                f"each rank holds only its own experts; remove callbacks.{name} or set dist.ep=1",
             )
         super().check(shape)
         refused = {
-            "train.micro_batch_size": (shape.auto_micro_batch, "auto is not probed with it yet"),
-            "train.compile": (shape.compile, "compiling the all-to-all is not built yet"),
+            "train.micro_batch_size": (
+                shape.auto_micro_batch,
+                "auto is not probed with it yet; set a number (e.g. train.micro_batch_size=4)",
+            ),
+            "train.compile": (
+                shape.compile,
+                "compiling the all-to-all is not built yet; set train.compile=false",
+            ),
             "train.grad_norms": (
                 shape.per_layer_norms,
-                "per-layer norms would see this rank's experts only",
+                "per-layer norms would see this rank's experts only; set train.grad_norms=total",
             ),
             "step": (
                 not shape.plain_accumulation,
@@ -194,7 +202,7 @@ class ExpertSplit(ParallelBase):
         }
         for key, (bad, why) in refused.items():
             if bad:
-                raise LayoutError(key, f"not available with dist.ep > 1: {why}")
+                raise LayoutError(key, f"not available with dist.ep > 1: {why}, or dist.ep=1")
 
     @property
     def checkpoint_format(self) -> str:
@@ -220,7 +228,7 @@ class ExpertSplit(ParallelBase):
             if m.num_experts % self.ep:
                 raise LayoutError(
                     "dist.ep",
-                    f"must divide model.moe.experts ({m.num_experts}), got {self.ep}: each "
+                    f"must divide {m.experts_key} ({m.num_experts}), got {self.ep}: each "
                     "expert-parallel rank holds the same number of experts",
                 )
         assert self.expert_group is not None

@@ -455,7 +455,9 @@ def causal_lm(
     model.context_shard = None  # dist.cp: `context_parallel` sets it
     model.moe_routers = transformers_routers(model)
     if model.moe_routers:
-        make_experts_splittable(model)  # dist.ep: trainer/models/hf_experts.py
+        # dist.ep (trainer/models/hf_experts.py); the fields as given name the expert count
+        # first (Qwen3-MoE's num_experts is an alias of its num_local_experts).
+        make_experts_splittable(model, {**hf_config.to_dict(), **config})
     # Training builds no cache, whatever the saved config says: with one, transformers no
     # longer keeps packed documents (position ids restarting at 0) from attending to each
     # other. generate() passes use_cache itself.

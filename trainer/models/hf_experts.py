@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,9 @@ from engine.parallel.expert import ExpertGroup
 # transformers' fused expert modules whose layout and math `SplitExperts` reproduces: gated
 # (gate and up concatenated along dim 1 of gate_up_proj), no bias, not transposed.
 FUSED_EXPERTS = frozenset({"Qwen3MoeExperts", "MixtralExperts"})
+# The config fields transformers' families count their experts in (Qwen3-MoE, OLMoE:
+# num_experts; Mixtral: num_local_experts; DeepSeek-V3: n_routed_experts; ERNIE 4.5 MoE).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 class SplitExperts(nn.Module):
@@ -47,6 +51,7 @@ class SplitExperts(nn.Module):
     over the expert-parallel ranks once `split_experts` is called (the module docstring)."""
 
     num_experts: int  # every expert's count, also once split (the routing's)
+    experts_key: str  # the model.config field setting it (`experts_key`)
     gate_up_proj: nn.Parameter  # (E, 2I, C); (local, 2I, C) once split
     down_proj: nn.Parameter  # (E, C, I); (local, C, I) once split
     act_fn: nn.Module
@@ -93,6 +98,7 @@ class UnsplitExperts(nn.Module):
     (`SplitsExperts`) and they refuse the split, naming their class and what is split."""
 
     num_experts: int
+    experts_key: str  # the model.config field setting it (`experts_key`)
     transformers_class: type  # the class this one extends
 
     def split_experts(self, group: ExpertGroup) -> list[nn.Parameter]:
@@ -116,16 +122,31 @@ def _subclass(mixin: type, cls: type) -> type:
     return sub
 
 
-def make_experts_splittable(model: nn.Module) -> None:
-    """In place, for a mixture of experts (transformers' top-k routers found): each fused
-    expert module of `FUSED_EXPERTS` becomes its `Split<Class>` (nothing else changes until
-    `split_experts`), any other `*Experts` module holding `num_experts` its refusing
-    `Unsplit<Class>`."""
+def experts_key(config: dict[str, Any], num_experts: int) -> str:
+    """The key of `config` (transformers' config fields, those given in model.config
+    included) that sets a mixture's `num_experts`, as the user writes it:
+    `model.config.<field>`."""
+    for field in EXPERT_COUNT_KEYS:
+        if config.get(field) == num_experts:
+            return f"model.config.{field}"
+    return "the number of experts in model.config"
+
+
+def make_experts_splittable(model: nn.Module, config: dict[str, Any]) -> None:
+    """In place, for a mixture of experts (transformers' top-k routers found; `config` its
+    transformers config as a dict): each fused expert module of `FUSED_EXPERTS` becomes its
+    `Split<Class>` (nothing else changes until `split_experts`), any other `*Experts` module
+    holding `num_experts` its refusing `Unsplit<Class>`; both name the config field of their
+    expert count (`experts_key`)."""
     for m in model.modules():
         cls = type(m)
         if isinstance(m, SplitExperts | UnsplitExperts) or not cls.__name__.endswith("Experts"):
             continue
+        count = vars(m).get("num_experts")
         if cls.__name__ in FUSED_EXPERTS:
             m.__class__ = _subclass(SplitExperts, cls)
-        elif isinstance(vars(m).get("num_experts"), int):
+        elif isinstance(count, int):
             m.__class__ = _subclass(UnsplitExperts, cls)
+        else:
+            continue
+        m.experts_key = experts_key(config, m.num_experts)

@@ -167,6 +167,8 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """The mixture replacing a block's MLP: (B, T, C) -> (B, T, C), every position routed."""
 
+    experts_key = "model.moe.experts"  # SplitsExperts: the key setting `num_experts`
+
     def __init__(self, dim: int, moe: MoEConfig, bias: bool, dropout: float) -> None:
         super().__init__()
         hidden = moe.hidden or 4 * dim
