@@ -286,3 +286,34 @@ def test_an_expert_count_ep_does_not_divide_names_its_key(runs: Runs, family: st
     want = f"error: invalid config `dist.ep`: must divide model.config.{COUNT_KEYS[family]} (5)"
     assert error[0].startswith(want), explain(proc)
     assert "Traceback" not in proc.stderr, explain(proc)
+
+
+def test_splitting_keeps_a_frozen_base_frozen() -> None:
+    """adapter=lora freezes the base before the layout: keeping a rank's slice of the
+    experts (dist.ep) makes new parameters, which keep the frozen base's requires_grad, so
+    the optimizer still trains the adapters only (before: every expert became trainable).
+    transformers' Qwen3-MoE under peft's LoRA, and the in-tree mixture, each split into a
+    group of 2 (rank 1 keeps experts 4..7)."""
+    pytest.importorskip("peft")
+    import peft
+    import yaml
+
+    from engine.parallel.expert import ExpertGroup, SplitsExperts
+    from trainer.models.hf import causal_lm
+    from trainer.models.moe import MoE, MoEConfig
+
+    node = yaml.safe_load((REPO / "configs/model/hf_qwen3_moe.yaml").read_text())
+    model = causal_lm(node["family"], node["config"])
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(model, lora)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    mixture = MoE(16, MoEConfig(experts=E, top_k=2, hidden=24), True, 0.0)
+    mixture.requires_grad_(False)
+    for m in [m for m in model.modules() if isinstance(m, SplitsExperts)] + [mixture]:
+        whole = {n: p.detach().clone() for n, p in m.named_parameters() if p.dim() == 3}
+        kept = m.split_experts(ExpertGroup(None, 2, 1, m.num_experts // 2))  # type: ignore[arg-type]
+        assert kept and not any(p.requires_grad for p in kept)
+        for n, p in m.named_parameters():
+            if n in whole:
+                assert torch.equal(p, whole[n][4:]), n
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable

@@ -590,16 +590,26 @@ class MeshSplit(ParallelBase):
                 )
 
     def clip_(self, params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
-        # The norm is the total over ranks holding different parameters; the gradients may
-        # mix DTensor shards and whole tensors: scale each rank's own values in place.
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_([local_values(p.grad) for p in params if p.grad is not None], coef)
+        clip_local_(params, max_norm, norm)
 
     def agree_found_inf(self, precision: Precision, optimizer: torch.optim.Optimizer) -> None:
-        import torch.distributed as dist
+        agree_found_inf(precision, optimizer)
 
-        for flag in precision.found_inf_flags(optimizer):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+
+def clip_local_(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Clip to `norm`, the total over ranks holding different parameters: the gradients may
+    mix DTensor shards and whole tensors, so each rank scales its own values in place."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_([local_values(p.grad) for p in params if p.grad is not None], coef)
+
+
+def agree_found_inf(precision: Precision, optimizer: torch.optim.Optimizer) -> None:
+    """fp16: an overflow on any rank skips every rank's step (ranks hold different
+    parameters, so their GradScalers would decide apart)."""
+    import torch.distributed as dist
+
+    for flag in precision.found_inf_flags(optimizer):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
 
 def micro_backward(

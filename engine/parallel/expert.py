@@ -42,8 +42,9 @@ from engine.parallel import LayoutError
 from engine.parallel.base import (
     ParallelBase,
     RunShape,
+    agree_found_inf,
+    clip_local_,
     is_dtensor,
-    local_values,
     squares_norm,
     whole_tensor,
 )
@@ -94,6 +95,14 @@ class ExpertGroup:
     ) -> None:
         self.group, self.size, self.rank, self.local = group, size, rank, local
         self.param_dtype = param_dtype
+
+    def keep(self, p: nn.Parameter) -> nn.Parameter:
+        """This rank's experts of `p` (every expert's, along dim 0): a parameter of their own
+        that keeps `p`'s requires_grad (an adapter's frozen base stays frozen)."""
+        first = self.rank * self.local
+        return nn.Parameter(
+            p.detach()[first : first + self.local].clone(), requires_grad=p.requires_grad
+        )
 
     def run(
         self,
@@ -282,15 +291,10 @@ class ExpertSplit(ParallelBase):
         return (squares(sharded) + squares(dense) + expert_squares).sqrt().float()
 
     def clip_(self, params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
-        # FSDP2's gradients are DTensor shards, the experts' plain tensors: scale each rank's
-        # own values in place.
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_([local_values(p.grad) for p in params if p.grad is not None], coef)
+        clip_local_(params, max_norm, norm)  # FSDP2's DTensor shards and the plain experts
 
     def agree_found_inf(self, precision: Precision, optimizer: torch.optim.Optimizer) -> None:
-        # An overflow in one rank's experts skips every rank's step (fp16's GradScaler).
-        for flag in precision.found_inf_flags(optimizer):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        agree_found_inf(precision, optimizer)  # one rank's expert overflow skips every rank
 
     # ---- checkpoints: whole experts, so any ep (or none) resumes them ----
     def _expert_names(self, model: nn.Module) -> dict[str, nn.Parameter]:

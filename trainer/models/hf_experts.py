@@ -60,19 +60,24 @@ class SplitExperts(nn.Module):
     def split_experts(self, group: ExpertGroup) -> list[nn.Parameter]:
         """Keep the group rank's experts, dispatch tokens to their ranks from now on; the
         kept parameters."""
-        first, n = group.rank * group.local, group.local
-
-        def part(p: nn.Parameter) -> nn.Parameter:
-            return nn.Parameter(p.detach()[first : first + n].clone())
-
-        self.gate_up_proj, self.down_proj = part(self.gate_up_proj), part(self.down_proj)
+        self.gate_up_proj, self.down_proj = (
+            group.keep(self.gate_up_proj),
+            group.keep(self.down_proj),
+        )
         self.expert_group = group
         return [self.gate_up_proj, self.down_proj]
 
     def expert(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        # Under FSDP2's bf16 (ExpertGroup.param_dtype) the experts compute with their weights
+        # cast as FSDP2 casts the weights it shards.
+        dtype = self.expert_group.param_dtype if self.expert_group is not None else None
+
         def run(x: torch.Tensor) -> torch.Tensor:  # (n_i, C) -> (n_i, C), transformers' math
-            gate, up = F.linear(x, self.gate_up_proj[i]).chunk(2, dim=-1)  # (n_i, I) each
-            return F.linear(self.act_fn(gate) * up, self.down_proj[i])
+            gate_up, down = self.gate_up_proj[i], self.down_proj[i]
+            if dtype is not None:
+                gate_up, down, x = gate_up.to(dtype), down.to(dtype), x.to(dtype)
+            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # (n_i, I) each
+            return F.linear(self.act_fn(gate) * up, down)
 
         return run
 

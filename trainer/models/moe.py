@@ -151,15 +151,11 @@ class Experts(nn.Module):
         n = self.fc.shape[0]
         return expert_compute(xs, counts, [self.expert(i, weights) for i in range(n)])
 
-    def keep(self, first: int, n: int) -> list[nn.Parameter]:
-        """Keep experts [first, first + n) only (expert parallelism); the kept parameters."""
-
-        def part(p: nn.Parameter) -> nn.Parameter:
-            return nn.Parameter(p.detach()[first : first + n].clone())
-
-        self.fc, self.proj = part(self.fc), part(self.proj)
+    def keep(self, group: ExpertGroup) -> list[nn.Parameter]:
+        """Keep the group rank's experts only (expert parallelism); the kept parameters."""
+        self.fc, self.proj = group.keep(self.fc), group.keep(self.proj)
         if self.fc_bias is not None and self.proj_bias is not None:
-            self.fc_bias, self.proj_bias = part(self.fc_bias), part(self.proj_bias)
+            self.fc_bias, self.proj_bias = group.keep(self.fc_bias), group.keep(self.proj_bias)
             return [self.fc, self.proj, self.fc_bias, self.proj_bias]
         return [self.fc, self.proj]
 
@@ -192,7 +188,7 @@ class MoE(nn.Module):
         dispatch tokens to their ranks from now on; the kept parameters."""
         self.expert_group = group
         self.experts.compute_dtype = group.param_dtype
-        return self.experts.keep(group.rank * group.local, group.local)
+        return self.experts.keep(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
