@@ -4,18 +4,49 @@ ranks (dist.ep=2) against the unsplit mixture, with every token routed to expert
 
 Each rank feeds its own tokens; the split layer's outputs and input gradients must equal the
 unsplit layer's on the same tokens, and each rank's experts' gradient must equal the unsplit
-experts' gradient summed over both ranks' tokens (the slice it holds). Exit 0 when they do."""
+experts' gradient summed over both ranks' tokens (the slice it holds). Exit 0 when they do.
+
+`assert_split_update` is the tests' check of a launched ep run's step-1 update."""
 
 from __future__ import annotations
 
 import copy
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from engine.parallel.expert import ExpertGroup
 from trainer.models.moe import MoE, MoEConfig
+
+
+def assert_split_update(
+    want: dict[str, Any], ranks: list[dict[str, Any]], replicas: list[dict[str, Any]], rel: float
+) -> list[str]:
+    """Step 1's weights and applied gradient of an ep=2 run (the dumps of ranks 0 and 1)
+    against one process's `want`: each rank holds half the experts of every block
+    (`.mlp.experts.` in the name), joined they are the one process's, to `rel` of the
+    largest entry; every other parameter is the same on both ranks; `replicas` (ranks 2 and
+    3 of 4, if any) hold what ranks 0 and 1 do. The expert parameters' names."""
+    for r, replica in enumerate(replicas):
+        assert replica["grads"].keys() == ranks[r]["grads"].keys()
+        for n, g in replica["grads"].items():
+            assert torch.equal(g, ranks[r]["grads"][n]), (r + 2, n)
+    experts = [n for n in want["grads"] if ".mlp.experts." in n]
+    for name, w in want["grads"].items():
+        if name in experts:
+            parts = [d["grads"][name] for d in ranks]
+            assert 2 * parts[0].shape[0] == w.shape[0], (name, parts[0].shape)
+            got = torch.cat(parts)
+            weights = torch.cat([d["weights"][name] for d in ranks])
+        else:
+            got, weights = ranks[0]["grads"][name], ranks[0]["weights"][name]
+            assert torch.equal(ranks[1]["grads"][name], got), name  # replicas agree
+        assert torch.equal(weights, want["weights"][name]), name
+        err = ((got - w).abs().max() / w.abs().max()).item()
+        assert err <= rel, f"{name}: relative error {err:.2e}"
+    return experts
 
 
 def main() -> int:

@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY, read_metrics, stdlib_text, train_in_process, train_records
+from tests.ep_support import assert_split_update
 from tests.ranks import explain, launch_all, torchrun
 
 E, K, HIDDEN = 8, 2, 48
@@ -264,25 +265,9 @@ def test_step_one_update_is_one_process(runs: Runs, name: str) -> None:
     other parameters gathered); on 4 ranks, ranks 2 and 3 hold the same as ranks 0 and 1."""
     want = runs.dumped("ref", 0)
     ranks = [runs.dumped(name, r) for r in (0, 1)]
-    if name in FOUR:
-        for r in (2, 3):
-            replica, same = runs.dumped(name, r), ranks[r - 2]
-            for n, g in replica["grads"].items():
-                assert torch.equal(g, same["grads"][n]), (r, n)
-    experts = [n for n in want["grads"] if is_expert(n)]
+    replicas = [runs.dumped(name, r) for r in (2, 3)] if name in FOUR else []
+    experts = assert_split_update(want, ranks, replicas, REL)
     assert len(experts) == 2 * 4  # fc, proj, fc_bias, proj_bias in each of 2 blocks
-    for name, w in want["grads"].items():
-        if is_expert(name):
-            parts = [d["grads"][name] for d in ranks]
-            assert parts[0].shape[0] == E // 2, (name, parts[0].shape)
-            got = torch.cat(parts)
-            weights = torch.cat([d["weights"][name] for d in ranks])
-        else:
-            got, weights = ranks[0]["grads"][name], ranks[0]["weights"][name]
-            assert torch.equal(ranks[1]["grads"][name], got), name  # replicas agree
-        assert torch.equal(weights, want["weights"][name]), name
-        err = ((got - w).abs().max() / w.abs().max()).item()
-        assert err <= REL, f"{name}: relative error {err:.2e}"
 
 
 @pytest.mark.multiproc
