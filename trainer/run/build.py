@@ -18,7 +18,12 @@ from engine.parallel.base import RunShape
 from engine.parallel.dims import ParallelDims
 from engine.step import StepContext, StepStrategy
 from engine.steps.accumulate import AccumulateStep
-from engine.steps.dp_sgd import DPSGDStep, PrivacySpent, check_per_sample_model
+from engine.steps.dp_sgd import (
+    DP_SGD_PRECISIONS,
+    DPSGDStep,
+    PrivacySpent,
+    check_per_sample_model,
+)
 from engine.window_task import WindowTask
 from trainer.config.components import instantiate
 from trainer.config.errors import ConfigError
@@ -92,8 +97,13 @@ def attach_privacy(
         check_per_sample_model(ctx.model, ctx.parallel)
     except ValueError as exc:
         raise ConfigError("step", str(exc)) from None
-    if ctx.precision.scaler is not None:
-        raise ConfigError("train.precision", "step=dp_sgd supports fp32 or bf16, not fp16")
+    if ctx.precision.mode not in DP_SGD_PRECISIONS:  # fp16's scaler; fp8's float8 matmuls
+        raise ConfigError(
+            "train.precision",
+            f"step=dp_sgd supports fp32 or bf16, not {ctx.precision.mode}: its per-sample "
+            "gradients (torch.func's vmap) run neither under fp16's loss scaler nor through "
+            "fp8's float8 layers",
+        )
     try:
         step_fn.set_sampling(batches.plan.global_batch, len(batches.dataset))
     except ValueError as exc:  # step.target_epsilon out of reach
