@@ -40,6 +40,7 @@ from trainer.models.lora import Adapter
 from trainer.models.lora import check_layout as check_adapter_layout
 from trainer.run.float8 import to_float8
 from trainer.run.preference import (
+    ReferenceFile,
     attach_reference,
     check_pairs_layout,
     check_pairs_task,
@@ -221,6 +222,17 @@ def check_layout(parallel: Parallelism, shape: RunShape) -> None:
         raise layout_error(exc) from None
 
 
+def parameter_dtype(precision: str, dims: ParallelDims, info: DistInfo) -> torch.dtype | None:
+    """The dtype the laid-out model computes with its parameters in, when not their own: bf16
+    under `train.precision=bf16|fp8` where FSDP2 shards them (`dist.strategy=fsdp` on several
+    ranks, also beside tp, pp, cp or ep: it casts each unit's parameters for its forward);
+    None where the parameters compute as they are, under autocast (one process, DDP, tp or pp
+    without FSDP2, ep over DDP). The one owner of the choice: `parallelize` lays out with it,
+    and a precomputed reference is keyed by it."""
+    sharded = dims.strategy == "fsdp" and info.distributed
+    return torch.bfloat16 if precision in ("bf16", "fp8") and sharded else None
+
+
 def parallelize(
     model: nn.Module,
     extras: ModelExtras,
@@ -228,11 +240,12 @@ def parallelize(
     *,
     compile: bool = False,
     compile_mode: str | None = None,
-    precision: str = "fp32",
+    param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Activation checkpointing, compilation (`torch.compile`'s `compile_mode`, None for its
-    default) and the parallelism (DDP; FSDP2 sharding each block and the root; tensor or
-    pipeline splits), in that order. The model's own parameter names are kept."""
+    default) and the parallelism (DDP; FSDP2 sharding each block and the root, computing with
+    `param_dtype` parameters (`parameter_dtype`); tensor or pipeline splits), in that order.
+    The model's own parameter names are kept."""
     try:
         blocks = find_blocks(model, extras.block_classes, key="model.block_classes")
         if extras.activation_checkpointing:
@@ -248,11 +261,36 @@ def parallelize(
     if compile:  # in place: parameter names (and checkpoints) stay the same
         for module in blocks if parallel.per_block else [model]:
             module.compile(mode=compile_mode)
-    param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else None
     try:
         return parallel.apply(model, blocks, param_dtype=param_dtype)
     except LayoutError as exc:
         raise layout_error(exc) from None
+
+
+def layout_reference_file(
+    cfg: Config,
+    task: Task,
+    model: nn.Module,
+    data: DataSplits,
+    dims: ParallelDims,
+    info: DistInfo,
+    planned: bool = False,
+) -> ReferenceFile | None:
+    """`task.reference=precomputed`'s file (trainer/run/preference.py) for this run's layout:
+    keyed to the initial model, whole here (fp8's conversion keeps the names), the run's
+    micro-batch (1 under auto) and precision, the bf16 parameters the layout computes with
+    (`parameter_dtype`, as `parallelize` lays out) and its tensor-parallel degree."""
+    micro = cfg.train.micro_batch_size
+    return reference_file(
+        task,
+        model,
+        data,
+        micro if micro != "auto" else 1,
+        precision=cfg.train.precision,
+        planned=planned,
+        low_precision_parameters=parameter_dtype(cfg.train.precision, dims, info) is not None,
+        tensor_parallel=dims.tp,
+    )
 
 
 @dataclass
@@ -319,37 +357,33 @@ def assemble(
         attach_loss_parameters(model, task, info.device)
     except ValueError as exc:
         raise ConfigError("task", str(exc)) from None
-    attach_reference(task, model, adapter)  # task=dpo: the initial policy, before layout
-    micro = cfg.train.micro_batch_size  # (the planner's model is fake tensors: no pass)
-    reference = reference_file(  # keyed to the initial model, whole here
-        task,
-        model,
-        data,
-        micro if micro != "auto" else 1,
-        precision=cfg.train.precision,
-        planned=simulated is not None,
-        low_precision_parameters=cfg.train.precision == "bf16" and parallel.shards_parameters,
-    )
     with building:  # fp8: the planner's fake model plans as bf16, not converted
         fp8 = cfg.train.precision == "fp8" and simulated is None
         float8 = to_float8(model, cfg.train, info, dims) if fp8 else None
+    # task=dpo: the initial policy, before layout and after fp8's conversion (a copy is then
+    # float8 as the policy is: at step 1 the two cancel).
+    attach_reference(task, model, adapter)
+    param_dtype = parameter_dtype(cfg.train.precision, dims, info)
+    # (the planner's model is fake tensors: no pass)
+    reference = layout_reference_file(cfg, task, model, data, dims, info, simulated is not None)
+    with building:
         wrapped = parallelize(
             model,
             model_extras,
             parallel,
             compile=cfg.train.compile,
             compile_mode=cfg.train.compile_mode,
-            precision=cfg.train.precision,
+            param_dtype=param_dtype,
         )
         lay_out_reference(
             task,
             parallel,
-            lambda ref: parallelize(ref, model_extras, parallel, precision=cfg.train.precision),
+            lambda ref: parallelize(ref, model_extras, parallel, param_dtype=param_dtype),
             info.is_main and simulated is None,
         )
     # The pass scores with the model as the run lays it out (FSDP2: sharded, so a model that
     # fits only sharded precomputes too).
-    precompute_reference(reference, task, model, data, info)
+    precompute_reference(reference, task, model, data, info, parallel)
     return Assembly(
         model,
         wrapped,
