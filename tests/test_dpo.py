@@ -878,6 +878,25 @@ def test_precomputed_key_follows_the_parameters_the_layout_computes_with(bad_roo
     assert key("fp32", tp, two) != key("fp32", whole, one)
 
 
+def test_cuda_graphs_are_refused_before_the_model_is_built(bad_root: Path) -> None:
+    """train.compile_mode=reduce-overhead on pairs (data.packed=false: padded to each
+    micro-batch's longest row) is refused as soon as the data is built: with
+    task.reference=precomputed, no model is built and no reference pass runs (the refusal
+    came after the whole build: the model compiled and the pass written to the cache)."""
+    path = write_jsonl(bad_root / "graphs.jsonl", pair_rows(4, seed=2))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    args = [*data_args(bad_root, path, val), *task_args("sigmoid"), "task.reference=precomputed"]
+    args += ["logger=none", "train.compile=true", "train.compile_mode=reduce-overhead"]
+    # A model that cannot be built (2 heads do not divide 33 channels): its error would come
+    # first were the model built before the refusal.
+    args += ["model.n_embd=33"]
+    with pytest.raises(UserError) as err:
+        train_in_process(args, bad_root / "graphs")
+    message = str(err.value)
+    assert message.startswith("invalid config `data.packed`: train.compile_mode=reduce-"), message
+    assert not list(bad_root.glob(".cumulus-cache/graphs_jsonl-*/reference/*"))
+
+
 def test_cut_of_packed_pairs_names_the_key(bad_root: Path) -> None:
     with pytest.raises(UserError) as err:
         open_data(

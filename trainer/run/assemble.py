@@ -24,6 +24,7 @@ from engine.model import (
     flops_per_token,
     require_blocks,
 )
+from engine.moe.routing import HasRouters
 from engine.numerics.float8 import Float8Layers
 from engine.parallel.base import LayoutError, Parallelism, RunShape
 from engine.parallel.dims import ParallelDims
@@ -164,11 +165,28 @@ def check_fits(
         )
 
 
+STATIC_DATA = (
+    "shapes that do not vary (packed token data, data.sampling=shuffle, a fixed micro-batch)"
+)
+
+
+def graphs_refused(cfg: Config, key: str, why: str, instead: str = STATIC_DATA) -> ConfigError:
+    """CUDA graphs refused for shapes that vary (`why`), in one paragraph naming `key` and
+    what to use `instead` (or another compile mode)."""
+    return ConfigError(
+        key,
+        f"train.compile_mode={cfg.train.compile_mode} captures CUDA graphs, which need the "
+        f"same shapes every step; {why}. Use {instead}, or train.compile_mode=null or "
+        "max-autotune-no-cudagraphs",
+    )
+
+
 def check_static_shapes(cfg: Config, data: DataSplits) -> None:
     """`train.compile_mode` with CUDA graphs (reduce-overhead, max-autotune) replays graphs
     recorded for fixed shapes: refused where the trainer knows the training batches' shapes
-    change from step to step (a new shape records a new graph, each holding its own memory).
-    Evaluation's batches (eval mode, maybe a short last one) record a few graphs once."""
+    change from step to step (a new shape records a new graph, each holding its own memory),
+    as soon as the data is built (the model's own case: `check_static_routing`). Evaluation's
+    batches (eval mode, maybe a short last one) record a few graphs once."""
     if cfg.train.compile_mode not in CUDA_GRAPH_MODES:
         return
     varying = {
@@ -192,13 +210,25 @@ def check_static_shapes(cfg: Config, data: DataSplits) -> None:
     }
     for key, (bad, why) in varying.items():
         if bad:
-            raise ConfigError(
-                key,
-                f"train.compile_mode={cfg.train.compile_mode} captures CUDA graphs, which need "
-                f"the same shapes every step; {why}. Use shapes that do not vary (packed "
-                "token data, data.sampling=shuffle, a fixed micro-batch), or "
-                "train.compile_mode=null or max-autotune-no-cudagraphs",
-            )
+            raise graphs_refused(cfg, key, why)
+
+
+def check_static_routing(cfg: Config, model: nn.Module) -> None:
+    """CUDA graphs (`check_static_shapes`) refused for a model with routers (model.moe.experts
+    > 0, or a transformers mixture), as soon as it is built: its dispatch reads the number of
+    tokens routed to each expert to the host and gives each expert that many rows, so shapes
+    change every step."""
+    if cfg.train.compile_mode not in CUDA_GRAPH_MODES or not isinstance(model, HasRouters):
+        return
+    routers = len(list(model.routers()))
+    if routers:
+        key = "model.moe.experts" if isinstance(cfg.model.get("moe"), dict) else "model"
+        why = (
+            f"{type(model).__name__} is a mixture of experts ({routers} routers), whose dispatch "
+            "reads each expert's token count to the host and gives each expert as many rows "
+            "as were routed to it: shapes vary every step"
+        )
+        raise graphs_refused(cfg, key, why, "a dense model")
 
 
 def layout_error(exc: LayoutError) -> ConfigError:
@@ -323,11 +353,15 @@ def assemble(
     dims: ParallelDims | None = None,
     building: contextlib.AbstractContextManager | None = None,
     simulated: dict[Any, Any] | None = None,
+    static_shapes: bool = False,
 ) -> Assembly:
-    """Seed, build the model, data and task, check that they fit, and lay the model out over
+    """Seed, build the data, model and task, check that they fit, and lay the model out over
     the ranks (`dims`, by default `dist.*`'s in this world). The model is built and laid out
     within `building` (the planner's fake tensors); the mesh and the data never are. With
-    `simulated` (trainer.plan), this rank runs alone in a simulated world."""
+    `simulated` (trainer.plan), this rank runs alone in a simulated world. `static_shapes`
+    (training): CUDA graphs over shapes that vary are refused on the data before any model is
+    built (`check_static_shapes`), and on the model before it is converted, compiled, laid out
+    or scores a reference (`check_static_routing`)."""
     dims = dims or cfg.dist.dims(info.world_size)
     check_adapter_layout(cfg.adapter, dims)
     check_pairs_layout(cfg.task, dims)
@@ -335,13 +369,18 @@ def assemble(
     if simulated is not None:
         parallel.simulate_world(simulated)
     building = building or contextlib.nullcontext()
-    seed_everything(cfg.seed)  # same initial weights on every rank
-    with building:
-        model, model_extras = build_model(cfg.model, info)
-        shards, fake = parallel.shards_parameters, simulated is not None
-        adapter = build_adapter(cfg, model, info, shards, fake)
+    seed_everything(cfg.seed)  # a data builder drawing from the global generators: seeded
     data, data_extras = build_data(cfg.data)
     check_samples(data, cfg.data["_target_"])
+    if static_shapes:
+        check_static_shapes(cfg, data)
+    seed_everything(cfg.seed)  # same initial weights on every rank, whatever the data drew
+    with building:
+        model, model_extras = build_model(cfg.model, info)
+        if static_shapes:
+            check_static_routing(cfg, model)
+        shards, fake = parallel.shards_parameters, simulated is not None
+        adapter = build_adapter(cfg, model, info, shards, fake)
     length_key = "data.max_length" if "max_length" in cfg.data else "data.block_size"
     check_fits(model, data, cfg.model, length_key)
     task = build_task(cfg.task)

@@ -33,7 +33,7 @@ from trainer.data.batches import build_train_batches, build_val_batches
 from trainer.data.loader import TrainBatches
 from trainer.models.export import export_line
 from trainer.models.lora import export_line as adapter_line
-from trainer.run.assemble import Assembly, assemble, check_layout, check_static_shapes
+from trainer.run.assemble import Assembly, assemble, check_layout
 from trainer.run.auto_batch import setup_auto
 from trainer.run.batch_plan import AUTO, BatchPlan
 from trainer.run.fit import Run, RunSettings, plain_step_window
@@ -195,8 +195,7 @@ def build_run(
     (trainer/config/trust.py:derived_keys), saved beside it."""
     dims = cfg.dist.dims(info.world_size)  # the layout and the batch arithmetic first
     plan = BatchPlan.from_config(cfg.train, dims.dp)
-    parts = assemble(cfg, info, dims)
-    check_static_shapes(cfg, parts.data)
+    parts = assemble(cfg, info, dims, static_shapes=True)  # (CUDA graphs' refusals first)
     parallel = parts.parallel
     ctx = build_context(cfg, parts, info, dims)
     step_fn = step_for_task(build_step(cfg.step), ctx, cfg, plan)
