@@ -1,19 +1,21 @@
-"""task=dpo on data=preference is exact: the second SGD step's gradient (the policy moved by
-the first, the reference still the initial model) equals the float64 gradient of the loss over
-the whole set of pairs, for sigmoid DPO (with label smoothing) on one process as one
-micro-batch, as 4 micro-batches of 2 pairs (padded, and packed: each pair one row, its sides
-two documents), on 2 DDP and 2 FSDP2 ranks (also under LoRA), on 2 FSDP2 ranks with
-task.reference=precomputed (the initial model's log-probabilities written before training,
-scored by the sharded model, each rank its share: one process writes the same bits; a
-second start reads them, another base writes its own; a run killed with -9 reruns bit for
-bit reading them back), and for ipo and simpo against their own
+"""task=dpo on data=preference is exact: the second SGD step's gradient (the policy moved by the
+first, the reference still the initial model) equals the float64 gradient of the loss over the
+whole set of pairs, for sigmoid DPO (with label smoothing) on one process as one micro-batch,
+as 4 micro-batches of 2 pairs (padded, and packed: each pair one row, its sides two documents),
+on 2 DDP and 2 FSDP2 ranks (also under LoRA), on 2 FSDP2 ranks with task.reference=precomputed
+(the initial model's log-probabilities written before training, scored by the sharded model,
+each rank its share: one process writes the same bits; a second start reads them, another base
+writes its own; a run killed with -9 reruns bit for bit reading them back; on 2 tensor-parallel
+ranks each chunk scored by both, its own key), and for ipo and simpo against their own
 references; the records `train/reward_*` and `val/*` equal the reference's means over the
 pairs. Under LoRA the reference is the base with the adapters disabled; a resumed run repeats
 the uninterrupted one, and exports (scripts/export_hf.py) as the trained policy. Composition:
-micro_batch_size=auto counts whole pairs and a redone window records once, trainer.certify
-and trainer.plan take DPO runs, trainer.preview shows pairs. Bad input: rows without a side
-or with content that is not text are counted, a pair whose prompts differ and a set with no
-pair are one paragraph, task.reference=adapter without an adapter names the key.
+micro_batch_size=auto counts whole pairs and a redone window records once, trainer.certify and
+trainer.plan take DPO runs, trainer.preview shows pairs; under fp8 the copy is of the converted
+policy (step 1 cancels), and the precomputed key names the bf16 parameters FSDP2 computes with.
+Bad input: rows without a side or with content that is not text are counted, a pair whose
+prompts differ and a set with no pair are one paragraph, task.reference=adapter without an
+adapter names the key, CUDA graphs on pairs are refused before any model is built.
 
 The reference is computed here: transformers renders and tokenizes each side (its chat
 template with generation markers; the answer is the marked tokens after the prompt rendered
@@ -47,6 +49,9 @@ from trainer.config.errors import UserError
 from trainer.run.assemble import build_data
 
 transformers = pytest.importorskip("transformers")
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="torchao (the extra fp8) not installed"
+)
 
 MAX_LENGTH = 256  # the pairs packed fit whole
 PAIRS = 8
@@ -813,11 +818,6 @@ def test_plan_of_a_precomputed_run_needs_no_pass(bad_root: Path, tmp_path: Path)
     assert plan["world"] == 2 and all(role["fits"] for role in plan["roles"]), plan
     assert all(role["reference_bytes"] == 0 for role in plan["roles"])  # no second model
     assert not list(bad_root.glob(".cumulus-cache/plan_jsonl-*/reference/*"))
-
-
-needs_torchao = pytest.mark.skipif(
-    importlib.util.find_spec("torchao") is None, reason="torchao (the extra fp8) not installed"
-)
 
 
 @needs_torchao

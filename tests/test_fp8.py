@@ -13,7 +13,8 @@
 - A converted GPT compiles (dynamo) as one graph with no break, its loss equal to eager fp8's.
 - `train.compile_mode` reaches torch.compile: the compiled forward's inductor configuration
   holds the mode's options (CUDA graphs for reduce-overhead). Unknown modes, a mode without
-  train.compile, and CUDA graphs over shapes that vary are refused.
+  train.compile, and CUDA graphs over shapes that vary (a mixture of experts' among them) are
+  refused.
 
 fp8 tests skip without torchao (the extra `fp8`, which `make test` installs).
 """
