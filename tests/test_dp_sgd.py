@@ -11,6 +11,7 @@ printed once, written below. The model is float64 (tests/dp_support.py), so "the
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import warnings
 from pathlib import Path
@@ -27,9 +28,10 @@ from engine.step import StepContext
 from engine.steps.dp_sgd import DPSGDStep, PrivacySpent
 from engine.steps.privacy import RDPAccountant, noise_for_epsilon
 from engine.tasks import ClassificationTask
-from tests.conftest import read_metrics, train_in_process
+from tests.conftest import TINY, read_metrics, train_in_process
 from tests.dp_support import blobs, mlp64
 from tests.ranks import explain, run_cli, run_torchrun
+from trainer.config.errors import ConfigError
 from trainer.data.loader import GlobalBatchSampler, StepMicroBatches
 
 EXACT = 1e-10
@@ -402,3 +404,21 @@ def test_unreachable_target_through_the_trainer(dp_args: list[str], tmp_path: Pa
     assert "Traceback" not in proc.stderr, explain(proc)
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
     assert "invalid config `step.target_epsilon`" in line and "out of reach" in line, line
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp8"])
+def test_precisions_other_than_fp32_and_bf16_are_refused(precision: str, tmp_path: Path) -> None:
+    """step=dp_sgd under fp16 (a loss scaler) or fp8 (torchao's float8 layers, which vmap
+    cannot transform: fp8 failed with a traceback at the first step): one paragraph naming
+    train.precision before anything trains."""
+    extra = ["train.fp8_emulate=true"] if precision == "fp8" else []
+    if precision == "fp8" and importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao (the extra fp8) not installed")
+    args = [*TINY, "step=dp_sgd", "step.max_grad_norm=1.0", "step.noise_multiplier=1.0"]
+    args += [f"train.precision={precision}", *extra, f"hydra.run.dir={tmp_path}"]
+    with pytest.raises(ConfigError) as err:
+        train_in_process(args, tmp_path)
+    message = str(err.value)
+    assert message.startswith("invalid config `train.precision`: step=dp_sgd supports fp32 or")
+    assert f"bf16, not {precision}" in message and "\n" not in message, message
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -1,19 +1,21 @@
-"""task=dpo on data=preference is exact: the second SGD step's gradient (the policy moved by
-the first, the reference still the initial model) equals the float64 gradient of the loss over
-the whole set of pairs, for sigmoid DPO (with label smoothing) on one process as one
-micro-batch, as 4 micro-batches of 2 pairs (padded, and packed: each pair one row, its sides
-two documents), on 2 DDP and 2 FSDP2 ranks (also under LoRA), on 2 FSDP2 ranks with
-task.reference=precomputed (the initial model's log-probabilities written before training,
-scored by the sharded model, each rank its share: one process writes the same bits; a
-second start reads them, another base writes its own; a run killed with -9 reruns bit for
-bit reading them back), and for ipo and simpo against their own
+"""task=dpo on data=preference is exact: the second SGD step's gradient (the policy moved by the
+first, the reference still the initial model) equals the float64 gradient of the loss over the
+whole set of pairs, for sigmoid DPO (with label smoothing) on one process as one micro-batch,
+as 4 micro-batches of 2 pairs (padded, and packed: each pair one row, its sides two documents),
+on 2 DDP and 2 FSDP2 ranks (also under LoRA), on 2 FSDP2 ranks with task.reference=precomputed
+(the initial model's log-probabilities written before training, scored by the sharded model,
+each rank its share: one process writes the same bits; a second start reads them, another base
+writes its own; a run killed with -9 reruns bit for bit reading them back; on 2 tensor-parallel
+ranks each chunk scored by both, its own key), and for ipo and simpo against their own
 references; the records `train/reward_*` and `val/*` equal the reference's means over the
 pairs. Under LoRA the reference is the base with the adapters disabled; a resumed run repeats
 the uninterrupted one, and exports (scripts/export_hf.py) as the trained policy. Composition:
-micro_batch_size=auto counts whole pairs and a redone window records once, trainer.certify
-and trainer.plan take DPO runs, trainer.preview shows pairs. Bad input: rows without a side
-or with content that is not text are counted, a pair whose prompts differ and a set with no
-pair are one paragraph, task.reference=adapter without an adapter names the key.
+micro_batch_size=auto counts whole pairs and a redone window records once, trainer.certify and
+trainer.plan take DPO runs, trainer.preview shows pairs; under fp8 the copy is of the converted
+policy (step 1 cancels), and the precomputed key names the bf16 parameters FSDP2 computes with.
+Bad input: rows without a side or with content that is not text are counted, a pair whose
+prompts differ and a set with no pair are one paragraph, task.reference=adapter without an
+adapter names the key, CUDA graphs on pairs are refused before any model is built.
 
 The reference is computed here: transformers renders and tokenizes each side (its chat
 template with generation markers; the answer is the marked tokens after the prompt rendered
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,6 +49,9 @@ from trainer.config.errors import UserError
 from trainer.run.assemble import build_data
 
 transformers = pytest.importorskip("transformers")
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="torchao (the extra fp8) not installed"
+)
 
 MAX_LENGTH = 256  # the pairs packed fit whole
 PAIRS = 8
@@ -166,6 +173,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "dist.strategy=fsdp",
             f"model._target_={SHARDED_ONLY}",
             "train.memory_report=true",
+        ),
+        # The same pass on 2 tensor-parallel ranks (dp 1): the pair of ranks scores each chunk
+        # together through the split layers.
+        "tp_precomputed": two_steps(
+            "tp_precomputed", "sigmoid", batch(2), 2, "task.reference=precomputed", "dist.tp=2"
         ),
         # Precomputed, 4 steps with checkpoints at 2 and 4: uninterrupted, and killed (-9) at
         # step 3 then started again.
@@ -307,6 +319,7 @@ LOSS_OF = {"whole": "sigmoid", "accum": "sigmoid", "ddp": "sigmoid", "ipo": "ipo
 LOSS_OF["packed"] = "sigmoid"  # each pair one row, its sides two documents
 LOSS_OF["fsdp"] = "sigmoid"
 LOSS_OF["precomputed"] = "sigmoid"  # the reference's log-probabilities written before step 1
+LOSS_OF["tp_precomputed"] = "sigmoid"  # the same, scored by 2 tensor-parallel ranks
 
 
 @pytest.mark.multiproc
@@ -320,7 +333,7 @@ def test_second_step_has_the_float64_whole_set_gradient(
     error = relative_error(got, references[LOSS_OF[name]]["grads"])
     assert error <= TOL, (name, error)
     where = "sharded like the policy" if name == "fsdp" else "whole on each rank"
-    if name == "precomputed":
+    if name.endswith("precomputed"):
         line = "task.reference=precomputed: the initial model's log-probabilities of 10 pairs "
         assert line + "computed (each rank its share) and written to" in proc.stdout
     elif LOSS_OF[name] != "simpo":  # (simpo has no reference)
@@ -483,6 +496,29 @@ def test_precomputed_reference_is_read_back_and_keyed_to_the_base(
     bf16 = train_records(train_in_process([*args, "train.precision=bf16"], root / "bf16"))[0]
     for key in ("reward_chosen", "reward_rejected", "reward_margin"):
         assert abs(bf16[f"train/{key}"]) <= 1e-6, bf16
+
+
+@pytest.mark.multiproc
+def test_precomputed_reference_on_tensor_parallel_ranks(runs: dict[str, Any]) -> None:
+    """task.reference=precomputed under dist.tp=2: the 2 ranks of the tensor-parallel group
+    score each chunk together (chunks are dealt over the data-parallel ranks, here 1), and
+    the first rank's values are kept: the values are the one-process pass's (1e-6, the split
+    matmuls add in another order), under a key of their own, and at step 1 they cancel the
+    policy's exactly. Chunks dealt over the 2 ranks fed 2 different chunks through the same
+    split layers (the run aborted in the tensor-parallel all-reduce of chunks padded to
+    different lengths)."""
+    proc, root = runs["procs"]["tp_precomputed"], runs["root"]
+    assert proc.returncode == 0, explain(proc)
+    written = proc.stdout.split("computed (each rank its share) and written to ")[1].split()[0]
+    sharded = runs["procs"]["precomputed"]  # FSDP2's values: the one-process pass's bits
+    assert sharded.returncode == 0, explain(sharded)
+    whole = sharded.stdout.split("computed (each rank its share) and written to ")[1].split()[0]
+    assert written != whole
+    got, want = (torch.load(path, weights_only=True) for path in (written, whole))
+    for split in ("train", "val"):
+        torch.testing.assert_close(got[split], want[split], rtol=1e-6, atol=1e-6)
+    first = train_records(read_metrics(root / "tp_precomputed"))[0]
+    assert [first[f"train/reward_{k}"] for k in ("chosen", "rejected", "margin")] == [0.0] * 3
 
 
 @pytest.mark.multiproc
@@ -782,6 +818,83 @@ def test_plan_of_a_precomputed_run_needs_no_pass(bad_root: Path, tmp_path: Path)
     assert plan["world"] == 2 and all(role["fits"] for role in plan["roles"]), plan
     assert all(role["reference_bytes"] == 0 for role in plan["roles"])  # no second model
     assert not list(bad_root.glob(".cumulus-cache/plan_jsonl-*/reference/*"))
+
+
+@needs_torchao
+def test_fp8_copies_the_converted_policy(bad_root: Path) -> None:
+    """train.precision=fp8 (emulated) with task.reference=copy: the reference is copied from
+    the policy once its Linear layers are float8, so at step 1 the two score alike: every
+    reward is 0 and the loss log 2 (the copy was taken before the conversion: plain layers
+    under bf16 autocast against the policy's float8 matmuls, rewards not 0)."""
+    path = write_jsonl(bad_root / "fp8.jsonl", pair_rows(4, seed=2))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    args = [*data_args(bad_root, path, val), *task_args("sigmoid"), "task.reference=copy"]
+    args += [*(a for a in TWO_STEPS if not a.startswith("train.max_steps")), "train.max_steps=1"]
+    args += ["train.micro_batch_size=2", "train.grad_accum_steps=2"]
+    args += ["train.precision=fp8", "train.fp8_emulate=true"]
+    (first,) = train_records(train_in_process(args, bad_root / "fp8_copy"))
+    assert [first[f"train/reward_{k}"] for k in ("chosen", "rejected", "margin")] == [0.0] * 3
+    assert first["train/loss"] == pytest.approx(math.log(2), rel=1e-6)
+
+
+@needs_torchao
+def test_precomputed_key_follows_the_parameters_the_layout_computes_with(bad_root: Path) -> None:
+    """The precomputed reference's key names what of the layout changes its values, as
+    `parameter_dtype` (the dtype `parallelize` lays out with) and dist.tp decide: fp8 (and
+    bf16) on 2 FSDP2 ranks computes with bf16 parameters, a key apart from one process's (fp8
+    reused one process's file: step 1 no longer cancelled); DDP with dist.ep=2 computes with
+    the fp32 parameters, one process's key (it had its own); dist.tp=2 splits the matmuls, a
+    key of its own."""
+    from engine.distributed import DistInfo
+    from trainer.run.assemble import build_model, build_task, layout_reference_file, parameter_dtype
+
+    path = write_jsonl(bad_root / "keys.jsonl", pair_rows(4, seed=2))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    args = [*data_args(bad_root, path, val), "task=dpo", "task.reference=precomputed"]
+    cfg = to_config(compose_config([*args, "train.precision=fp8", "train.fp8_emulate=true"]))[0]
+    data = build_data(cfg.data)[0]
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, DistInfo())[0]
+    task = build_task(cfg.task)
+    one, two = DistInfo(), DistInfo(0, 2)
+    whole = cfg.dist.dims(1)
+    fsdp = dataclasses.replace(cfg.dist.dims(2), strategy="fsdp")
+    ep = dataclasses.replace(cfg.dist.dims(2), strategy="ddp", ep=2)
+    tp = dataclasses.replace(cfg.dist.dims(2), strategy="ddp", tp=2)
+
+    def key(precision: str, dims: Any, info: DistInfo) -> Path:
+        cfg.train.precision = precision
+        file = layout_reference_file(cfg, task, model, data, dims, info)
+        assert file is not None
+        return file.path
+
+    for precision in ("fp8", "bf16"):
+        assert parameter_dtype(precision, fsdp, two) is torch.bfloat16
+        assert key(precision, fsdp, two) != key(precision, whole, one), precision
+        assert parameter_dtype(precision, ep, two) is None
+        assert key(precision, ep, two) == key(precision, whole, one), precision
+    assert parameter_dtype("fp32", fsdp, two) is None
+    assert key("fp32", fsdp, two) == key("fp32", whole, one)  # FSDP2 in fp32: the same bits
+    assert key("fp32", tp, two) != key("fp32", whole, one)
+
+
+def test_cuda_graphs_are_refused_before_the_model_is_built(bad_root: Path) -> None:
+    """train.compile_mode=reduce-overhead on pairs (data.packed=false: padded to each
+    micro-batch's longest row) is refused as soon as the data is built: with
+    task.reference=precomputed, no model is built and no reference pass runs (the refusal
+    came after the whole build: the model compiled and the pass written to the cache)."""
+    path = write_jsonl(bad_root / "graphs.jsonl", pair_rows(4, seed=2))
+    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
+    args = [*data_args(bad_root, path, val), *task_args("sigmoid"), "task.reference=precomputed"]
+    args += ["logger=none", "train.compile=true", "train.compile_mode=reduce-overhead"]
+    # A model that cannot be built (2 heads do not divide 33 channels): its error would come
+    # first were the model built before the refusal.
+    args += ["model.n_embd=33"]
+    with pytest.raises(UserError) as err:
+        train_in_process(args, bad_root / "graphs")
+    message = str(err.value)
+    assert message.startswith("invalid config `data.packed`: train.compile_mode=reduce-"), message
+    assert not list(bad_root.glob(".cumulus-cache/graphs_jsonl-*/reference/*"))
 
 
 def test_cut_of_packed_pairs_names_the_key(bad_root: Path) -> None:

@@ -13,7 +13,8 @@
 - A converted GPT compiles (dynamo) as one graph with no break, its loss equal to eager fp8's.
 - `train.compile_mode` reaches torch.compile: the compiled forward's inductor configuration
   holds the mode's options (CUDA graphs for reduce-overhead). Unknown modes, a mode without
-  train.compile, and CUDA graphs over shapes that vary are refused.
+  train.compile, and CUDA graphs over shapes that vary (a mixture of experts' among them) are
+  refused.
 
 fp8 tests skip without torchao (the extra `fp8`, which `make test` installs).
 """
@@ -325,13 +326,30 @@ CUDA_GRAPHS = ["train.compile=true", "train.compile_mode=reduce-overhead"]
         (["train.compile_mode=reduce-overhead"], r"set train.compile=true to compile with"),
         ([*CUDA_GRAPHS, "data.packed=false"], r"`data.packed`: .*CUDA graphs.*lengths vary"),
         ([*CUDA_GRAPHS, "+data.sampling=poisson"], r"`data.sampling`: .*a different size"),
+        (
+            [*CUDA_GRAPHS, "+model.moe.experts=4", "+model.moe.top_k=2"],
+            r"`model.moe.experts`: .*CUDA graphs.*a mixture of experts \(2 routers\)",
+        ),
     ],
-    ids=["unknown", "not-compiled", "padded", "poisson"],
+    ids=["unknown", "not-compiled", "padded", "poisson", "experts"],
 )
 def test_compile_mode_refusals(overrides: list[str], pattern: str, tmp_path: Path) -> None:
+    """(A mixture of experts' dispatch gives each expert as many rows as were routed to it:
+    it trained, a new graph per shape.)"""
     with pytest.raises(ConfigError, match=pattern):
         train_in_process([*TINY, *overrides, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_cuda_graphs_are_refused_for_a_transformers_mixture(tmp_path: Path) -> None:
+    """hf_qwen3_moe (transformers' routers, hooked) under CUDA graphs: refused naming model."""
+    pytest.importorskip("transformers")
+    overrides = ["model=hf_qwen3_moe", *CUDA_GRAPHS, f"hydra.run.dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError) as err:
+        train_in_process([*TINY, *overrides], tmp_path)
+    message = str(err.value)
+    assert message.startswith("invalid config `model`: train.compile_mode=reduce-overhead"), message
+    assert "is a mixture of experts (2 routers)" in message and "\n" not in message, message
 
 
 @needs_torchao

@@ -43,6 +43,10 @@ from engine.step import Batch, StepContext, StepResult
 from engine.steps.accumulate import count_window, finish_step
 from engine.steps.privacy import RDPAccountant, noise_for_epsilon
 
+# The precisions whose forward torch.func's vmap runs per sample: fp16's loss scaler and fp8's
+# float8 layers (torchao's autograd functions, which vmap cannot transform) do not.
+DP_SGD_PRECISIONS = ("fp32", "bf16")
+
 
 def check_per_sample_model(model: nn.Module, parallel: Parallelism) -> None:
     """Raise ValueError (one paragraph) for a model whose per-sample gradients do not exist."""
@@ -199,8 +203,10 @@ class DPSGDStep:
             if self.noise_multiplier is None:
                 raise ValueError("target_epsilon: call set_sampling() before the first step")
             check_per_sample_model(ctx.model, ctx.parallel)
-            if ctx.precision.scaler is not None:
-                raise ValueError("step=dp_sgd supports train.precision=fp32|bf16, not fp16")
+            if ctx.precision.mode not in DP_SGD_PRECISIONS:
+                raise ValueError(
+                    f"step=dp_sgd supports train.precision=fp32|bf16, not {ctx.precision.mode}"
+                )
             self._checked = True
         ctx.optimizer.zero_grad(set_to_none=True)
         global_count = count_window(ctx, window)  # loss items: what train/loss is a mean of

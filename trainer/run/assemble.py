@@ -24,6 +24,7 @@ from engine.model import (
     flops_per_token,
     require_blocks,
 )
+from engine.moe.routing import HasRouters
 from engine.numerics.float8 import Float8Layers
 from engine.parallel.base import LayoutError, Parallelism, RunShape
 from engine.parallel.dims import ParallelDims
@@ -40,6 +41,7 @@ from trainer.models.lora import Adapter
 from trainer.models.lora import check_layout as check_adapter_layout
 from trainer.run.float8 import to_float8
 from trainer.run.preference import (
+    ReferenceFile,
     attach_reference,
     check_pairs_layout,
     check_pairs_task,
@@ -163,11 +165,28 @@ def check_fits(
         )
 
 
+STATIC_DATA = (
+    "shapes that do not vary (packed token data, data.sampling=shuffle, a fixed micro-batch)"
+)
+
+
+def graphs_refused(cfg: Config, key: str, why: str, instead: str = STATIC_DATA) -> ConfigError:
+    """CUDA graphs refused for shapes that vary (`why`), in one paragraph naming `key` and
+    what to use `instead` (or another compile mode)."""
+    return ConfigError(
+        key,
+        f"train.compile_mode={cfg.train.compile_mode} captures CUDA graphs, which need the "
+        f"same shapes every step; {why}. Use {instead}, or train.compile_mode=null or "
+        "max-autotune-no-cudagraphs",
+    )
+
+
 def check_static_shapes(cfg: Config, data: DataSplits) -> None:
     """`train.compile_mode` with CUDA graphs (reduce-overhead, max-autotune) replays graphs
     recorded for fixed shapes: refused where the trainer knows the training batches' shapes
-    change from step to step (a new shape records a new graph, each holding its own memory).
-    Evaluation's batches (eval mode, maybe a short last one) record a few graphs once."""
+    change from step to step (a new shape records a new graph, each holding its own memory),
+    as soon as the data is built (the model's own case: `check_static_routing`). Evaluation's
+    batches (eval mode, maybe a short last one) record a few graphs once."""
     if cfg.train.compile_mode not in CUDA_GRAPH_MODES:
         return
     varying = {
@@ -191,13 +210,25 @@ def check_static_shapes(cfg: Config, data: DataSplits) -> None:
     }
     for key, (bad, why) in varying.items():
         if bad:
-            raise ConfigError(
-                key,
-                f"train.compile_mode={cfg.train.compile_mode} captures CUDA graphs, which need "
-                f"the same shapes every step; {why}. Use shapes that do not vary (packed "
-                "token data, data.sampling=shuffle, a fixed micro-batch), or "
-                "train.compile_mode=null or max-autotune-no-cudagraphs",
-            )
+            raise graphs_refused(cfg, key, why)
+
+
+def check_static_routing(cfg: Config, model: nn.Module) -> None:
+    """CUDA graphs (`check_static_shapes`) refused for a model with routers (model.moe.experts
+    > 0, or a transformers mixture), as soon as it is built: its dispatch reads the number of
+    tokens routed to each expert to the host and gives each expert that many rows, so shapes
+    change every step."""
+    if cfg.train.compile_mode not in CUDA_GRAPH_MODES or not isinstance(model, HasRouters):
+        return
+    routers = len(list(model.routers()))
+    if routers:
+        key = "model.moe.experts" if isinstance(cfg.model.get("moe"), dict) else "model"
+        why = (
+            f"{type(model).__name__} is a mixture of experts ({routers} routers), whose dispatch "
+            "reads each expert's token count to the host and gives each expert as many rows "
+            "as were routed to it: shapes vary every step"
+        )
+        raise graphs_refused(cfg, key, why, "a dense model")
 
 
 def layout_error(exc: LayoutError) -> ConfigError:
@@ -221,6 +252,17 @@ def check_layout(parallel: Parallelism, shape: RunShape) -> None:
         raise layout_error(exc) from None
 
 
+def parameter_dtype(precision: str, dims: ParallelDims, info: DistInfo) -> torch.dtype | None:
+    """The dtype the laid-out model computes with its parameters in, when not their own: bf16
+    under `train.precision=bf16|fp8` where FSDP2 shards them (`dist.strategy=fsdp` on several
+    ranks, also beside tp, pp, cp or ep: it casts each unit's parameters for its forward);
+    None where the parameters compute as they are, under autocast (one process, DDP, tp or pp
+    without FSDP2, ep over DDP). The one owner of the choice: `parallelize` lays out with it,
+    and a precomputed reference is keyed by it."""
+    sharded = dims.strategy == "fsdp" and info.distributed
+    return torch.bfloat16 if precision in ("bf16", "fp8") and sharded else None
+
+
 def parallelize(
     model: nn.Module,
     extras: ModelExtras,
@@ -228,11 +270,12 @@ def parallelize(
     *,
     compile: bool = False,
     compile_mode: str | None = None,
-    precision: str = "fp32",
+    param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Activation checkpointing, compilation (`torch.compile`'s `compile_mode`, None for its
-    default) and the parallelism (DDP; FSDP2 sharding each block and the root; tensor or
-    pipeline splits), in that order. The model's own parameter names are kept."""
+    default) and the parallelism (DDP; FSDP2 sharding each block and the root, computing with
+    `param_dtype` parameters (`parameter_dtype`); tensor or pipeline splits), in that order.
+    The model's own parameter names are kept."""
     try:
         blocks = find_blocks(model, extras.block_classes, key="model.block_classes")
         if extras.activation_checkpointing:
@@ -248,11 +291,36 @@ def parallelize(
     if compile:  # in place: parameter names (and checkpoints) stay the same
         for module in blocks if parallel.per_block else [model]:
             module.compile(mode=compile_mode)
-    param_dtype = torch.bfloat16 if precision in ("bf16", "fp8") else None
     try:
         return parallel.apply(model, blocks, param_dtype=param_dtype)
     except LayoutError as exc:
         raise layout_error(exc) from None
+
+
+def layout_reference_file(
+    cfg: Config,
+    task: Task,
+    model: nn.Module,
+    data: DataSplits,
+    dims: ParallelDims,
+    info: DistInfo,
+    planned: bool = False,
+) -> ReferenceFile | None:
+    """`task.reference=precomputed`'s file (trainer/run/preference.py) for this run's layout:
+    keyed to the initial model, whole here (fp8's conversion keeps the names), the run's
+    micro-batch (1 under auto) and precision, the bf16 parameters the layout computes with
+    (`parameter_dtype`, as `parallelize` lays out) and its tensor-parallel degree."""
+    micro = cfg.train.micro_batch_size
+    return reference_file(
+        task,
+        model,
+        data,
+        micro if micro != "auto" else 1,
+        precision=cfg.train.precision,
+        planned=planned,
+        low_precision_parameters=parameter_dtype(cfg.train.precision, dims, info) is not None,
+        tensor_parallel=dims.tp,
+    )
 
 
 @dataclass
@@ -285,11 +353,15 @@ def assemble(
     dims: ParallelDims | None = None,
     building: contextlib.AbstractContextManager | None = None,
     simulated: dict[Any, Any] | None = None,
+    static_shapes: bool = False,
 ) -> Assembly:
-    """Seed, build the model, data and task, check that they fit, and lay the model out over
+    """Seed, build the data, model and task, check that they fit, and lay the model out over
     the ranks (`dims`, by default `dist.*`'s in this world). The model is built and laid out
     within `building` (the planner's fake tensors); the mesh and the data never are. With
-    `simulated` (trainer.plan), this rank runs alone in a simulated world."""
+    `simulated` (trainer.plan), this rank runs alone in a simulated world. `static_shapes`
+    (training): CUDA graphs over shapes that vary are refused on the data before any model is
+    built (`check_static_shapes`), and on the model before it is converted, compiled, laid out
+    or scores a reference (`check_static_routing`)."""
     dims = dims or cfg.dist.dims(info.world_size)
     check_adapter_layout(cfg.adapter, dims)
     check_pairs_layout(cfg.task, dims)
@@ -297,13 +369,18 @@ def assemble(
     if simulated is not None:
         parallel.simulate_world(simulated)
     building = building or contextlib.nullcontext()
-    seed_everything(cfg.seed)  # same initial weights on every rank
-    with building:
-        model, model_extras = build_model(cfg.model, info)
-        shards, fake = parallel.shards_parameters, simulated is not None
-        adapter = build_adapter(cfg, model, info, shards, fake)
+    seed_everything(cfg.seed)  # a data builder drawing from the global generators: seeded
     data, data_extras = build_data(cfg.data)
     check_samples(data, cfg.data["_target_"])
+    if static_shapes:
+        check_static_shapes(cfg, data)
+    seed_everything(cfg.seed)  # same initial weights on every rank, whatever the data drew
+    with building:
+        model, model_extras = build_model(cfg.model, info)
+        if static_shapes:
+            check_static_routing(cfg, model)
+        shards, fake = parallel.shards_parameters, simulated is not None
+        adapter = build_adapter(cfg, model, info, shards, fake)
     length_key = "data.max_length" if "max_length" in cfg.data else "data.block_size"
     check_fits(model, data, cfg.model, length_key)
     task = build_task(cfg.task)
@@ -319,37 +396,33 @@ def assemble(
         attach_loss_parameters(model, task, info.device)
     except ValueError as exc:
         raise ConfigError("task", str(exc)) from None
-    attach_reference(task, model, adapter)  # task=dpo: the initial policy, before layout
-    micro = cfg.train.micro_batch_size  # (the planner's model is fake tensors: no pass)
-    reference = reference_file(  # keyed to the initial model, whole here
-        task,
-        model,
-        data,
-        micro if micro != "auto" else 1,
-        precision=cfg.train.precision,
-        planned=simulated is not None,
-        low_precision_parameters=cfg.train.precision == "bf16" and parallel.shards_parameters,
-    )
     with building:  # fp8: the planner's fake model plans as bf16, not converted
         fp8 = cfg.train.precision == "fp8" and simulated is None
         float8 = to_float8(model, cfg.train, info, dims) if fp8 else None
+    # task=dpo: the initial policy, before layout and after fp8's conversion (a copy is then
+    # float8 as the policy is: at step 1 the two cancel).
+    attach_reference(task, model, adapter)
+    param_dtype = parameter_dtype(cfg.train.precision, dims, info)
+    # (the planner's model is fake tensors: no pass)
+    reference = layout_reference_file(cfg, task, model, data, dims, info, simulated is not None)
+    with building:
         wrapped = parallelize(
             model,
             model_extras,
             parallel,
             compile=cfg.train.compile,
             compile_mode=cfg.train.compile_mode,
-            precision=cfg.train.precision,
+            param_dtype=param_dtype,
         )
         lay_out_reference(
             task,
             parallel,
-            lambda ref: parallelize(ref, model_extras, parallel, precision=cfg.train.precision),
+            lambda ref: parallelize(ref, model_extras, parallel, param_dtype=param_dtype),
             info.is_main and simulated is None,
         )
     # The pass scores with the model as the run lays it out (FSDP2: sharded, so a model that
     # fits only sharded precomputes too).
-    precompute_reference(reference, task, model, data, info)
+    precompute_reference(reference, task, model, data, info, parallel)
     return Assembly(
         model,
         wrapped,

@@ -18,7 +18,12 @@ from engine.parallel.base import RunShape
 from engine.parallel.dims import ParallelDims
 from engine.step import StepContext, StepStrategy
 from engine.steps.accumulate import AccumulateStep
-from engine.steps.dp_sgd import DPSGDStep, PrivacySpent, check_per_sample_model
+from engine.steps.dp_sgd import (
+    DP_SGD_PRECISIONS,
+    DPSGDStep,
+    PrivacySpent,
+    check_per_sample_model,
+)
 from engine.window_task import WindowTask
 from trainer.config.components import instantiate
 from trainer.config.errors import ConfigError
@@ -28,7 +33,7 @@ from trainer.data.batches import build_train_batches, build_val_batches
 from trainer.data.loader import TrainBatches
 from trainer.models.export import export_line
 from trainer.models.lora import export_line as adapter_line
-from trainer.run.assemble import Assembly, assemble, check_layout, check_static_shapes
+from trainer.run.assemble import Assembly, assemble, check_layout
 from trainer.run.auto_batch import setup_auto
 from trainer.run.batch_plan import AUTO, BatchPlan
 from trainer.run.fit import Run, RunSettings, plain_step_window
@@ -92,8 +97,13 @@ def attach_privacy(
         check_per_sample_model(ctx.model, ctx.parallel)
     except ValueError as exc:
         raise ConfigError("step", str(exc)) from None
-    if ctx.precision.scaler is not None:
-        raise ConfigError("train.precision", "step=dp_sgd supports fp32 or bf16, not fp16")
+    if ctx.precision.mode not in DP_SGD_PRECISIONS:  # fp16's scaler; fp8's float8 matmuls
+        raise ConfigError(
+            "train.precision",
+            f"step=dp_sgd supports fp32 or bf16, not {ctx.precision.mode}: its per-sample "
+            "gradients (torch.func's vmap) run neither under fp16's loss scaler nor through "
+            "fp8's float8 layers",
+        )
     try:
         step_fn.set_sampling(batches.plan.global_batch, len(batches.dataset))
     except ValueError as exc:  # step.target_epsilon out of reach
@@ -185,8 +195,7 @@ def build_run(
     (trainer/config/trust.py:derived_keys), saved beside it."""
     dims = cfg.dist.dims(info.world_size)  # the layout and the batch arithmetic first
     plan = BatchPlan.from_config(cfg.train, dims.dp)
-    parts = assemble(cfg, info, dims)
-    check_static_shapes(cfg, parts.data)
+    parts = assemble(cfg, info, dims, static_shapes=True)  # (CUDA graphs' refusals first)
     parallel = parts.parallel
     ctx = build_context(cfg, parts, info, dims)
     step_fn = step_for_task(build_step(cfg.step), ctx, cfg, plan)

@@ -136,15 +136,16 @@ def _score(
     return torch.cat(out).numpy() if out else np.zeros((0, 2))
 
 
-def my_chunks(n: int, micro: int, info: DistInfo) -> list[list[int]]:
+def my_chunks(n: int, micro: int, dp_rank: int, dp_size: int) -> list[list[int]]:
     """This rank's rows of `n` pairs, chunk by chunk: chunks of `micro` consecutive pairs,
-    chunk c on rank c % world, in rounds of one chunk per rank (an empty list where a rank has
-    none left in the last round), so that every rank runs as many forwards."""
+    chunk c on data-parallel rank c % dp_size (the ranks of one tensor-parallel group run the
+    same chunk through their split layers, together), in rounds of one chunk per
+    data-parallel rank (an empty list where a rank has none left in the last round), so that
+    every rank runs as many forwards."""
     starts = range(0, n, micro)
-    rounds = -(-len(starts) // info.world_size)
+    rounds = -(-len(starts) // dp_size)
     mine = [
-        starts[c] if c < len(starts) else None
-        for c in range(info.rank, rounds * info.world_size, info.world_size)
+        starts[c] if c < len(starts) else None for c in range(dp_rank, rounds * dp_size, dp_size)
     ]
     return [[] if at is None else list(range(at, min(at + micro, n))) for at in mine]
 
@@ -168,13 +169,16 @@ def reference_file(
     precision: str = "fp32",
     planned: bool = False,
     low_precision_parameters: bool = False,
+    tensor_parallel: int = 1,
 ) -> ReferenceFile | None:
     """`task.reference=precomputed`, before the model is laid out (the initial model is whole
     on each rank then): the file its values are kept in, keyed to the model's fingerprint, the
-    pairs (store, rows, lengths, layout), `micro` and `precision` (and, with
-    `low_precision_parameters`, the layout's bf16 parameters: FSDP2's computes with them, so
-    its values are not a whole model's). `planned` (trainer.plan: the model is fake tensors):
-    zeros attached, the batches' shapes without a pass, and None. Any other task: None."""
+    pairs (store, rows, lengths, layout), `micro` and `precision`, and what of the layout
+    changes the values: `low_precision_parameters` (the layout computes with bf16 parameters,
+    `trainer.run.assemble.parameter_dtype`: FSDP2's under bf16 or fp8) and `tensor_parallel`
+    (its degree above 1: split matmuls add their partial products in another order).
+    `planned` (trainer.plan: the model is fake tensors): zeros attached, the batches' shapes
+    without a pass, and None. Any other task: None."""
     if not isinstance(task, DPOTask) or task.reference != "precomputed":
         return None
     splits = {"train": data.train, "val": data.val}
@@ -193,13 +197,20 @@ def reference_file(
     ident: dict[str, Any] = {"model": model_key(model), "micro": micro, "precision": precision}
     if low_precision_parameters:
         ident["parameters"] = "bf16"
+    if tensor_parallel > 1:
+        ident["tp"] = tensor_parallel
     ident |= {k: v.identity() for k, v in splits.items()}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
     return ReferenceFile(Path(data.train.store.root) / "reference" / f"{key}.pt", micro, precision)
 
 
 def precompute_reference(
-    file: ReferenceFile | None, task: object, model: nn.Module, data: Any, info: DistInfo
+    file: ReferenceFile | None,
+    task: object,
+    model: nn.Module,
+    data: Any,
+    info: DistInfo,
+    parallel: Parallelism,
 ) -> None:
     """`task.reference=precomputed` (`file`: see `reference_file`), after the model is laid
     out: every pair's reference log-probabilities (chosen, rejected), of the train and
@@ -207,15 +218,17 @@ def precompute_reference(
     rank in each forward), attached to the data so that each batch carries its pairs'.
 
     The pairs are scored `file.micro` consecutive pairs at a time (the run's micro-batch; 1
-    under auto), chunk c on rank c % world, in rounds where every rank scores one chunk (a
-    rank without one left runs a chunk and drops it: a sharded forward is collective), and
-    the shares are gathered: the pass takes 1/world of the time, every rank ends with all the
-    values (no rank waits on another's file), and the values do not depend on the number of
-    ranks (a chunk is the same batch on any rank), so runs of other layouts writing the same
-    key write the same bits. Rank 0 writes them, once the pass is complete, to a temporary
-    file renamed when whole, so an interrupted pass leaves nothing. A later start of the same
-    base on the same pairs (a resumed run) reads the file; another base computes anew.
-    Nothing to do without a file."""
+    under auto), chunk c on data-parallel rank c % dp (`parallel`'s coordinates: a
+    tensor-parallel group scores one chunk together), in rounds where every rank scores one
+    chunk (a rank without one left runs a chunk and drops it: a sharded or split forward is
+    collective), and the reporting ranks' shares are gathered: the pass takes 1/dp of the
+    time, every rank ends with all the values (no rank waits on another's file), and the
+    values do not depend on the number of data-parallel ranks (a chunk is the same batch on
+    any rank), so runs of other layouts writing the same key write the same bits. Rank 0
+    writes them, once the pass is complete, to a temporary file renamed when whole, so an
+    interrupted pass leaves nothing. A later start of the same base on the same pairs (a
+    resumed run) reads the file; another base computes anew. Nothing to do without a
+    file."""
     if file is None:
         return
     assert isinstance(task, DPOTask)
@@ -234,13 +247,14 @@ def precompute_reference(
         try:
             values = {}
             for split, samples in splits.items():
-                chunks = my_chunks(len(samples), file.micro, info)
+                chunks = my_chunks(len(samples), file.micro, parallel.dp_rank, parallel.dp_size)
                 part = _score(
                     task, model, samples, chunks, data.collate_fn, file.precision, info.device
                 )
-                mine = [i for rows in chunks for i in rows]
+                # A tensor-parallel group's ranks computed the same values: the first's count.
+                mine = [i for rows in chunks for i in rows] if parallel.reports else []
                 table = np.zeros((len(samples), 2))
-                for rows, vals in all_gather_object((mine, part), info):
+                for rows, vals in all_gather_object((mine, part[: len(mine)]), info):
                     table[rows] = vals
                 values[split] = table
         finally:
