@@ -214,3 +214,35 @@ def pytest_configure(config: pytest.Config) -> None:
 def _check_then_skip(cmd: Sequence[str], several_ranks: bool) -> None:
     _check_launch(cmd, several_ranks)
     pytest.skip("--check-marks: launches are checked, not run")
+
+
+def compile_and_record(
+    model: Any, task: Any, batches: list[Any], precision: Any
+) -> tuple[list[Any], list[float], dict[str, int], dict[str, int]]:
+    """`model.compile` with a backend that records dynamo's graphs and runs them as traced
+    (what inductor would compile, without its minute of compiling), then each batch's
+    `task.loss_sum` under `precision`'s autocast and its backward: (graphs, losses, graph
+    breaks, frames) as dynamo counted them. Dynamo is reset before and after."""
+    import torch._dynamo
+
+    graphs: list[Any] = []
+
+    def record(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    try:
+        model.compile(backend=record)
+        got = []
+        for b in batches:  # the step's micro-batches
+            with precision.autocast():
+                loss = task.loss_sum(model, b)
+            loss.backward()
+            got.append(loss.item())
+        breaks, frames = dict(counters["graph_break"]), dict(counters["frames"])
+    finally:
+        torch._dynamo.reset()
+    return graphs, got, breaks, frames

@@ -30,6 +30,7 @@ from engine.numerics.chunked_ce import (
 from engine.numerics.precision import Precision
 from engine.tasks import CausalLMTask
 from tests.conftest import (
+    compile_and_record,
     compose_config,
     read_metrics,
     stdlib_text,
@@ -301,27 +302,7 @@ def test_compiled_gpt_is_one_graph_that_ends_at_the_loss(chunk_size: str) -> Non
     with precision.autocast():
         want = [task.loss_sum(model, b).item() for b in batches]  # eager
 
-    graphs: list[torch.fx.GraphModule] = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    counters = torch._dynamo.utils.counters
-    counters.clear()
-    try:
-        model.compile(backend=record)
-        got = []
-        for b in batches:  # the step's micro-batches
-            with precision.autocast():
-                loss = task.loss_sum(model, b)
-            loss.backward()
-            got.append(loss.item())
-        breaks = dict(counters["graph_break"])
-        frames = dict(counters["frames"])
-    finally:
-        torch._dynamo.reset()
+    graphs, got, breaks, frames = compile_and_record(model, task, batches, precision)
     assert not breaks, f"graph breaks: {breaks}"
     assert len(graphs) == 1 and frames.get("ok") == 1, (len(graphs), frames)
     (output,) = next(n for n in graphs[0].graph.nodes if n.op == "output").args[0]

@@ -35,7 +35,13 @@ from engine.distributed import DistInfo
 from engine.numerics.float8 import convert, plan
 from engine.numerics.precision import Precision
 from engine.parallel.dims import ParallelDims
-from tests.conftest import TINY, compose_config, train_in_process, train_records
+from tests.conftest import (
+    TINY,
+    compile_and_record,
+    compose_config,
+    train_in_process,
+    train_records,
+)
 from tests.ranks import explain, run_torchrun
 from trainer.checks.certify import TOLERANCE
 from trainer.config.cli import to_config
@@ -231,28 +237,9 @@ def test_converted_gpt_compiles_as_one_graph() -> None:
     assert precision.scaler is None and precision.dtype is torch.bfloat16  # as bf16
     with precision.autocast():
         want = [task.loss_sum(model, b).item() for b in batches]
-    graphs: list[torch.fx.GraphModule] = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    counters = torch._dynamo.utils.counters
-    counters.clear()
-    try:
-        model.compile(backend=record)
-        got = []
-        for b in batches:
-            with precision.autocast():
-                loss = task.loss_sum(model, b)
-            loss.backward()
-            got.append(loss.item())
-        breaks = dict(counters["graph_break"])
-    finally:
-        torch._dynamo.reset()
+    graphs, got, breaks, frames = compile_and_record(model, task, batches, precision)
     assert not breaks, f"graph breaks: {breaks}"
-    assert len(graphs) == 1, len(graphs)
+    assert len(graphs) == 1 and frames.get("ok") == 1, (len(graphs), frames)
     for a, b in zip(got, want):
         assert abs(a - b) <= 1e-5 * abs(b), (got, want)
 
