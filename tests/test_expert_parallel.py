@@ -416,13 +416,14 @@ def test_an_empty_split_works() -> None:
 @pytest.mark.parametrize(
     ("name", "key", "says"),
     [
-        ("dense", "dist.ep", "has no mixture-of-experts layer"),
+        ("dense", "dist.ep", "(model=hf_qwen3_moe, model=hf_mixtral); set dist.ep=1"),
         ("experts", "dist.ep", "must divide model.moe.experts (5)"),
     ],
 )
 def test_launched_bad_input_is_one_paragraph(runs: Runs, name: str, key: str, says: str) -> None:
-    """What dist.ep=2 refuses once the model is built: a dense model and an expert count it
-    does not divide: one paragraph naming the key and what is valid."""
+    """What dist.ep=2 refuses once the model is built: a dense model (naming the mixtures the
+    split knows, the in-tree GPT's and transformers') and an expert count it does not divide:
+    one paragraph naming the key and what is valid."""
     proc = runs.procs[name]
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0

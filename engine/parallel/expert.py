@@ -239,8 +239,9 @@ class ExpertSplit(ParallelBase):
             raise LayoutError(
                 "dist.ep",
                 f"splits a mixture's experts over ranks, but {type(model).__name__} has no "
-                "mixture-of-experts layer the split knows (the in-tree GPT's model.moe.experts "
-                "> 0); set dist.ep=1 for a dense model",
+                "mixture-of-experts layer the split knows: the in-tree GPT's (model.moe.experts "
+                "> 0), or transformers' Qwen3-MoE and Mixtral (model=hf_qwen3_moe, "
+                "model=hf_mixtral); set dist.ep=1 for a dense model",
             )
         for _, m in mixtures:
             if m.num_experts % self.ep:
