@@ -18,7 +18,8 @@ with large aux and z weights) on one process, the reference, and on 2 ranks with
 - memory: each rank's parameter and optimizer bytes are the reference's less half the experts';
 - one mixture with every token routed to rank 0's experts (rank 1 receives nothing in both
   all-to-alls): tests/ep_support.py;
-- bad input: one paragraph naming dist.ep (or checkpoint.format).
+- bad input: one paragraph naming dist.ep, or the choice that does not compose with it yet
+  (refused from the config in one process, before the world's size or any process group).
 """
 
 from __future__ import annotations
@@ -81,12 +82,12 @@ def overflow(run_dir: Path, rank: int) -> str:
     return f"+callbacks.overflow={{_target_: {target}, path: {run_dir}/overflow.pt, rank: {rank}}}"
 
 
-# Refused at start-up under dist.ep=2 by the built parallelism's check (the run's other
-# choices), each launched on 2 ranks: the key named, and what the paragraph says.
+# Refused under dist.ep=2 from the run's choices alone (ParallelDims.check), before the
+# world's size or any process group: tested in one process. The key named, what it says.
 REFUSED = {
     "compile": (["train.compile=true"], "train.compile", "train.compile=false, or dist.ep=1"),
     "auto": (
-        ["train.micro_batch_size=auto"],
+        ["train.micro_batch_size=auto", "train.global_batch_size=32"],
         "train.micro_batch_size",
         "set a number (e.g. train.micro_batch_size=4), or dist.ep=1",
     ),
@@ -100,8 +101,11 @@ REFUSED = {
         "step",
         "SAMStep is not built with it yet; use step=accumulate, or dist.ep=1",
     ),
-    # Refused before dist.ep's check sees it: the in-tree GPT's loss is per micro-batch.
-    "cached": (["step=cached"], "step", "step=cached needs a task whose loss is of the whole"),
+    "cached": (
+        ["step=cached"],
+        "step",
+        "CachedStep is not built with it yet; use step=accumulate, or dist.ep=1",
+    ),
     "ema": (["callbacks=ema"], "callbacks.ema", "remove callbacks.ema or set dist.ep=1"),
 }
 
@@ -157,9 +161,6 @@ class Runs:
         # DTensor unscale also reduces the overflow flag over its mesh) and under DDP.
         cmds["fp16"] = [*args, *ep2, "dist.strategy=fsdp", *FP16, overflow(root / "fp16", 1)]
         cmds["fp16-ddp"] = [*args, *ep2, *FP16, overflow(root / "fp16-ddp", 1)]
-        refuse = [*TINY, *MOE, f"data.path={self.text}", "train.max_steps=1", *ep2]
-        refuse.append("train.global_batch_size=32")  # auto micro-batch needs a fixed one
-        cmds.update({name: [*refuse, *a] for name, (a, _, _) in REFUSED.items()})
         launches = {
             name: torchrun(2, [*a, f"hydra.run.dir={root / name}"]) for name, a in cmds.items()
         }
@@ -415,16 +416,14 @@ def test_an_empty_split_works() -> None:
 @pytest.mark.parametrize(
     ("name", "key", "says"),
     [
-        ("dense", "dist.ep", "has no mixture-of-experts layer"),
+        ("dense", "dist.ep", "(model=hf_qwen3_moe, model=hf_mixtral); set dist.ep=1"),
         ("experts", "dist.ep", "must divide model.moe.experts (5)"),
-        *((name, key, says) for name, (_, key, says) in REFUSED.items()),
     ],
 )
 def test_launched_bad_input_is_one_paragraph(runs: Runs, name: str, key: str, says: str) -> None:
-    """What dist.ep=2 refuses once the layout is built: a dense model, an expert count it does
-    not divide, and the choices that do not compose with it yet (the parallelism's check of
-    the run: compilation, the automatic micro-batch, per-layer norms, another step, an
-    averaged copy of the weights): one paragraph naming the key and what is valid."""
+    """What dist.ep=2 refuses once the model is built: a dense model (naming the mixtures the
+    split knows, the in-tree GPT's and transformers') and an expert count it does not divide:
+    one paragraph naming the key and what is valid."""
     proc = runs.procs[name]
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -443,15 +442,19 @@ def test_launched_bad_input_is_one_paragraph(runs: Runs, name: str, key: str, sa
         (["dist.ep=2", "dist.pp=2"], "dist.ep", "dist.pp=2"),
         (["dist.ep=2", "dist.cp=2"], "dist.ep", "dist.cp=2"),
         (["dist.ep=0"], "dist.ep", "positive"),
+        *((["dist.ep=2", *a], key, says) for a, key, says in REFUSED.values()),
     ],
-    ids=["ep>dp", "tp", "pp", "cp", "zero"],
+    ids=["ep>dp", "tp", "pp", "cp", "zero", *REFUSED],
 )
 def test_bad_input_is_one_paragraph(
     overrides: list[str], key: str, says: str, tmp_path: Path
 ) -> None:
     """Refused from the config alone, before any launch: dist.ep not dividing the one
     process's data-parallel size, with tensor, pipeline or context parallelism (which do not
-    compose with it yet), and not positive."""
+    compose with it yet), and not positive; and the run's choices that do not compose with
+    dist.ep=2 yet (compilation, the automatic micro-batch, per-layer norms, another step, an
+    averaged copy of the weights), refused before the world's size or any process group, so
+    one process reaches each."""
     from trainer.config.errors import ConfigError
 
     text = stdlib_text(tmp_path / "text.txt", 1750)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from engine.distributed import DistInfo
-    from engine.parallel.base import Parallelism
+    from engine.parallel.base import Parallelism, RunShape
 
 from engine.parallel import LayoutError
 from engine.parallel.pipeline.schedule import SCHEDULES
@@ -147,6 +147,17 @@ class ParallelDims:
             f"data-parallel size); this run has {self.world}: launch with torchrun "
             f"--nproc_per_node={n} (or a multiple), or set {key}=1",
         )
+
+    def check(self, shape: RunShape) -> None:
+        """Refuse (`LayoutError`) the run's other choices these degrees cannot run with, as far
+        as the choices alone decide it: no process group, mesh or world size is needed, so one
+        process reaches each refusal before any rank builds a layout. `shape` may hold only
+        what the config fixes (its `accum` and `checkpoint_format` are read by the built
+        parallelism's `check`, not here)."""
+        if self.ep > 1:
+            from engine.parallel.expert import check_beside_experts
+
+            check_beside_experts(shape)
 
     # ---- the shape ----
     def for_world(self, world: int) -> ParallelDims:

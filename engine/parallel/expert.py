@@ -133,6 +133,40 @@ class ExpertGroup:
         return AllToAll.apply(back, in_splits, out_splits, self.group)
 
 
+def check_beside_experts(shape: RunShape) -> None:
+    """Refuse (`LayoutError`) what does not compose with dist.ep > 1 yet, from the run's
+    choices alone: an averaged copy of the weights, the automatic micro-batch, compilation,
+    per-layer norms and any step but step=accumulate; one paragraph each, naming its key."""
+    averaged = shape.callbacks.averaged_weights() if shape.callbacks is not None else {}
+    for name in averaged:
+        raise LayoutError(
+            f"callbacks.{name}",
+            "not available with dist.ep > 1 yet: it keeps an average of every weight, and "
+            f"each rank holds only its own experts; remove callbacks.{name} or set dist.ep=1",
+        )
+    refused = {
+        "train.micro_batch_size": (
+            shape.auto_micro_batch,
+            "auto is not probed with it yet; set a number (e.g. train.micro_batch_size=4)",
+        ),
+        "train.compile": (
+            shape.compile,
+            "compiling the all-to-all is not built yet; set train.compile=false",
+        ),
+        "train.grad_norms": (
+            shape.per_layer_norms,
+            "per-layer norms would see this rank's experts only; set train.grad_norms=total",
+        ),
+        "step": (
+            not shape.plain_accumulation,
+            f"{type(shape.step).__name__} is not built with it yet; use step=accumulate",
+        ),
+    }
+    for key, (bad, why) in refused.items():
+        if bad:
+            raise LayoutError(key, f"not available with dist.ep > 1: {why}, or dist.ep=1")
+
+
 @runtime_checkable
 class SplitsExperts(Protocol):
     """A mixture whose experts expert parallelism can split: `num_experts`, the config key
@@ -183,35 +217,10 @@ class ExpertSplit(ParallelBase):
         )
 
     def check(self, shape: RunShape) -> None:
-        averaged = shape.callbacks.averaged_weights() if shape.callbacks is not None else {}
-        for name in averaged:
-            raise LayoutError(
-                f"callbacks.{name}",
-                "not available with dist.ep > 1 yet: it keeps an average of every weight, and "
-                f"each rank holds only its own experts; remove callbacks.{name} or set dist.ep=1",
-            )
+        # Decided before any group too (ParallelDims.check, from the config); again here for
+        # the step the task chose (trainer/run/window.py) and for the planner's simulated run.
+        check_beside_experts(shape)
         super().check(shape)
-        refused = {
-            "train.micro_batch_size": (
-                shape.auto_micro_batch,
-                "auto is not probed with it yet; set a number (e.g. train.micro_batch_size=4)",
-            ),
-            "train.compile": (
-                shape.compile,
-                "compiling the all-to-all is not built yet; set train.compile=false",
-            ),
-            "train.grad_norms": (
-                shape.per_layer_norms,
-                "per-layer norms would see this rank's experts only; set train.grad_norms=total",
-            ),
-            "step": (
-                not shape.plain_accumulation,
-                f"{type(shape.step).__name__} is not built with it yet; use step=accumulate",
-            ),
-        }
-        for key, (bad, why) in refused.items():
-            if bad:
-                raise LayoutError(key, f"not available with dist.ep > 1: {why}, or dist.ep=1")
 
     @property
     def checkpoint_format(self) -> str:
@@ -230,8 +239,9 @@ class ExpertSplit(ParallelBase):
             raise LayoutError(
                 "dist.ep",
                 f"splits a mixture's experts over ranks, but {type(model).__name__} has no "
-                "mixture-of-experts layer the split knows (the in-tree GPT's model.moe.experts "
-                "> 0); set dist.ep=1 for a dense model",
+                "mixture-of-experts layer the split knows: the in-tree GPT's (model.moe.experts "
+                "> 0), or transformers' Qwen3-MoE and Mixtral (model=hf_qwen3_moe, "
+                "model=hf_mixtral); set dist.ep=1 for a dense model",
             )
         for _, m in mixtures:
             if m.num_experts % self.ep:

@@ -15,6 +15,37 @@ if TYPE_CHECKING:
     from engine.distributed import DistInfo
 
 
+def check_choices(cfg: Config) -> None:
+    """The layout's refusals of the run's other choices that the config alone decides
+    (`ParallelDims.check`: what does not compose with dist.ep > 1 yet), before the world's
+    size is checked and before any parallelism builds its process groups or mesh, so that one
+    process reaches each of them. The built parallelism checks the run again
+    (trainer/run/build.py `check_layout`: the step a task chose, the checkpoint format)."""
+    from engine.parallel import LayoutError
+    from engine.parallel.base import RunShape
+    from engine.steps.accumulate import AccumulateStep
+    from trainer.run.assemble import layout_error
+    from trainer.run.batch_plan import AUTO
+    from trainer.run.build import build_callbacks, build_step
+
+    dims = cfg.dist.dims()  # every degree checked, the world's size not yet
+    if dims.ep == 1:  # nothing else is refused from the choices alone: nothing built twice
+        return
+    step_fn = build_step(cfg.step)
+    shape = RunShape(
+        auto_micro_batch=cfg.train.micro_batch_size == AUTO,
+        compile=cfg.train.compile,
+        per_layer_norms=cfg.train.grad_norms == "per_layer",
+        step=step_fn,
+        plain_accumulation=type(step_fn) is AccumulateStep,
+        callbacks=build_callbacks(cfg.callbacks, cfg.train),
+    )
+    try:
+        dims.check(shape)
+    except LayoutError as exc:
+        raise layout_error(exc) from None
+
+
 def train(
     cfg: Config,
     plain: dict[str, Any],
@@ -35,6 +66,7 @@ def train(
     from trainer.run.lock import run_dir_lock
     from trainer.tracking.report import write_run_report
 
+    check_choices(cfg)  # before any layout: one process reaches each of these refusals
     started = time.perf_counter()
     # Names the rank(s) a timed-out collective waited for (trainer/run/hang.py).
     watch = start_watch(info, run_dir, cfg.dist.timeout_s)
