@@ -1,6 +1,6 @@
 """For tests/test_moe.py, loaded by the trainer's ranks by `_target_`: a callback writing the
 weights and the gradients of optimizer step 1, whole (gathered under FSDP), from rank 0; a
-mixture whose routing does not repeat (`RestlessGPT`)."""
+mixture whose routing does not repeat (`RestlessGPT`; `RestlessOnRank1`, on rank 1 alone)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from engine.callbacks import Callback
@@ -69,6 +70,15 @@ class RestlessGPT(GPT):
         with torch.no_grad():
             router.bias.zero_()
             router.bias[self.forwards % router.num_experts] = 10.0
+
+
+class RestlessOnRank1(RestlessGPT):
+    """RestlessGPT on rank 1 alone: rank 0 routes every micro-batch as it counted, and must
+    still stop with rank 1 (the ranks agree on the routing check)."""
+
+    def _turn(self, router: nn.Module, args: Any) -> None:
+        if dist.is_initialized() and dist.get_rank() == 1:
+            super()._turn(router, args)
 
 
 class DumpFirstStepPerRank(DumpFirstStep):
