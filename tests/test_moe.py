@@ -345,27 +345,35 @@ def test_dropout_routes_alike_in_both_passes(runs: Runs) -> None:
     assert 0 < record["train/moe_aux_loss"] < E and record["train/moe_load_max"] >= 1.0
 
 
-def test_a_backward_pass_routed_unlike_its_count_is_caught(runs: Runs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("before", ["checkpoint", "stop request"])
+def test_a_backward_pass_routed_unlike_its_count_is_caught(
+    runs: Runs, tmp_path: Path, before: str
+) -> None:
     """A model whose routing changes between the routing pass and the backward pass (here:
     with each forward) would get the gradient of another f: the step compares each
     micro-batch's counts on the device, the gradient of one routed unlike its count is NaN, so
-    the update is skipped (no host read), and the run stops at the next record. Records every
-    3 steps, checkpoints every step: steps 1 and 2 were skipped (the parameters of both
-    checkpoints alike), step 3's record raises."""
-    restless = ["model._target_=tests.moe_support.RestlessGPT", *runs.split(4, 6)]
-    every = ["train.max_steps=3", "train.log_every=3", "checkpoint.every_steps=1"]
-    args = [*common(runs.text), *restless, *every, f"hydra.run.dir={tmp_path}"]
+    the update is skipped (no host read), and the run stops at the next record or before the
+    next checkpoint, whichever comes first: a checkpoint of the skipped steps would hide them
+    from the resumed run. Records every 10 steps, a checkpoint after step 1 (every step, or a
+    stop request's): step 1's gradient is NaN, and the run stops there with one paragraph,
+    no checkpoint written."""
     from trainer.config.errors import UserError
 
-    with pytest.raises(UserError, match="routed differently in its backward pass") as err:
+    restless = ["model._target_=tests.moe_support.RestlessGPT", *runs.split(4, 6)]
+    every = ["train.max_steps=5", "train.log_every=10"]
+    if before == "checkpoint":
+        every.append("checkpoint.every_steps=1")
+    else:  # the stop request saves step 1 (checkpoint.every_steps=0 saves nothing else)
+        every.append("+callbacks.stop={_target_: tests.moe_support.StopAfter, step: 1}")
+    args = [*common(runs.text), *restless, *every, dump(tmp_path), f"hydra.run.dir={tmp_path}"]
+    with pytest.raises(UserError) as err:
         train_in_process(args, tmp_path)
-    assert "\n" not in str(err.value) and err.value.all_ranks  # one paragraph, every rank
-    saved = [torch.load(tmp_path / "checkpoints" / f"step_{s:08d}" / "state.pt") for s in (1, 2)]
-    # (The router's bias is RestlessGPT's own buffer, turned by every forward.)
-    weights = [{k: v for k, v in st["model"].items() if "router.bias" not in k} for st in saved]
-    assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    assert [float(st["meter"]["consecutive_skips"]) for st in saved] == [1.0, 2.0]
+    message = str(err.value)
+    assert message.startswith("moe.balance=global: a micro-batch routed differently"), message
+    assert "\n" not in message and err.value.all_ranks
+    assert not list(tmp_path.glob("checkpoints/step_*"))
+    grads = torch.load(tmp_path / "step1.pt")["grads"]
+    assert grads and all(bool(g.isnan().all()) for g in grads.values())
 
 
 @pytest.mark.multiproc

@@ -20,7 +20,7 @@ from trainer.run.fit import RunEnded
 
 class RoutingDiffered(RunEnded):
     """`moe.balance=global`: a micro-batch routed unlike its count (on any rank); every rank
-    stops alike, at the record after the skipped steps."""
+    stops alike, before a record or a checkpoint of the skipped steps."""
 
     outcome = "stopped: routing not repeated"
 
@@ -28,9 +28,9 @@ class RoutingDiffered(RunEnded):
 class MoERecords(Callback):
     """`train/moe_aux_loss`, `train/moe_z_loss`, `train/moe_load_max` of the recorded step
     (with `moe.balance=global`, after the routing check of the steps since the last record:
-    a step routed unlike its count was skipped, and every rank stops there); with
-    `moe.balance=bias`, the routers' biases updated after each step (their state is the
-    model's: buffers in its checkpoint)."""
+    a step routed unlike its count was skipped, and the run stops there, as it does before a
+    checkpoint: `before_save`); with `moe.balance=bias`, the routers' biases updated after
+    each step (their state is the model's: buffers in its checkpoint)."""
 
     state_optional = True
 
@@ -44,6 +44,15 @@ class MoERecords(Callback):
     def metrics(self) -> dict[str, Any]:
         try:
             return self.task.metrics()  # the routing check first (collective)
+        except RoutingNotRepeated as exc:
+            raise RoutingDiffered(str(exc)) from None
+
+    def before_save(self) -> None:
+        """Collective, before each checkpoint (the stop request's included): the routing
+        check, as at a record; a checkpoint written after a skipped step would hide it from
+        the resumed run."""
+        try:
+            self.task.check_routing()
         except RoutingNotRepeated as exc:
             raise RoutingDiffered(str(exc)) from None
 
