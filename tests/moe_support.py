@@ -1,14 +1,18 @@
 """For tests/test_moe.py, loaded by the trainer's ranks by `_target_`: a callback writing the
 weights and the gradients of optimizer step 1, whole (gathered under FSDP), from rank 0; a
-mixture whose routing does not repeat (`RestlessGPT`); an overflow in one rank's experts
+mixture whose routing does not repeat (`RestlessGPT`; `RestlessOnRank1`, on rank 1 alone); a
+stop request after a given step (`StopAfter`); an overflow in one rank's experts
 (`OverflowInExperts`)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from engine.callbacks import Callback
@@ -70,6 +74,28 @@ class RestlessGPT(GPT):
         with torch.no_grad():
             router.bias.zero_()
             router.bias[self.forwards % router.num_experts] = 10.0
+
+
+class RestlessOnRank1(RestlessGPT):
+    """RestlessGPT on rank 1 alone: rank 0 routes every micro-batch as it counted, and must
+    still stop with rank 1 (the ranks agree on the routing check)."""
+
+    def _turn(self, router: nn.Module, args: Any) -> None:
+        if dist.is_initialized() and dist.get_rank() == 1:
+            super()._turn(router, args)
+
+
+class StopAfter(Callback):
+    """A scheduler's stop request (SIGTERM to this process) after optimizer step `step`: the
+    run saves and stops at the next step boundary (trainer/run/preemption.py)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_after_optimizer_step(self, ctx: StepContext, step: int) -> None:
+        del ctx
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class DumpFirstStepPerRank(DumpFirstStep):

@@ -133,8 +133,18 @@ class Runs:
             cmds[name] = torchrun(2, [*args, dump(run_dir), f"hydra.run.dir={run_dir}"])
         refused = [*TINY, *MOE, f"data.path={self.text}", "dist.tp=2"]
         cmds["tp"] = torchrun(2, [*refused, f"hydra.run.dir={self.root / 'tp'}"])
+        restless = [
+            *common(self.text),
+            *self.split(3, 4),
+            "dist.strategy=ddp",
+            "model._target_=tests.moe_support.RestlessOnRank1",
+            "train.max_steps=3",
+            "train.log_every=1",
+            "task.check_sum=false",  # (rank 1's check would route its halves unlike the whole)
+        ]
+        cmds["restless"] = torchrun(2, [*restless, f"hydra.run.dir={self.root / 'restless'}"])
         procs = launch_all(cmds, timeout=300)
-        out: dict[str, Any] = {"tp": procs.pop("tp")}
+        out: dict[str, Any] = {name: procs.pop(name) for name in ("tp", "restless")}
         for name, proc in procs.items():
             assert proc.returncode == 0, explain(proc)
             out[name] = (load_dump(dirs[name]), train_records(read_metrics(dirs[name]))[-1])
@@ -335,24 +345,51 @@ def test_dropout_routes_alike_in_both_passes(runs: Runs) -> None:
     assert 0 < record["train/moe_aux_loss"] < E and record["train/moe_load_max"] >= 1.0
 
 
-def test_a_backward_pass_routed_unlike_its_count_is_caught(runs: Runs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("before", ["checkpoint", "stop request"])
+def test_a_backward_pass_routed_unlike_its_count_is_caught(
+    runs: Runs, tmp_path: Path, before: str
+) -> None:
     """A model whose routing changes between the routing pass and the backward pass (here:
     with each forward) would get the gradient of another f: the step compares each
     micro-batch's counts on the device, the gradient of one routed unlike its count is NaN, so
-    the update is skipped (no host read), and the run stops at the next record. Records every
-    3 steps, checkpoints every step: steps 1 and 2 were skipped (the parameters of both
-    checkpoints alike), step 3's record raises."""
+    the update is skipped (no host read), and the run stops at the next record or before the
+    next checkpoint, whichever comes first: a checkpoint of the skipped steps would hide them
+    from the resumed run. Records every 10 steps, a checkpoint after step 1 (every step, or a
+    stop request's): step 1's gradient is NaN, and the run stops there with one paragraph,
+    no checkpoint written."""
+    from trainer.config.errors import UserError
+
     restless = ["model._target_=tests.moe_support.RestlessGPT", *runs.split(4, 6)]
-    every = ["train.max_steps=3", "train.log_every=3", "checkpoint.every_steps=1"]
-    args = [*common(runs.text), *restless, *every, f"hydra.run.dir={tmp_path}"]
-    with pytest.raises(RuntimeError, match="routed differently in its backward pass"):
+    every = ["train.max_steps=5", "train.log_every=10"]
+    if before == "checkpoint":
+        every.append("checkpoint.every_steps=1")
+    else:  # the stop request saves step 1 (checkpoint.every_steps=0 saves nothing else)
+        every.append("+callbacks.stop={_target_: tests.moe_support.StopAfter, step: 1}")
+    args = [*common(runs.text), *restless, *every, dump(tmp_path), f"hydra.run.dir={tmp_path}"]
+    with pytest.raises(UserError) as err:
         train_in_process(args, tmp_path)
-    saved = [torch.load(tmp_path / "checkpoints" / f"step_{s:08d}" / "state.pt") for s in (1, 2)]
-    # (The router's bias is RestlessGPT's own buffer, turned by every forward.)
-    weights = [{k: v for k, v in st["model"].items() if "router.bias" not in k} for st in saved]
-    assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    assert [float(st["meter"]["consecutive_skips"]) for st in saved] == [1.0, 2.0]
+    message = str(err.value)
+    assert message.startswith("moe.balance=global: a micro-batch routed differently"), message
+    assert "\n" not in message and err.value.all_ranks
+    assert not list(tmp_path.glob("checkpoints/step_*"))
+    grads = torch.load(tmp_path / "step1.pt")["grads"]
+    assert grads and all(bool(g.isnan().all()) for g in grads.values())
+
+
+@pytest.mark.multiproc
+def test_ranks_agree_on_a_routing_check_failed_on_one(runs: Runs) -> None:
+    """2 DDP ranks, rank 1's backward passes routed unlike their counts, rank 0's as counted:
+    at step 1's record both ranks stop with one paragraph, said by rank 0 (which routed as it
+    counted), and rank 0's summary; no rank's traceback, no rank left in the record's
+    collectives for the other to die (before: rank 1's RuntimeError traceback, rank 0 "stopped:
+    another rank failed")."""
+    proc = runs.two_ranks()["restless"]
+    assert proc.returncode != 0, explain(proc)
+    said = "error: moe.balance=global: a micro-batch routed differently in its backward pass"
+    assert said in proc.stderr, explain(proc)
+    assert "run stopped: routing not repeated: step 1/3" in proc.stdout, explain(proc)
+    for crash in ("training failed", "another rank failed", "RuntimeError"):
+        assert crash not in proc.stderr, explain(proc)
 
 
 class HostReads(TorchDispatchMode):

@@ -72,6 +72,11 @@ class BalanceCfg:
             raise ValueError(f"bias_rate must be >= 0, got {self.bias_rate}")
 
 
+class RoutingNotRepeated(RuntimeError):
+    """`moe.balance=global`: a micro-batch's backward pass routed unlike its routing pass (on
+    some rank); raised on every rank alike by `BalancedTask.check_routing`."""
+
+
 class RoutingDone(Exception):
     """Raised after the last router of the routing pass: the rest of the forward is skipped."""
 
@@ -240,20 +245,31 @@ class BalancedTask:
 
     # ---- the window ----
     def check_routing(self) -> None:
-        """With `global`: raise if a micro-batch routed differently in its backward pass than
-        in the routing pass since the last check (its gradient would use another f). No step
-        waits for it: such a micro-batch's gradient is NaN (`_NanGradientIf`), so its step's
-        update is skipped on the device, on every rank (the gradients' reduction carries the
-        NaN), as a non-finite gradient's is; `metrics` calls this, so the run stops at the
-        next record, with one host read where the records are read."""
-        if self.differs is None:
+        """With `global`: raise `RoutingNotRepeated` on every rank if a micro-batch of any rank
+        routed differently in its backward pass than in the routing pass since the last check
+        (its gradient would use another f). No step waits for it: such a micro-batch's
+        gradient is NaN (`_NanGradientIf`), so its step's update is skipped on the device, on
+        every rank (the gradients' reduction carries the NaN), as a non-finite gradient's is.
+        Collective (every rank calls it, at the same step): the ranks' flags are agreed in one
+        scalar all-reduce (MAX) and read once. `metrics` calls it, so the run stops at the
+        next record; a trainer calls it too before it writes a checkpoint, which would hold
+        the skipped steps as if they had been taken."""
+        if self.cfg.balance != "global":
             return
         differs, self.differs = self.differs, None
-        if bool(differs):
-            raise RuntimeError(
+        flag = torch.zeros((), dtype=torch.int32, device=self.info.device)
+        if differs is not None:
+            flag = differs.to(self.info.device, torch.int32)
+        if self.info.distributed:  # the world's ranks: every one of them stops
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if bool(flag):
+            raise RoutingNotRepeated(
                 "moe.balance=global: a micro-batch routed differently in its backward pass than "
                 "in the routing pass (a forward that depends on more than the weights, the "
-                "batch and the random state?); its step was skipped (its gradient not applied)"
+                "batch and the random state?); the steps that held one were skipped (their "
+                "gradients not applied), and the run stops before a record or a checkpoint "
+                "counts them as taken. Make the model's routing depend on its weights, its "
+                "batch and the random state only, or set moe.balance=micro or none"
             )
 
     def prepare_window(

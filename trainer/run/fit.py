@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -53,6 +53,15 @@ class CheckpointWriteFailed(RunEnded):
     """A checkpoint could not be written and `checkpoint.on_write_error=stop`."""
 
     outcome = "stopped: checkpoint write failed"
+
+
+@runtime_checkable
+class ChecksBeforeSave(Protocol):
+    """A callback holding a verdict that a checkpoint must not outlive (moe.balance=global's
+    routing check, read at records): `before_save` runs on every rank before each save, the
+    stop request's included, and raises a `RunEnded` to stop the run there."""
+
+    def before_save(self) -> None: ...
 
 
 @dataclass
@@ -452,11 +461,15 @@ def sample_text(run: Run, max_new_tokens: int) -> str | None:
 
 
 def save(run: Run, final: bool = False) -> None:
-    """Checkpoint the current step (collective: every rank calls it at the same step);
-    `final`: the run ends after it (no later checkpoint step to retry at)."""
+    """Checkpoint the current step (collective: every rank calls it at the same step), after
+    the callbacks' checks (`ChecksBeforeSave`); `final`: the run ends after it (no later
+    checkpoint step to retry at)."""
     if run.last_saved_step == run.step:
         return
     settle(run, retry_at=run.step)  # the previous background save, if one is in flight
+    for callback in run.ctx.callbacks:
+        if isinstance(callback, ChecksBeforeSave):
+            callback.before_save()
     shared, per_rank, shards = run.state.payload()
     try:
         run.checkpointer.save(run.step, shared if run.dist.is_main else None, per_rank, shards)

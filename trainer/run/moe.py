@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.callbacks import Callback
 from engine.distributed import DistInfo
-from engine.moe.balance import BalanceCfg, BalancedTask, balanced
+from engine.moe.balance import BalanceCfg, BalancedTask, RoutingNotRepeated, balanced
 from engine.moe.routing import HasRouters
 from engine.parallel.dims import ParallelDims
 from engine.steps.accumulate import AccumulateStep
@@ -15,14 +15,22 @@ from engine.window_task import WindowTask
 from trainer.config.errors import ConfigError
 from trainer.config.schema import Config
 from trainer.run.assemble import Assembly
+from trainer.run.fit import RunEnded
+
+
+class RoutingDiffered(RunEnded):
+    """`moe.balance=global`: a micro-batch routed unlike its count (on any rank); every rank
+    stops alike, before a record or a checkpoint of the skipped steps."""
+
+    outcome = "stopped: routing not repeated"
 
 
 class MoERecords(Callback):
     """`train/moe_aux_loss`, `train/moe_z_loss`, `train/moe_load_max` of the recorded step
     (with `moe.balance=global`, after the routing check of the steps since the last record:
-    a step routed unlike its count was skipped, and the run stops there); with
-    `moe.balance=bias`, the routers' biases updated after each step (their state is the
-    model's: buffers in its checkpoint)."""
+    a step routed unlike its count was skipped, and the run stops there, as it does before a
+    checkpoint: `before_save`); with `moe.balance=bias`, the routers' biases updated after
+    each step (their state is the model's: buffers in its checkpoint)."""
 
     state_optional = True
 
@@ -34,7 +42,19 @@ class MoERecords(Callback):
         self.task.update_bias()
 
     def metrics(self) -> dict[str, Any]:
-        return self.task.metrics()
+        try:
+            return self.task.metrics()  # the routing check first (collective)
+        except RoutingNotRepeated as exc:
+            raise RoutingDiffered(str(exc)) from None
+
+    def before_save(self) -> None:
+        """Collective, before each checkpoint (the stop request's included): the routing
+        check, as at a record; a checkpoint written after a skipped step would hide it from
+        the resumed run."""
+        try:
+            self.task.check_routing()
+        except RoutingNotRepeated as exc:
+            raise RoutingDiffered(str(exc)) from None
 
 
 def balanced_task(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDims) -> Any:
