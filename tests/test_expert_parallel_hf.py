@@ -292,6 +292,7 @@ def test_splitting_keeps_a_frozen_base_frozen() -> None:
     model = peft.get_peft_model(model, lora)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     mixture = MoE(16, MoEConfig(experts=E, top_k=2, hidden=24), True, 0.0)
+    mixture.init_weights(2)  # (torch.empty's memory may hold NaN, never equal to itself)
     mixture.requires_grad_(False)
     for m in [m for m in model.modules() if isinstance(m, SplitsExperts)] + [mixture]:
         whole = {n: p.detach().clone() for n, p in m.named_parameters() if p.dim() == 3}
