@@ -274,14 +274,17 @@ class DPOTask:
         self, model: nn.Module, batch: Any
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-pair losses (P,) and per-pair rewards (detached)."""
+        # The reference's no-grad forward first: what it holds (a model's logits) is freed
+        # before the policy's forward keeps its own for backward.
+        ref = None if self.loss_type == "simpo" else self._reference_log_probs(model, batch)
         policy, lengths = self.log_probs(model, batch)  # (P, 2)
         if self.loss_type in ("ipo", "simpo"):
             policy = policy / lengths.clamp(min=1)
-        if self.loss_type == "simpo":
+        if ref is None:  # simpo
             scores = policy
             logits = self.beta * (policy[:, 0] - policy[:, 1]) - self.gamma
         else:
-            ref = self._reference_log_probs(model, batch).to(policy)
+            ref = ref.to(policy)
             if self.loss_type == "ipo":
                 ref = ref / lengths.clamp(min=1)
             scores = policy - ref

@@ -452,10 +452,13 @@ class _LogitLogProbs(torch.autograd.Function):
             for start in range(0, logits.size(0), ctx.chunk_size):
                 rows = slice(start, start + ctx.chunk_size)
                 s_c = scale[rows, None]
-                # A new tensor (never the saved logits, which fp32 `.to` would return as is).
-                g = (logits[rows].to(lse.dtype) - lse[rows, None]).exp_().mul_(-s_c)
-                g.scatter_add_(1, safe[rows, None], s_c)  # onehot - softmax, scaled
-                grad[rows] = g
+                # Formed in the gradient's own rows when it has the accumulation's dtype (no
+                # chunk-sized temporary), never over the saved logits themselves.
+                g = grad[rows] if grad.dtype == lse.dtype else None
+                g = torch.sub(logits[rows].to(lse.dtype), lse[rows, None], out=g)
+                g.exp_().mul_(-s_c).scatter_add_(1, safe[rows, None], s_c)  # onehot - softmax
+                if g.dtype != grad.dtype:
+                    grad[rows] = g
         return grad, None, None, None
 
 
