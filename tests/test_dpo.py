@@ -19,8 +19,8 @@ adapter names the key, CUDA graphs on pairs are refused before any model is buil
 Memory: the runs take each token's log-probability 32 tokens at a time, from the GPT's hidden
 states (its logits never held) or, for the whole batch and ipo, from its logits; at a real
 vocabulary (32768) both equal the whole fp32 log-softmax (task.chunk_size=null) to round-off
-with a measured peak lower by more than two (from the hidden states) or about one (from fp32
-logits) fp32 (rows, T, V) tensors.
+with a measured peak lower by more than two (from the hidden states) or one (from fp32 logits)
+fp32 (rows, T, V) tensors.
 
 The reference is computed here: transformers renders and tokenizes each side (its chat
 template with generation markers; the answer is the marked tokens after the prompt rendered
@@ -438,10 +438,10 @@ def test_chunked_log_probs_equal_the_whole_log_softmax_without_its_memory(
     its logits, give the step-2 gradient and both steps' records of the whole fp32 log-softmax
     (task.chunk_size=null) to round-off. The measured peak (train.memory_report=true) drops by
     more than two fp32 (rows, T, V) tensors of the largest micro-batch from the hidden states
-    (no logits are held, in the policy's forward, its backward or the reference's), and by
-    one, less two chunks' (64, V) temporaries, from fp32 logits (held by the model either way:
-    what goes is the log-softmax of the whole tensor). Before, task=dpo took the whole
-    log-softmax: the peaks were equal."""
+    (no logits are held, in the policy's forward, its backward or the reference's: 2.6
+    measured), and by one from fp32 logits, which the model holds either way (what goes is
+    the log-softmax of the whole tensor; asserted less one (64, V) chunk). Before, task=dpo
+    took the whole log-softmax: the peaks were equal."""
     import json
 
     root, procs = runs["root"], runs["procs"]
@@ -468,7 +468,7 @@ def test_chunked_log_probs_equal_the_whole_log_softmax_without_its_memory(
     logits = 4 * longest * BIG_VOCAB * 4  # fp32 (rows, T, V)
     assert peak["big_plain"] - peak["big_head"] >= 2 * logits, (peak, logits)
     chunk = 64 * BIG_VOCAB * 4
-    assert peak["big_plain"] - peak["big_logits"] >= logits - 2 * chunk, (peak, logits)
+    assert peak["big_plain"] - peak["big_logits"] >= logits - chunk, (peak, logits)
 
 
 # The runs of each task.reference whose memory is measured (train.memory_report=true).
