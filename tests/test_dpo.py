@@ -20,7 +20,8 @@ Memory: the runs take each token's log-probability 32 tokens at a time, from the
 states (its logits never held) or, for the whole batch and ipo, from its logits; at a real
 vocabulary (32768) both equal the whole fp32 log-softmax (task.chunk_size=null) to round-off
 with a measured peak lower by more than two (from the hidden states) or one (from fp32 logits)
-fp32 (rows, T, V) tensors.
+fp32 (rows, T, V) tensors; the two functions (engine/numerics/chunked_ce.py) equal the float64
+log-softmax and its gradients under per-token weights.
 
 The reference is computed here: transformers renders and tokenizes each side (its chat
 template with generation markers; the answer is the marked tokens after the prompt rendered
@@ -1053,3 +1054,43 @@ def test_a_pretrained_transformers_model_records_its_rewards(bad_root: Path) -> 
         recorded = {k: records[step][f"train/{k}"] for k in want[step]}
         assert recorded == pytest.approx(want[step], rel=1e-4, abs=1e-6), step
     assert records[2]["train/reward_margin"] != 0.0
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])  # 7 does not divide the 45 tokens
+def test_chunked_log_probs_are_the_float64_log_softmax(chunk: int) -> None:
+    """Each token's log p(target) from hidden states and the output layer (`chunked_log_probs`,
+    the logits a chunk at a time, recomputed in backward) and from logits
+    (`log_probs_in_chunks`), in fp32, equal the float64 whole log-softmax, and so do their
+    gradients (wrt hidden states, weight, bias, logits) under a different incoming gradient per
+    token, as a pair's loss weights its tokens; ignored tokens are 0 and pass no gradient."""
+    from engine.numerics.chunked_ce import chunked_log_probs, log_probs_in_chunks
+
+    gen = torch.Generator().manual_seed(3)
+    n, c, v = 45, 16, 300
+    hidden, weight = torch.randn(n, c, generator=gen), torch.randn(v, c, generator=gen) / 4
+    bias, upstream = torch.randn(v, generator=gen), torch.randn(n, generator=gen)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[::4] = -100
+    keep = (targets != -100).double()
+
+    def whole(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, w, b)
+        return logits.log_softmax(-1).gather(1, targets.clamp(min=0)[:, None])[:, 0] * keep
+
+    want_in = [t.double().requires_grad_() for t in (hidden, weight, bias)]
+    want = whole(*want_in)
+    want_grads = torch.autograd.grad((want * upstream.double()).sum(), want_in)
+    got_in = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    logits = F.linear(got_in[0], got_in[1], got_in[2])  # (N, V), fp32
+    for got in (
+        chunked_log_probs(got_in[0], got_in[1], targets, bias=got_in[2], chunk_size=chunk),
+        log_probs_in_chunks(logits, targets, chunk),
+    ):
+        assert got.dtype == torch.float32 and bool((got[::4] == 0).all())
+        assert float((got.detach().double() - want.detach()).norm() / want.detach().norm()) <= 1e-6
+        grads = torch.autograd.grad((got * upstream).sum(), got_in, retain_graph=True)
+        for g, w in zip(grads, want_grads, strict=True):
+            assert g.dtype == torch.float32
+            assert float((g.double() - w).norm() / w.norm()) <= 1e-6
+        # An ignored token's hidden state gets no gradient.
+        assert bool((grads[0][::4] == 0).all())
