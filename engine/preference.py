@@ -21,6 +21,15 @@ Losses, with h = (pi_c - ref_c) - (pi_r - ref_r) on summed log-probabilities:
 
 Rewards (records `train/reward_*`, `val/reward_*`): beta (pi - ref) per side (simpo: beta
 times the length-normalized log-probability), their margin, and whether chosen beats rejected.
+
+Memory: the log-probabilities are log p(label) = logit(label) - logsumexp(logits) per token,
+`chunk_size` tokens at a time in fp32 (engine/numerics/chunked_ce.py). A model that declares
+`OutputHead` with at least `chunked_vocab_threshold` classes (the in-tree GPT, transformers'
+GPT-2/Llama families) hands its hidden states to `ChunkedLogProbs` in its forward, so the
+(rows, T, V) logits are never held, in the policy's forward, its backward (each chunk's logits
+recomputed) or the reference's; any other model's logits are read a chunk at a time
+(`log_probs_in_chunks`), without an fp32 copy or log-softmax of the whole tensor.
+`chunk_size=None` takes the whole fp32 log-softmax of the logits.
 """
 
 from __future__ import annotations
@@ -34,8 +43,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.numerics.chunked_ce import IGNORE_INDEX
-from engine.tasks import TaskOutputError, logits_of
+from engine.numerics.chunked_ce import (
+    IGNORE_INDEX,
+    ChunkedLogProbs,
+    log_probs_in_chunks,
+)
+from engine.tasks import (
+    ChunkSize,
+    TaskOutputError,
+    check_chunking,
+    chunked_head,
+    logits_of,
+    tokens_per_chunk,
+)
 
 LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 REFERENCES = ("adapter", "copy", "precomputed", "none")
@@ -96,6 +116,11 @@ class DPOTask:
             initial model before training) or `none` (simpo); null: chosen by the trainer
             (none for simpo, adapter under adapter=lora, else copy). The trainer attaches it
             (`attach_reference`) before the first step.
+        chunk_size: tokens whose log-probabilities are computed at a time (`auto`: from the
+            vocabulary and the device, as task=causal_lm's chunked loss); None: the whole
+            fp32 log-softmax of the logits.
+        chunked_vocab_threshold: a model declaring `OutputHead` with at least this many
+            classes computes them from its hidden states, never holding the logits.
     """
 
     name = "task=dpo"
@@ -109,7 +134,10 @@ class DPOTask:
         gamma: float = 0.5,
         label_smoothing: float = 0.0,
         reference: str | None = None,
+        chunk_size: ChunkSize = "auto",
+        chunked_vocab_threshold: int = 32768,
     ) -> None:
+        check_chunking(chunk_size, chunked_vocab_threshold)
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
         if not (isinstance(beta, int | float) and beta > 0):
@@ -131,6 +159,10 @@ class DPOTask:
         self.reference = "none" if loss_type == "simpo" else reference
         self._reference: Reference | FrozenCopy | None = None
         self._pending: dict[str, torch.Tensor] = {}
+        self.chunk_size, self.chunked_vocab_threshold = chunk_size, chunked_vocab_threshold
+        # One per vocabulary and device for the whole run, as task=causal_lm's (torch.compile
+        # guards on the object a forward is given).
+        self._head_log_probs: dict[tuple[int, torch.device], ChunkedLogProbs] = {}
 
     @property
     def frozen_copy(self) -> FrozenCopy | None:
@@ -198,30 +230,61 @@ class DPOTask:
         if side is None:  # (P, 2, T) -> (2P, T): each side its own row
             ids, labels = ids.flatten(0, 1), labels.flatten(0, 1)
             rest = {k: v.flatten(0, 1) for k, v in rest.items()}
-        logits = logits_of(model(input_ids=ids, **rest), self.name)  # (rows, T, V)
-        if logits.dtype != torch.float64:
-            logits = logits.float()  # log-softmax in fp32 even under autocast
         mask = labels != IGNORE_INDEX  # (rows, T)
-        picked = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1))
-        per_token = picked.squeeze(-1) * mask  # (rows, T)
+        per_token = self._token_log_probs(model, ids, labels, rest) * mask  # (rows, T)
         if side is None:
             return per_token.sum(-1).view(-1, 2), mask.sum(-1).view(-1, 2)
         # Packed: each row's positions of side 0 and of side 1 summed apart, (P, 2).
         of_side = torch.stack([side == 0, side == 1], 1)  # (P, 2, T)
         return (per_token.unsqueeze(1) * of_side).sum(-1), (mask.unsqueeze(1) & of_side).sum(-1)
 
+    def _token_log_probs(
+        self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, rest: dict[str, Any]
+    ) -> torch.Tensor:
+        """log p(label) of each position, (rows, T), in fp32 (float64 stays float64)."""
+        head = chunked_head(model, self.chunk_size, self.chunked_vocab_threshold)
+        if head is not None:  # from the hidden states: no (rows, T, V) logits at all
+            key = (head.out_features, head.weight.device)
+            if key not in self._head_log_probs:
+                chunk = tokens_per_chunk(self.chunk_size, head.out_features, head.weight.device)
+                self._head_log_probs[key] = ChunkedLogProbs(chunk)
+            # Through the (wrapped) model's own call: DDP's and FSDP's hooks fire as usual.
+            out = model(
+                input_ids=ids, head_loss=self._head_log_probs[key], head_targets=labels, **rest
+            )
+            if not (isinstance(out, torch.Tensor) and out.shape == labels.shape):
+                raise TaskOutputError(
+                    f"{self.name}: {type(model).__name__} declares output_head(), so its "
+                    "forward(..., head_loss=fn, head_targets=targets) must return fn's value, "
+                    f"here of shape {tuple(labels.shape)}; it returned "
+                    f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
+                    ". See engine/numerics/chunked_ce.py's OutputHead"
+                )
+            return out
+        logits = logits_of(model(input_ids=ids, **rest), self.name)  # (rows, T, V)
+        if self.chunk_size is not None:
+            chunk = tokens_per_chunk(self.chunk_size, logits.size(-1), logits.device)
+            return log_probs_in_chunks(logits, labels, chunk)
+        if logits.dtype != torch.float64:
+            logits = logits.float()  # log-softmax in fp32 even under autocast
+        picked = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1))
+        return picked.squeeze(-1)
+
     def _pair_losses(
         self, model: nn.Module, batch: Any
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-pair losses (P,) and per-pair rewards (detached)."""
+        # The reference's no-grad forward first: what it holds (a model's logits) is freed
+        # before the policy's forward keeps its own for backward.
+        ref = None if self.loss_type == "simpo" else self._reference_log_probs(model, batch)
         policy, lengths = self.log_probs(model, batch)  # (P, 2)
         if self.loss_type in ("ipo", "simpo"):
             policy = policy / lengths.clamp(min=1)
-        if self.loss_type == "simpo":
+        if ref is None:  # simpo
             scores = policy
             logits = self.beta * (policy[:, 0] - policy[:, 1]) - self.gamma
         else:
-            ref = self._reference_log_probs(model, batch).to(policy)
+            ref = ref.to(policy)
             if self.loss_type == "ipo":
                 ref = ref / lengths.clamp(min=1)
             scores = policy - ref

@@ -80,6 +80,38 @@ def _check_shapes(logits: torch.Tensor, targets: torch.Tensor, task: str, what: 
         )
 
 
+ChunkSize = int | Literal["auto"] | None
+
+
+def check_chunking(chunk_size: ChunkSize, chunked_vocab_threshold: int) -> None:
+    """`task.chunk_size` and `task.chunked_vocab_threshold` (task=causal_lm, task=dpo)."""
+    if chunk_size != "auto" and chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive number, auto or null, got {chunk_size}")
+    if chunked_vocab_threshold <= 0:
+        raise ValueError(
+            f"chunked_vocab_threshold must be a positive number, got {chunked_vocab_threshold}"
+        )
+
+
+def chunked_head(
+    model: nn.Module, chunk_size: ChunkSize, chunked_vocab_threshold: int
+) -> nn.Linear | None:
+    """The output layer of `model` (maybe DDP-, FSDP- or compile-wrapped) when its loss is
+    computed from the hidden states a chunk of tokens at a time: the model declares
+    `OutputHead`, `chunk_size` is not None and the layer has at least
+    `chunked_vocab_threshold` classes; else None."""
+    inner = unwrap(model)
+    if chunk_size is None or not isinstance(inner, OutputHead):
+        return None
+    head = inner.output_head()
+    return head if head.out_features >= chunked_vocab_threshold else None
+
+
+def tokens_per_chunk(chunk_size: int | Literal["auto"], vocab: int, device: torch.device) -> int:
+    """`chunk_size` as a number: `auto` from the vocabulary and the device (`chunk_size_for`)."""
+    return chunk_size if isinstance(chunk_size, int) else chunk_size_for(vocab, device)
+
+
 class CausalLMTask:
     """Next-token prediction, exact over padding.
 
@@ -105,17 +137,10 @@ class CausalLMTask:
 
     def __init__(
         self,
-        chunk_size: int | Literal["auto"] | None = "auto",
+        chunk_size: ChunkSize = "auto",
         chunked_vocab_threshold: int = 32768,
     ) -> None:
-        if chunk_size != "auto" and chunk_size is not None and chunk_size <= 0:
-            raise ValueError(
-                f"chunk_size must be a positive number, auto or null, got {chunk_size}"
-            )
-        if chunked_vocab_threshold <= 0:
-            raise ValueError(
-                f"chunked_vocab_threshold must be a positive number, got {chunked_vocab_threshold}"
-            )
+        check_chunking(chunk_size, chunked_vocab_threshold)
         self.chunk_size = chunk_size
         self.chunked_vocab_threshold = chunked_vocab_threshold
         # One object per vocabulary and device for the whole run: torch.compile guards on the
@@ -125,12 +150,7 @@ class CausalLMTask:
 
     def chunked(self, model: nn.Module) -> bool:
         """Whether `model` (maybe DDP-, FSDP- or compile-wrapped) gets the chunked loss."""
-        inner = unwrap(model)
-        return (
-            self.chunk_size is not None
-            and isinstance(inner, OutputHead)
-            and inner.output_head().out_features >= self.chunked_vocab_threshold
-        )
+        return chunked_head(model, self.chunk_size, self.chunked_vocab_threshold) is not None
 
     def head_loss(self, model: nn.Module) -> HeadLoss | None:
         """The loss `model`'s forward computes (`head_loss=`): chunked or plain for a model
@@ -143,9 +163,7 @@ class CausalLMTask:
         head = inner.output_head()
         key = (head.out_features, head.weight.device)
         if key not in self._chunked:
-            chunk = self.chunk_size
-            if not isinstance(chunk, int):  # "auto"
-                chunk = chunk_size_for(head.out_features, head.weight.device)
+            chunk = tokens_per_chunk(self.chunk_size, head.out_features, head.weight.device)
             self._chunked[key] = ChunkedCrossEntropy(chunk)
         return self._chunked[key]
 

@@ -16,6 +16,12 @@ policy (step 1 cancels), and the precomputed key names the bf16 parameters FSDP2
 Bad input: rows without a side or with content that is not text are counted, a pair whose
 prompts differ and a set with no pair are one paragraph, task.reference=adapter without an
 adapter names the key, CUDA graphs on pairs are refused before any model is built.
+Memory: the runs take each token's log-probability 32 tokens at a time, from the GPT's hidden
+states (its logits never held) or, for the whole batch and ipo, from its logits; at a real
+vocabulary (32768) both equal the whole fp32 log-softmax (task.chunk_size=null) to round-off
+with a measured peak lower by more than two (from the hidden states) or one (from fp32 logits)
+fp32 (rows, T, V) tensors; the two functions (engine/numerics/chunked_ce.py) equal the float64
+log-softmax and its gradients under per-token weights.
 
 The reference is computed here: transformers renders and tokenizes each side (its chat
 template with generation markers; the answer is the marked tokens after the prompt rendered
@@ -57,6 +63,7 @@ MAX_LENGTH = 256  # the pairs packed fit whole
 PAIRS = 8
 LR = 2.0
 TOL = 1e-5  # relative, fp32 runs against the float64 reference
+BIG_VOCAB = 32768  # a real vocabulary's size (task.chunked_vocab_threshold's default)
 TIMEOUT = 300.0
 DUMP = "tests.chat_support.DumpAllGrads"
 SHARDED_ONLY = "tests.preference_support.ShardedOnlyGPT"
@@ -79,7 +86,17 @@ def data_args(root: Path, train_file: Path, val_file: Path | None = None) -> lis
     ]
 
 
-def task_args(name: str) -> list[str]:
+# How the log-probabilities are computed (engine/numerics/chunked_ce.py), 32 tokens at a time
+# (several chunks of every micro-batch): `head` from the in-tree GPT's hidden states (its
+# 320 classes over the threshold: the logits never held), `logits` from its logits.
+ROUTES = {
+    "head": ["task.chunk_size=32", "task.chunked_vocab_threshold=256"],
+    "logits": ["task.chunk_size=32", "task.chunked_vocab_threshold=1024"],
+}
+
+
+def task_args(name: str, route: str | None = "head") -> list[str]:
+    """`route` None: the task's own chunking (task.chunk_size=auto, its threshold)."""
     loss_type, beta, eps, gamma = LOSSES[name]
     return [
         "task=dpo",
@@ -87,6 +104,7 @@ def task_args(name: str) -> list[str]:
         f"task.beta={beta}",
         f"task.label_smoothing={eps}",
         f"task.gamma={gamma}",
+        *(ROUTES[route] if route else []),
     ]
 
 
@@ -125,15 +143,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     data, _ = build_data(to_config(compose_config(args))[0].data)  # the token cache, once
     assert len(data.train) == PAIRS, data.description
 
-    def two_steps(name: str, loss: str, split: list[str], nproc: int = 1, *extra: str) -> list[str]:
+    def two_steps(
+        name: str,
+        loss: str,
+        split: list[str],
+        nproc: int = 1,
+        *extra: str,
+        route: str | None = "head",
+    ) -> list[str]:
         dump = [f"+callbacks.dump._target_={DUMP}", f"+callbacks.dump.path={root / name}.pt"]
         launcher = torchrun_cmd(nproc) if nproc > 1 else [sys.executable]
         return [
             *launcher,
             "-m",
             "trainer.train",
-            *args,
-            *task_args(loss),
+            *(big_vocab if name.startswith("big_") else args),
+            *task_args(loss, route),
             *TWO_STEPS,
             *split,
             *dump,
@@ -142,16 +167,24 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             f"hydra.run.dir={root / name}",
         ]
 
+    # The in-tree GPT at a real vocabulary (gpt_tiny otherwise): the log-probabilities from
+    # its hidden states, from its logits, and as the whole fp32 log-softmax of its logits.
+    big_vocab = [
+        a if a != "model.vocab_size=320" else f"model.vocab_size={BIG_VOCAB}" for a in args
+    ]
+    big = [*batch(2), "train.memory_report=true"]
     cmds = {
         # The whole run also evaluates after its last step (val/*, and a text sample from the
-        # chosen side's prompt).
-        "whole": two_steps("whole", "sigmoid", batch(PAIRS), 1, "eval.every_steps=2"),
+        # chosen side's prompt). Its log-probabilities, and ipo's, come from the logits.
+        "whole": two_steps(
+            "whole", "sigmoid", batch(PAIRS), 1, "eval.every_steps=2", route="logits"
+        ),
         # (Each reference mode's memory measured: MEASURED.)
         "accum": two_steps("accum", "sigmoid", batch(2), 1, "train.memory_report=true"),
         "ddp": two_steps("ddp", "sigmoid", batch(2, 2), 2),
         # FSDP2: the policy sharded, the reference a whole frozen copy on each rank.
         "fsdp": two_steps("fsdp", "sigmoid", batch(2, 2), 2, "dist.strategy=fsdp"),
-        "ipo": two_steps("ipo", "ipo", batch(2)),
+        "ipo": two_steps("ipo", "ipo", batch(2), route="logits"),
         "simpo": two_steps("simpo", "simpo", batch(2), 1, "train.memory_report=true"),
         "packed": two_steps("packed", "sigmoid", batch(2), 1, "data.packed=true"),
         # LoRA: the base with its adapters disabled (the default), and a frozen copy.
@@ -187,6 +220,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "killed", "sigmoid", batch(4), 1, *PRECOMPUTED_FOUR, *kill_at(3, root / "kill.marker")
         ),
     }
+    # (64 tokens a chunk: several of each micro-batch; the threshold's default, 32768, takes
+    # the hidden states, twice it the logits.)
+    cmds["big_head"] = two_steps("big_head", "sigmoid", [*big, "task.chunk_size=64"], route=None)
+    over = f"task.chunked_vocab_threshold={2 * BIG_VOCAB}"
+    cmds["big_logits"] = two_steps(
+        "big_logits", "sigmoid", [*big, "task.chunk_size=64", over], route=None
+    )
+    cmds["big_plain"] = two_steps(
+        "big_plain", "sigmoid", [*big, "task.chunk_size=null"], route=None
+    )
     procs = launch_all(cmds, TIMEOUT)
     procs["rerun"] = launch(cmds["killed"], TIMEOUT)
     rows = {"train": pair_rows(PAIRS, seed=5), "val": pair_rows(2, seed=6)}
@@ -385,6 +428,48 @@ def test_lora_scores_the_reference_with_the_adapters_disabled(runs: dict[str, An
     records = {r["step"]: r for r in train_records(read_metrics(root / "lora_adapter"))}
     assert records[1]["train/reward_margin"] == 0.0
     assert abs(records[2]["train/reward_chosen"]) > 1e-4
+
+
+@pytest.mark.multiproc
+def test_chunked_log_probs_equal_the_whole_log_softmax_without_its_memory(
+    runs: dict[str, Any],
+) -> None:
+    """At a real vocabulary (32768) the log-probabilities taken 64 tokens at a time, from the
+    GPT's hidden states (the default: its output layer declared, at the threshold) and from
+    its logits, give the step-2 gradient and both steps' records of the whole fp32 log-softmax
+    (task.chunk_size=null) to round-off. The measured peak (train.memory_report=true) drops by
+    more than two fp32 (rows, T, V) tensors of the largest micro-batch from the hidden states
+    (no logits are held, in the policy's forward, its backward or the reference's: 2.6
+    measured), and by one from fp32 logits, which the model holds either way (what goes is
+    the log-softmax of the whole tensor; asserted less one (64, V) chunk). Before, task=dpo
+    took the whole log-softmax: the peaks were equal."""
+    import json
+
+    root, procs = runs["root"], runs["procs"]
+    for name in ("big_head", "big_logits", "big_plain"):
+        assert procs[name].returncode == 0, explain(procs[name])
+    plain = {n: g.double() for n, g in torch.load(root / "big_plain.pt", weights_only=True).items()}
+    records = {n: train_records(read_metrics(root / n)) for n in ("big_plain", "big_head")}
+    records["big_logits"] = train_records(read_metrics(root / "big_logits"))
+    for name in ("big_head", "big_logits"):
+        error = relative_error(torch.load(root / f"{name}.pt", weights_only=True), plain)
+        assert error <= TOL, (name, error)
+        for got, want in zip(records[name], records["big_plain"], strict=True):
+            assert got["train/loss"] == pytest.approx(want["train/loss"], rel=1e-6)
+            assert got["train/reward_margin"] == pytest.approx(
+                want["train/reward_margin"], rel=1e-5
+            )
+    assert records["big_plain"][1]["train/reward_margin"] != 0.0
+    peak = {
+        name: json.loads((root / name / "memory_report.json").read_text())["ranks"][0]["peak_bytes"]
+        for name in ("big_head", "big_logits", "big_plain")
+    }
+    # The largest micro-batch: 2 pairs, 4 rows, as long as the longest side of any pair.
+    longest = max(len(ids) for row in runs["rows"]["train"] for ids, _ in sides(runs["tok"], row))
+    logits = 4 * longest * BIG_VOCAB * 4  # fp32 (rows, T, V)
+    assert peak["big_plain"] - peak["big_head"] >= 2 * logits, (peak, logits)
+    chunk = 64 * BIG_VOCAB * 4
+    assert peak["big_plain"] - peak["big_logits"] >= logits - chunk, (peak, logits)
 
 
 # The runs of each task.reference whose memory is measured (train.memory_report=true).
@@ -969,3 +1054,43 @@ def test_a_pretrained_transformers_model_records_its_rewards(bad_root: Path) -> 
         recorded = {k: records[step][f"train/{k}"] for k in want[step]}
         assert recorded == pytest.approx(want[step], rel=1e-4, abs=1e-6), step
     assert records[2]["train/reward_margin"] != 0.0
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])  # 7 does not divide the 45 tokens
+def test_chunked_log_probs_are_the_float64_log_softmax(chunk: int) -> None:
+    """Each token's log p(target) from hidden states and the output layer (`chunked_log_probs`,
+    the logits a chunk at a time, recomputed in backward) and from logits
+    (`log_probs_in_chunks`), in fp32, equal the float64 whole log-softmax, and so do their
+    gradients (wrt hidden states, weight, bias, logits) under a different incoming gradient per
+    token, as a pair's loss weights its tokens; ignored tokens are 0 and pass no gradient."""
+    from engine.numerics.chunked_ce import chunked_log_probs, log_probs_in_chunks
+
+    gen = torch.Generator().manual_seed(3)
+    n, c, v = 45, 16, 300
+    hidden, weight = torch.randn(n, c, generator=gen), torch.randn(v, c, generator=gen) / 4
+    bias, upstream = torch.randn(v, generator=gen), torch.randn(n, generator=gen)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[::4] = -100
+    keep = (targets != -100).double()
+
+    def whole(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, w, b)
+        return logits.log_softmax(-1).gather(1, targets.clamp(min=0)[:, None])[:, 0] * keep
+
+    want_in = [t.double().requires_grad_() for t in (hidden, weight, bias)]
+    want = whole(*want_in)
+    want_grads = torch.autograd.grad((want * upstream.double()).sum(), want_in)
+    got_in = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    logits = F.linear(got_in[0], got_in[1], got_in[2])  # (N, V), fp32
+    for got in (
+        chunked_log_probs(got_in[0], got_in[1], targets, bias=got_in[2], chunk_size=chunk),
+        log_probs_in_chunks(logits, targets, chunk),
+    ):
+        assert got.dtype == torch.float32 and bool((got[::4] == 0).all())
+        assert float((got.detach().double() - want.detach()).norm() / want.detach().norm()) <= 1e-6
+        grads = torch.autograd.grad((got * upstream).sum(), got_in, retain_graph=True)
+        for g, w in zip(grads, want_grads, strict=True):
+            assert g.dtype == torch.float32
+            assert float((g.double() - w).norm() / w.norm()) <= 1e-6
+        # An ignored token's hidden state gets no gradient.
+        assert bool((grads[0][::4] == 0).all())

@@ -265,3 +265,220 @@ def auto_chunk_size(vocab: int, memory: int) -> int:
     """
     tokens = memory // CHUNK_MEMORY_SHARE // (4 * vocab)
     return max(256, 1 << max(tokens, 1).bit_length() - 1)
+
+
+# ---- per-token log-probabilities (task=dpo) ------------------------------------------------
+# A preference loss needs log p(label) of every answer token, each row's sum weighted by its
+# own pair's gradient, not one sum: the gradient reaching the logits is not a single scalar
+# times `softmax - onehot`, so it cannot be formed in the forward as the loss's is. The
+# forward keeps each token's log-sum-exp (N,) instead; backward recomputes a chunk's logits at
+# a time (from the hidden states, or reads them from the model's logits) and forms its share.
+
+
+class _HeadLogProbs(torch.autograd.Function):
+    """log p(target) per token from hidden states and the output layer, a chunk at a time;
+    backward recomputes each chunk's logits (one more (chunk, C) x (C, V) product)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk_size: int,
+        ignore_index: int,
+        compute_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        # hidden (N, C), weight (V, C), bias (V,) or None, targets (N,)
+        acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
+        with torch.autocast(hidden.device.type, enabled=False):
+            h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+            b = None if bias is None else bias.to(compute_dtype)
+            valid = targets != ignore_index  # (N,)
+            safe = targets.masked_fill(~valid, 0)
+            out = torch.empty(hidden.shape[:1], dtype=acc, device=hidden.device)  # (N,)
+            lse = torch.empty_like(out)  # (N,)
+            for start in range(0, hidden.size(0), chunk_size):
+                rows = slice(start, start + chunk_size)
+                logits = F.linear(h[rows], w, b).to(acc)  # (n_c, V)
+                lse[rows] = torch.logsumexp(logits, dim=-1)
+                picked = logits.gather(1, safe[rows, None]).squeeze(1)  # (n_c,)
+                out[rows] = torch.where(valid[rows], picked - lse[rows], 0.0)
+        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse)
+        ctx.setup = (chunk_size, compute_dtype)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, safe, valid, lse = ctx.saved_tensors
+        chunk_size, compute_dtype = ctx.setup
+        wants = ctx.needs_input_grad[:3]
+        acc = lse.dtype
+        with torch.autocast(hidden.device.type, enabled=False):
+            h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+            b = None if bias is None else bias.to(compute_dtype)
+            scale = torch.where(valid, grad_out.to(acc), 0.0)  # (N,): ignored tokens give 0
+            grad_h = torch.empty(hidden.shape, dtype=acc, device=h.device) if wants[0] else None
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=w.device) if wants[1] else None
+            grad_b = torch.zeros(bias.shape, dtype=acc, device=w.device) if wants[2] else None
+            for start in range(0, hidden.size(0), chunk_size):
+                rows = slice(start, start + chunk_size)
+                s_c = scale[rows, None]  # (n_c, 1)
+                # d out / d logits = onehot - softmax, times each token's incoming gradient
+                g = F.linear(h[rows], w, b).to(acc).sub_(lse[rows, None]).exp_().mul_(-s_c)
+                g.scatter_add_(1, safe[rows, None], s_c)  # (n_c, V)
+                g_low = g.to(compute_dtype)
+                if grad_h is not None:
+                    grad_h[rows] = g_low @ w  # (n_c, C)
+                if grad_w is not None and compute_dtype == acc:
+                    grad_w.addmm_(g_low.t(), h[rows])  # (V, C)
+                elif grad_w is not None:
+                    grad_w += (g_low.t() @ h[rows]).to(acc)
+                if grad_b is not None:
+                    grad_b += g.sum(0)  # (V,)
+        grads = [
+            None if grad is None else grad.to(t.dtype)
+            for grad, t in zip((grad_h, grad_w, grad_b), (hidden, weight, bias))
+        ]
+        return (*grads, None, None, None, None)
+
+
+def chunked_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = 2048,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """log p(targets) per token, (N,), of `hidden @ weight.T + bias`, `chunk_size` tokens at a
+    time; 0 where the target is `ignore_index`.
+
+    Equals `F.linear(hidden, weight, bias).float().log_softmax(-1).gather(...)` in value and
+    gradients to round-off, without ever holding more than (chunk_size, V) logits (forward and
+    backward). Precision as `chunked_cross_entropy`: the products in autocast's dtype, the
+    log-sum-exp and the gradients in fp32 (float64 stays float64). Not twice differentiable.
+
+    Args:
+        hidden: (N, C) final hidden states.
+        weight: (V, C) output layer weight.
+        targets: (N,) class indices, `ignore_index` where a token is not scored.
+        bias: (V,) or None.
+        chunk_size: tokens per chunk; the last chunk may be shorter.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"chunked_log_probs: hidden must be (N, C) and targets (N,), got "
+            f"{tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    dtype = _compute_dtype(hidden, weight)
+    return _HeadLogProbs.apply(hidden, weight, bias, targets, chunk_size, ignore_index, dtype)
+
+
+@dataclass(frozen=True)
+class ChunkedLogProbs:
+    """The `HeadLoss` task=dpo passes to a model's forward: each token's log p(target),
+    (*targets.shape), from `chunked_log_probs`; the logits are never held whole."""
+
+    chunk_size: int = 2048
+    ignore_index: int = IGNORE_INDEX
+
+    def __call__(
+        self, hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor
+    ) -> torch.Tensor:
+        if type(head).forward is not nn.Linear.forward:  # e.g. fake-quantized weights
+            raise ValueError(
+                f"the chunked log-probabilities compute the output layer as F.linear(hidden, "
+                f"weight, bias); {type(head).__name__} has a forward of its own, so its logits "
+                "may differ. Do not declare output_head() for it, or set task.chunk_size=null"
+            )
+        if hidden.shape[:-1] != targets.shape:
+            raise ValueError(
+                f"the model's hidden states have shape {tuple(hidden.shape)}, which does not fit "
+                f"targets of shape {tuple(targets.shape)}: they must be (*targets.shape, C)"
+            )
+        out = chunked_log_probs(
+            hidden.flatten(0, -2),  # (N, C)
+            head.weight,
+            targets.flatten(),  # (N,)
+            bias=head.bias,
+            chunk_size=self.chunk_size,
+            ignore_index=self.ignore_index,
+        )
+        return out.view(targets.shape)
+
+
+class _LogitLogProbs(torch.autograd.Function):
+    """log p(target) per token from given logits, a chunk of tokens at a time in fp32: no
+    fp32 copy nor log-softmax of the whole tensor; backward forms the logits' gradient (in
+    their dtype) a chunk at a time from the kept log-sum-exps."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        chunk_size: int,
+        ignore_index: int,
+    ) -> torch.Tensor:
+        # logits (N, V), targets (N,)
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        with torch.autocast(logits.device.type, enabled=False):
+            valid = targets != ignore_index
+            safe = targets.masked_fill(~valid, 0)
+            out = torch.empty(logits.shape[:1], dtype=acc, device=logits.device)  # (N,)
+            lse = torch.empty_like(out)
+            for start in range(0, logits.size(0), chunk_size):
+                rows = slice(start, start + chunk_size)
+                chunk = logits[rows].to(acc)  # (n_c, V)
+                lse[rows] = torch.logsumexp(chunk, dim=-1)
+                picked = chunk.gather(1, safe[rows, None]).squeeze(1)
+                out[rows] = torch.where(valid[rows], picked - lse[rows], 0.0)
+        ctx.save_for_backward(logits, safe, valid, lse)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, safe, valid, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # (N, V), the logits' dtype
+        with torch.autocast(logits.device.type, enabled=False):
+            scale = torch.where(valid, grad_out.to(lse.dtype), 0.0)  # (N,)
+            for start in range(0, logits.size(0), ctx.chunk_size):
+                rows = slice(start, start + ctx.chunk_size)
+                s_c = scale[rows, None]
+                # Formed in the gradient's own rows when it has the accumulation's dtype (no
+                # chunk-sized temporary), never over the saved logits themselves.
+                g = grad[rows] if grad.dtype == lse.dtype else None
+                g = torch.sub(logits[rows].to(lse.dtype), lse[rows, None], out=g)
+                g.exp_().mul_(-s_c).scatter_add_(1, safe[rows, None], s_c)  # onehot - softmax
+                if g.dtype != grad.dtype:
+                    grad[rows] = g
+        return grad, None, None, None
+
+
+def log_probs_in_chunks(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = 2048,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """log p(targets) per position, (*targets.shape), of `logits` (*targets.shape, V), computed
+    `chunk_size` positions at a time in fp32 (float64 stays float64); 0 where the target is
+    `ignore_index`. The value and gradient of `logits.float().log_softmax(-1).gather(...)` to
+    round-off, with no fp32 copy or log-softmax of the whole tensor: for a model whose output
+    layer is not declared (`OutputHead`), whose logits are then held anyway."""
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"log_probs_in_chunks: logits must be (*targets.shape, V), got "
+            f"{tuple(logits.shape)} and {tuple(targets.shape)}"
+        )
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    flat = _LogitLogProbs.apply(logits.flatten(0, -2), targets.flatten(), chunk_size, ignore_index)
+    return flat.view(targets.shape)
