@@ -181,6 +181,22 @@ def chunked_cross_entropy(
     )
 
 
+def check_head(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, what: str) -> None:
+    """A declared output head `what` computes as F.linear(hidden, weight, bias): a plain
+    Linear, and hidden states of (*targets.shape, C)."""
+    if type(head).forward is not nn.Linear.forward:  # e.g. fake-quantized weights
+        raise ValueError(
+            f"{what} computes the output layer as F.linear(hidden, weight, bias); "
+            f"{type(head).__name__} has a forward of its own, so its logits may differ. "
+            "Do not declare output_head() for it, or set task.chunk_size=null"
+        )
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"the model's hidden states have shape {tuple(hidden.shape)}, which does not fit "
+            f"targets of shape {tuple(targets.shape)}: they must be (*targets.shape, C)"
+        )
+
+
 @dataclass(frozen=True)
 class ChunkedCrossEntropy:
     """The `HeadLoss` a causal LM task passes to a model's forward: one object per run, so
@@ -192,17 +208,7 @@ class ChunkedCrossEntropy:
     def __call__(
         self, hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor
     ) -> torch.Tensor:
-        if type(head).forward is not nn.Linear.forward:  # e.g. fake-quantized weights
-            raise ValueError(
-                f"the chunked loss computes the output layer as F.linear(hidden, weight, bias); "
-                f"{type(head).__name__} has a forward of its own, so its logits may differ. "
-                "Do not declare output_head() for it, or set task.chunk_size=null"
-            )
-        if hidden.shape[:-1] != targets.shape:
-            raise ValueError(
-                f"the model's hidden states have shape {tuple(hidden.shape)}, which does not fit "
-                f"targets of shape {tuple(targets.shape)}: they must be (*targets.shape, C)"
-            )
+        check_head(hidden, head, targets, "the chunked loss")
         return chunked_cross_entropy(
             hidden.flatten(0, -2),  # (N, C)
             head.weight,
@@ -390,17 +396,7 @@ class ChunkedLogProbs:
     def __call__(
         self, hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor
     ) -> torch.Tensor:
-        if type(head).forward is not nn.Linear.forward:  # e.g. fake-quantized weights
-            raise ValueError(
-                f"the chunked log-probabilities compute the output layer as F.linear(hidden, "
-                f"weight, bias); {type(head).__name__} has a forward of its own, so its logits "
-                "may differ. Do not declare output_head() for it, or set task.chunk_size=null"
-            )
-        if hidden.shape[:-1] != targets.shape:
-            raise ValueError(
-                f"the model's hidden states have shape {tuple(hidden.shape)}, which does not fit "
-                f"targets of shape {tuple(targets.shape)}: they must be (*targets.shape, C)"
-            )
+        check_head(hidden, head, targets, "the chunked log-probability route")
         out = chunked_log_probs(
             hidden.flatten(0, -2),  # (N, C)
             head.weight,
