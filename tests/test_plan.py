@@ -213,6 +213,21 @@ def test_plan_predicts_expert_parallel_memory_and_traffic(
     assert planned["layout"] == "DDP 2 x expert parallel 2"
 
 
+def test_plan_of_expert_parallel_under_fsdp_counts_the_all_to_all_on_the_expert_group(
+    tmp_path: Path,
+) -> None:
+    """ep=2 x FSDP2 (dist.strategy=fsdp) plans its all-to-all on the expert group, as ep over
+    DDP does: `alltoall_base/ep`, exposed in the step time, none of it on dp (it was counted
+    as dp traffic hidden behind compute when only ep over DDP named its groups)."""
+    planned = plan([*MOE["gpt"], *EP2, "dist.strategy=fsdp", "plan.world=2"], tmp_path)
+    (role,) = planned["roles"]
+    comm = role["comm_bytes_per_step"]
+    assert comm.get("alltoall_base/ep", 0) > 0, comm
+    assert not any(key.startswith("alltoall") and "/dp" in key for key in comm), comm
+    est = planned["estimate"]
+    assert est["step_time_s"] >= est["compute_s"] + est["comm_s"]["alltoall_base/ep"], est
+
+
 def llama_parameters(cfg: dict[str, int]) -> int:
     """The analytic parameter count of a Llama (untied): embeddings, per layer the attention
     (grouped key/value heads), the gated MLP and two norms, the final norm, the output."""

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.distributed import DistInfo
 from engine.parallel.dims import ParallelDims
-from engine.parallel.expert import ExpertParallel
+from engine.parallel.expert import ExpertSplit
 from trainer.config.schema import Config
 from trainer.planning.attention import CudaAttention
 from trainer.planning.progress import Progress
@@ -292,7 +292,7 @@ def expert_groups(parallel: Any) -> dict[str, str | None]:
     """Under `dist.ep`, the expert groups' names -> `ep` (the all-to-all and the experts' norm)
     and `ep_replica` (their gradients' all-reduce): process groups no mesh dimension names, and
     whose ranks a data-parallel dimension of as many ranks would claim."""
-    if not isinstance(parallel, ExpertParallel):
+    if not isinstance(parallel, ExpertSplit):
         return {}
     named = {"ep": parallel.expert_group, "ep_replica": parallel.replica_group}
     return {g.group_name: dim for dim, g in named.items() if g is not None}

@@ -10,6 +10,7 @@ from engine.distributed import DistInfo
 from engine.moe.balance import BalanceCfg, BalancedTask, RoutingNotRepeated, balanced
 from engine.moe.routing import HasRouters
 from engine.parallel.dims import ParallelDims
+from engine.preference import DPOTask
 from engine.steps.accumulate import AccumulateStep
 from engine.window_task import WindowTask
 from trainer.config.errors import ConfigError
@@ -68,6 +69,15 @@ def balanced_task(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDi
             "a mixture-of-experts model's load balancing (moe.balance) needs a task with a loss "
             "per micro-batch (task=causal_lm, classification, token_classification); a loss of "
             "the whole window (step=cached) does not combine with it yet",
+        )
+    if isinstance(parts.task, DPOTask):
+        raise ConfigError(
+            "task",
+            "task=dpo on a mixture-of-experts model is not built yet: the reference's forward "
+            "(task.reference=adapter runs the policy's own routers with the adapters off, copy "
+            "its own) would be counted by the load balancing and its routing check, so the "
+            "balancing would not be the policy's. Use a dense model for task=dpo, or "
+            "task=causal_lm to train the mixture",
         )
     for key, degree in (("dist.tp", dims.tp), ("dist.pp", dims.pp), ("dist.cp", dims.cp)):
         if degree > 1:
