@@ -462,3 +462,19 @@ def test_bad_input_is_one_paragraph(
         args = [*TINY, *MOE, f"data.path={text}", *overrides, f"hydra.run.dir={tmp_path}"]
         train_in_process(args, tmp_path)
     assert err.value.key == key and says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_ddp_ignores_every_list_it_is_given() -> None:
+    """dist.ep's experts and a task's own parameters both reach DDP's ignore list: torch's
+    setter replaces the list, so the second caller used to drop the first's names (the
+    experts would then be averaged over ranks holding different experts)."""
+    from torch import nn
+
+    from engine.parallel.ddp import ignore_in_ddp, ignored_by_ddp, reduced_parameters
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    ignore_in_ddp(model, ["0.weight", "0.bias"])  # as ExpertParallel does for the experts
+    ignore_in_ddp(model, ["1.weight"])  # as DataParallel does for a task's own parameters
+    assert ignored_by_ddp(model) == {"0.weight", "0.bias", "1.weight"}
+    kept = {id(p) for p in reduced_parameters(model)}
+    assert kept == {id(model[1].bias), id(model[2].weight), id(model[2].bias)}

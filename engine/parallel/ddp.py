@@ -47,8 +47,7 @@ class DataParallel(ParallelBase):
         # the model: step=cached sums theirs over ranks itself.
         own = [name for name, _ in loss_parameters(model)]
         if own:
-            DDP = nn.parallel.DistributedDataParallel
-            DDP._set_params_and_buffers_to_ignore_for_model(model, own)
+            ignore_in_ddp(model, own)
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
     def untracked_bytes(self, model: nn.Module) -> dict[str, int]:
@@ -90,9 +89,22 @@ class DataParallel(ParallelBase):
         torch._foreach_div_(grads, float(self.dp_size))
 
 
+def ignored_by_ddp(model: nn.Module) -> set[str]:
+    """The names DDP was told to ignore: torch keeps the list on the module, where DDP reads
+    it at wrapping."""
+    return set(vars(model).get("_ddp_params_and_buffers_to_ignore", ()))
+
+
+def ignore_in_ddp(model: nn.Module, names: list[str]) -> None:
+    """DDP ignores `names` too (torch's setter replaces the list: what others put there
+    stays, e.g. dist.ep's experts beside a task's own parameters)."""
+    keep = sorted(ignored_by_ddp(model) | set(names))
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, keep)
+
+
 def reduced_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters DDP reduces, and holds buckets for: the trainable ones less those it was
     told to ignore (dist.ep's experts, reduced over their replicas instead; a task's own
-    parameters). torch keeps that list on the module, where DDP reads it at wrapping."""
-    ignored = set(vars(model).get("_ddp_params_and_buffers_to_ignore", ()))
+    parameters)."""
+    ignored = ignored_by_ddp(model)
     return [p for n, p in model.named_parameters() if p.requires_grad and n not in ignored]

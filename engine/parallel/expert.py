@@ -48,7 +48,7 @@ from engine.parallel.base import (
     squares_norm,
     whole_tensor,
 )
-from engine.parallel.ddp import DataParallel
+from engine.parallel.ddp import DataParallel, ignore_in_ddp
 from engine.parallel.fsdp import FullyShardedDataParallel
 
 if TYPE_CHECKING:
@@ -448,9 +448,7 @@ class ExpertParallel(ExpertSplit, DataParallel):
         del blocks, param_dtype, reshard_after_forward
         owned = {id(p) for p in self.split_experts(model)}
         names = [n for n, p in model.named_parameters() if id(p) in owned]
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, names
-        )
+        ignore_in_ddp(model, names)
         return super().apply(model)
 
     def reduce_guarded_window(self, params: list[nn.Parameter]) -> None:
