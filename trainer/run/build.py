@@ -5,6 +5,7 @@ planner; the layout's refusals from the parallelism's own `check`."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -168,16 +169,24 @@ def build_state(
     return state
 
 
-def run_shape(cfg: Config, step_fn: Any, ctx: StepContext, plan: BatchPlan) -> RunShape:
-    """The run's choices a parallelism may refuse (its `check`)."""
-    fmt = cfg.checkpoint.format
+def choices_shape(cfg: Config, step_fn: Any, callbacks: Any) -> RunShape:
+    """The run's choices a parallelism may refuse that the config (its step and callbacks
+    built) decides: what trainer/run/lifecycle.py checks before any process group."""
     return RunShape(
         auto_micro_batch=cfg.train.micro_batch_size == AUTO,
         compile=cfg.train.compile,
         per_layer_norms=cfg.train.grad_norms == "per_layer",
         step=step_fn,
         plain_accumulation=type(step_fn) is AccumulateStep,
-        callbacks=ctx.callbacks,
+        callbacks=callbacks,
+    )
+
+
+def run_shape(cfg: Config, step_fn: Any, ctx: StepContext, plan: BatchPlan) -> RunShape:
+    """The run's choices a parallelism may refuse (its `check`), the built run's included."""
+    fmt = cfg.checkpoint.format
+    return dataclasses.replace(
+        choices_shape(cfg, step_fn, ctx.callbacks),
         accum=plan.accum,
         checkpoint_format=fmt if fmt != "auto" else ctx.parallel.checkpoint_format,
     )

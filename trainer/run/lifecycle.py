@@ -22,24 +22,14 @@ def check_choices(cfg: Config) -> None:
     process reaches each of them. The built parallelism checks the run again
     (trainer/run/build.py `check_layout`: the step a task chose, the checkpoint format)."""
     from engine.parallel import LayoutError
-    from engine.parallel.base import RunShape
-    from engine.steps.accumulate import AccumulateStep
     from trainer.run.assemble import layout_error
-    from trainer.run.batch_plan import AUTO
-    from trainer.run.build import build_callbacks, build_step
+    from trainer.run.build import build_callbacks, build_step, choices_shape
 
     dims = cfg.dist.dims()  # every degree checked, the world's size not yet
     if dims.ep == 1:  # nothing else is refused from the choices alone: nothing built twice
         return
-    step_fn = build_step(cfg.step)
-    shape = RunShape(
-        auto_micro_batch=cfg.train.micro_batch_size == AUTO,
-        compile=cfg.train.compile,
-        per_layer_norms=cfg.train.grad_norms == "per_layer",
-        step=step_fn,
-        plain_accumulation=type(step_fn) is AccumulateStep,
-        callbacks=build_callbacks(cfg.callbacks, cfg.train),
-    )
+    callbacks = build_callbacks(cfg.callbacks, cfg.train)
+    shape = choices_shape(cfg, build_step(cfg.step), callbacks)
     try:
         dims.check(shape)
     except LayoutError as exc:
