@@ -944,7 +944,7 @@ def test_precomputed_key_follows_the_parameters_the_layout_computes_with(bad_roo
     bf16) on 2 FSDP2 ranks computes with bf16 parameters, a key apart from one process's (fp8
     reused one process's file: step 1 no longer cancelled); DDP with dist.ep=2 computes with
     the fp32 parameters, one process's key (it had its own); dist.tp=2 splits the matmuls, a
-    key of its own."""
+    key of its own, and another with dist.tp_sequence_parallel=true."""
     from engine.distributed import DistInfo
     from trainer.run.assemble import build_model, build_task, layout_reference_file, parameter_dtype
 
@@ -976,6 +976,8 @@ def test_precomputed_key_follows_the_parameters_the_layout_computes_with(bad_roo
     assert parameter_dtype("fp32", fsdp, two) is None
     assert key("fp32", fsdp, two) == key("fp32", whole, one)  # FSDP2 in fp32: the same bits
     assert key("fp32", tp, two) != key("fp32", whole, one)
+    sp = dataclasses.replace(tp, sequence_parallel=True)  # norms on sequence shards
+    assert key("fp32", sp, two) not in (key("fp32", tp, two), key("fp32", whole, one))
 
 
 def test_cuda_graphs_are_refused_before_the_model_is_built(bad_root: Path) -> None:

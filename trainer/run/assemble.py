@@ -309,7 +309,8 @@ def layout_reference_file(
     """`task.reference=precomputed`'s file (trainer/run/preference.py) for this run's layout:
     keyed to the initial model, whole here (fp8's conversion keeps the names), the run's
     micro-batch (1 under auto) and precision, the bf16 parameters the layout computes with
-    (`parameter_dtype`, as `parallelize` lays out) and its tensor-parallel degree."""
+    (`parameter_dtype`, as `parallelize` lays out), its tensor-parallel degree and whether
+    that is sequence-parallel."""
     micro = cfg.train.micro_batch_size
     return reference_file(
         task,
@@ -320,6 +321,7 @@ def layout_reference_file(
         planned=planned,
         low_precision_parameters=parameter_dtype(cfg.train.precision, dims, info) is not None,
         tensor_parallel=dims.tp,
+        sequence_parallel=dims.sequence_parallel,
     )
 
 

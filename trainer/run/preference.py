@@ -170,13 +170,15 @@ def reference_file(
     planned: bool = False,
     low_precision_parameters: bool = False,
     tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
 ) -> ReferenceFile | None:
     """`task.reference=precomputed`, before the model is laid out (the initial model is whole
     on each rank then): the file its values are kept in, keyed to the model's fingerprint, the
     pairs (store, rows, lengths, layout), `micro` and `precision`, and what of the layout
     changes the values: `low_precision_parameters` (the layout computes with bf16 parameters,
     `trainer.run.assemble.parameter_dtype`: FSDP2's under bf16 or fp8) and `tensor_parallel`
-    (its degree above 1: split matmuls add their partial products in another order).
+    (its degree above 1: split matmuls add their partial products in another order; and
+    `sequence_parallel`, whose norms and gathers run on sequence shards).
     `planned` (trainer.plan: the model is fake tensors): zeros attached, the batches' shapes
     without a pass, and None. Any other task: None."""
     if not isinstance(task, DPOTask) or task.reference != "precomputed":
@@ -199,6 +201,8 @@ def reference_file(
         ident["parameters"] = "bf16"
     if tensor_parallel > 1:
         ident["tp"] = tensor_parallel
+        if sequence_parallel:
+            ident["tp_sequence_parallel"] = True
     ident |= {k: v.identity() for k, v in splits.items()}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
     return ReferenceFile(Path(data.train.store.root) / "reference" / f"{key}.pt", micro, precision)
