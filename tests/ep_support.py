@@ -6,12 +6,14 @@ Each rank feeds its own tokens; the split layer's outputs and input gradients mu
 unsplit layer's on the same tokens, and each rank's experts' gradient must equal the unsplit
 experts' gradient summed over both ranks' tokens (the slice it holds). Exit 0 when they do.
 
-`assert_split_update` is the tests' check of a launched ep run's step-1 update."""
+`run_args`, `dump` and `assert_split_update`: what the ep tests of the in-tree and of
+transformers' mixtures share (the runs' arguments, and the check of step 1's update)."""
 
 from __future__ import annotations
 
 import copy
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +21,41 @@ import torch.distributed as dist
 
 from engine.parallel.expert import ExpertGroup
 from trainer.models.moe import MoE, MoEConfig
+
+
+def run_args(text: Path, model: list[str]) -> list[str]:
+    """4 steps of one global batch of 24 samples of `text` on the mixture `model` (SGD with
+    momentum, clipping that acts, moe.balance=global with large aux and z weights),
+    checkpoints and evaluations every 2 steps."""
+    from tests.conftest import TINY
+
+    return [
+        *TINY,
+        *model,
+        "moe=global",
+        "moe.aux_coef=1.0",
+        "moe.z_coef=0.1",
+        f"data.path={text}",
+        "data.block_size=64",
+        "optim=sgd",
+        "optim.lr=0.1",
+        "optim.momentum=0.9",
+        "scheduler=constant",
+        "scheduler.warmup_steps=0",
+        "train.clip_grad_norm=1.0",  # the step-1 norm is ~1.6: clipping acts
+        "train.global_batch_size=24",
+        "train.micro_batch_size=3",
+        "train.max_steps=4",
+        "checkpoint.every_steps=2",
+        "eval.every_steps=2",
+        "eval.max_batches=2",
+    ]
+
+
+def dump(run_dir: Path) -> str:
+    """The override that writes each rank's step-1 weights and gradients to `run_dir`."""
+    target = "tests.moe_support.DumpFirstStepPerRank"
+    return f"+callbacks.dump={{_target_: {target}, path: {run_dir}/step1.pt}}"
 
 
 def assert_split_update(

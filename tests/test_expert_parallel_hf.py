@@ -32,8 +32,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import TINY, read_metrics, stdlib_text, train_in_process, train_records
-from tests.ep_support import assert_split_update
+from tests.conftest import read_metrics, stdlib_text, train_in_process, train_records
+from tests.ep_support import assert_split_update, dump, run_args
 from tests.ranks import REPO, explain, launch_all, torchrun
 
 E = 8
@@ -51,32 +51,7 @@ COUNT_KEYS = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
 
 
 def common(text: Path, family: str) -> list[str]:
-    return [
-        *TINY,
-        f"model=hf_{family}",
-        "moe=global",
-        "moe.aux_coef=1.0",
-        "moe.z_coef=0.1",
-        f"data.path={text}",
-        "data.block_size=64",
-        "optim=sgd",
-        "optim.lr=0.1",
-        "optim.momentum=0.9",
-        "scheduler=constant",
-        "scheduler.warmup_steps=0",
-        "train.clip_grad_norm=1.0",
-        "train.global_batch_size=24",
-        "train.micro_batch_size=3",
-        "train.max_steps=4",
-        "checkpoint.every_steps=2",
-        "eval.every_steps=2",
-        "eval.max_batches=2",
-    ]
-
-
-def dump(run_dir: Path) -> str:
-    target = "tests.moe_support.DumpFirstStepPerRank"
-    return f"+callbacks.dump={{_target_: {target}, path: {run_dir}/step1.pt}}"
+    return run_args(text, [f"model=hf_{family}"])
 
 
 class Runs:
