@@ -137,6 +137,7 @@ class Runs:
             "ddp": ["dist.strategy=ddp"],
             "fsdp": ["dist.strategy=fsdp"],
             "ddp-bias": ["dist.strategy=ddp", "moe=bias", f"moe.bias_rate={RATE}"],
+            "ddp-seq_aux": ["dist.strategy=ddp", "moe=seq_aux"],
         }
         if importlib.util.find_spec("transformers") is not None:  # the `hf` extra
             layouts["hf-ddp"] = ["dist.strategy=ddp", *hf_model("qwen3_moe")]
@@ -185,11 +186,17 @@ class Runs:
         whole batch's aux and z (from the 24x1 run's weights: every run starts from them)."""
         return self.once("reference", self._reference)
 
-    def _reference(self) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
+    def _reference(
+        self, per_sequence: bool = False
+    ) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
         weights = self.one("24x1")[0]["weights"]
         samples = load_splits(TextCfg(path=str(self.text), block_size=64)).train
         batch = torch.stack(list(samples))  # (24, 65)
-        return whole_batch_gradient(weights, batch)
+        return whole_batch_gradient(weights, batch, per_sequence)
+
+    def seq_reference(self) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
+        """`reference` with Megatron's sequence-level aux (moe.balance=seq_aux)."""
+        return self.once("seq reference", lambda: self._reference(per_sequence=True))
 
 
 @pytest.fixture(scope="module")
@@ -209,10 +216,12 @@ def tiny_moe() -> GPT:
 
 
 def whole_batch_gradient(
-    weights: dict[str, torch.Tensor], batch: torch.Tensor
+    weights: dict[str, torch.Tensor], batch: torch.Tensor, per_sequence: bool = False
 ) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
     """The gradient of mean CE + AUX * aux + Z * z over `batch` at once (float64), aux, z,
-    and each layer's assignments per expert (L, E)."""
+    and each layer's assignments per expert (L, E). `per_sequence`: aux is Megatron's
+    sequence-level loss instead, each layer's E * sum_i f_i * P_i of every sequence (row) on
+    its own, averaged over the sequences (moe.balance=seq_aux)."""
     model = tiny_moe().double()
     model.load_state_dict({n: w.double() for n, w in weights.items()}, strict=False)
     logits: list[torch.Tensor] = []
@@ -232,7 +241,13 @@ def whole_batch_gradient(
             / chosen.numel()
         )
         counts.append(f * chosen.numel())
-        aux.append(E * (f * probs.mean(0)).sum())
+        if per_sequence:
+            rows, T = batch.shape[0], batch.shape[1] - 1
+            f_rows = F.one_hot(chosen.view(rows, T, K), E).double().sum((1, 2)) / (T * K)
+            p_rows = probs.view(rows, T, E).mean(1)  # (B, E) each
+            aux.append((E * (f_rows * p_rows).sum(-1)).mean())
+        else:
+            aux.append(E * (f * probs.mean(0)).sum())
         z.append(torch.logsumexp(lg, -1).pow(2).mean())
     aux_loss, z_loss = torch.stack(aux).mean(), torch.stack(z).mean()
     (ce + AUX * aux_loss + Z * z_loss).backward()
@@ -462,8 +477,9 @@ def test_the_routing_check_reads_the_device_with_the_records(runs: Runs, tmp_pat
         ([f"+model.moe.experts={E}", "+model.moe.width=3"], "model.moe.width", "valid"),
         (["moe.balance=batch"], "moe.balance", "global, micro, bias, none"),
         ([*MOE, "step=sam"], "moe.balance", "step=accumulate"),
+        ([*MOE, "moe=seq_aux", "step=sam"], "moe.balance", "seq_aux counts the whole step's"),
     ],
-    ids=["top_k>experts", "zero-experts", "unknown-key", "balance", "step"],
+    ids=["top_k>experts", "zero-experts", "unknown-key", "balance", "step", "seq_aux-step"],
 )
 def test_bad_input_is_one_paragraph(
     runs: Runs, overrides: list[str], key: str, says: str, tmp_path: Path
@@ -551,6 +567,32 @@ def test_the_config_knows_every_strategy() -> None:
 
     assert tuple(STRATEGIES) == BALANCE_MODES
     assert all(cls.name == name for name, cls in STRATEGIES.items())
+
+
+def assert_seq_aux(dumped: dict, record: dict, runs: Runs) -> None:
+    """The gradient of the whole batch's CE + AUX x Megatron's sequence-level aux + Z x z to
+    1e-5; `train/moe_seq_aux_loss` its value and `train/moe_aux_loss` the whole batch's
+    (per-layer) aux, both to 1e-6."""
+    want, want_seq_aux, _, _ = runs.seq_reference()
+    errs = rel_error(dumped["grads"], want)
+    worst = max(errs, key=errs.__getitem__)
+    assert errs[worst] <= REL, f"{worst}: relative error {errs[worst]:.2e} > {REL:.0e}"
+    assert record["train/moe_seq_aux_loss"] == pytest.approx(want_seq_aux, rel=1e-6)
+    assert record["train/moe_aux_loss"] == pytest.approx(runs.reference()[1], rel=1e-6)
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_seq_aux_is_the_whole_batch_gradient(runs: Runs, split: str) -> None:
+    """moe.balance=seq_aux (f and P of each sequence, averaged over the step's 24 sequences)
+    at 24x1 and 4x6: the float64 whole batch's gradient (`assert_seq_aux`)."""
+    assert_seq_aux(*runs.one(split, "seq_aux"), runs)
+
+
+@pytest.mark.multiproc
+def test_seq_aux_on_two_ranks_is_the_whole_batch_gradient(runs: Runs) -> None:
+    """moe.balance=seq_aux on 2 DDP ranks x micro 3 x accum 4: the sequences counted over
+    both ranks, the whole batch's gradient as on one process."""
+    assert_seq_aux(*runs.two_ranks()["ddp-seq_aux"], runs)
 
 
 # ---------------------------------------------------------------- transformers MoE models
