@@ -478,7 +478,8 @@ class MoECfg:
 
     # global: the load-balancing loss of the whole step, exact; micro: per micro-batch (the
     # peers' approximation); bias: no loss, a routing bias moved after each step from the
-    # whole step's counts (DeepSeek-V3); none: no balancing.
+    # whole step's counts (DeepSeek-V3); none: no balancing; seq_aux: Megatron's
+    # sequence-level loss, each sequence's own f and P averaged over the step's sequences.
     balance: str = "global"
     # The load-balancing loss's weight; null: the model's own (transformers' mixtures: their
     # config's router_aux_loss_coef; the in-tree GPT: 0.01, Switch's).
