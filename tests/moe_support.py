@@ -1,5 +1,6 @@
 """For tests/test_moe.py, loaded by the trainer's ranks by `_target_`: a callback writing the
-weights and the gradients of optimizer step 1, whole (gathered under FSDP), from rank 0; a
+weights and the gradients of optimizer step 1, whole (gathered under FSDP), from rank 0 (and
+its micro-batches: `DumpFirstStepBatches`); a
 mixture whose routing does not repeat (`RestlessGPT`; `RestlessOnRank1`, on rank 1 alone); a
 stop request after a given step (`StopAfter`); an overflow in one rank's experts
 (`OverflowInExperts`)."""
@@ -53,6 +54,25 @@ class DumpFirstStep(Callback):
             return
         buffers = {n: b.detach().clone() for n, b in unwrap(ctx.model).named_buffers()}
         torch.save(buffers, f"{self.path}.buffers")
+
+
+class DumpFirstStepBatches(DumpFirstStep):
+    """DumpFirstStep's dump with rank 0's micro-batches of step 1 too, in order: `"batches"`,
+    a list of (inputs, targets) (a per-micro-batch reference needs the split)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.batches: list[tuple[torch.Tensor, ...]] = []
+
+    def on_after_micro_batch(
+        self, ctx: StepContext, batch: Any, global_count: torch.Tensor, last: bool
+    ) -> None:
+        del global_count
+        if ctx.step != 0:
+            return
+        self.batches.append(tuple(t.detach().clone() for t in batch))
+        if last and ctx.dist.rank == 0:
+            torch.save(self.batches, f"{self.path}.batches")
 
 
 class RestlessGPT(GPT):

@@ -251,11 +251,12 @@ def check_profile(cfg: Config) -> None:
 def check_moe(cfg: Config) -> None:
     """The balancing of a mixture-of-experts run, as the engine takes it."""
     from engine.moe.balance import BalanceCfg
+    from engine.moe.strategies import STRATEGIES
 
     balance = BalanceCfg(
         cfg.moe.balance, cfg.moe.aux_coef, cfg.moe.z_coef, bias_rate=cfg.moe.bias_rate
     )
-    assert balance.balance in ("global", "micro", "bias", "none")
+    assert balance.balance in STRATEGIES
 
 
 BUILDERS: dict[str, Callable[[Config], None]] = {

@@ -13,12 +13,17 @@ probability); z = the mean of logsumexp(router logits)^2. Both are computed here
 router's logits, captured by a hook on its gate, with their own softmax and top-k. The data
 set is the whole batch, so the reference needs no knowledge of the sampler's order. The same
 for model=hf_qwen3_moe at every split (hf_mixtral at 4x6), against transformers' own model in
-float64 (`hf_reference`). After the backward passes no router holds a routing (a block
-recomputed in backward would keep its activations alive through it).
+float64 and transformers' own objective: `load_balancing_loss_func` over the whole batch's
+router logits at once (every layer pooled, f summing to top_k), weighted by the model
+config's `router_aux_loss_coef` (moe.aux_coef left null: `hf_reference`). After the backward
+passes no router holds a routing (a block recomputed in backward would keep its activations
+alive through it).
 
 `moe.balance=micro` (the peers' per-micro-batch balancing) misses the same gradient by a
-measured amount: the negative control, and the README's number. `moe.balance=bias` moves
-each router's bias by the whole step's assignments, on one rank or two, and resumes exactly.
+measured amount: the negative control, and the README's number. On hf_qwen3_moe it is what
+transformers' own model gives (its `aux_loss` per micro-batch, averaged). `moe.balance=bias`
+moves each router's bias by the whole step's assignments, on one rank or two, and resumes
+exactly.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from trainer.models.moe import MoE, MoEConfig
 
 E, K, HIDDEN = 8, 2, 48
 AUX, Z = 1.0, 0.1  # large enough that the balancing terms weigh on the routers' gradients
+# transformers' runs leave moe.aux_coef null: their config's router_aux_loss_coef weighs.
+HF_AUX = 0.5
 MOE = [f"+model.moe.experts={E}", f"+model.moe.top_k={K}", f"+model.moe.hidden={HIDDEN}"]
 SPLITS = {"24x1": (24, 1), "4x6": (4, 6)}
 REL = 1e-5
@@ -47,12 +54,13 @@ RATE = 0.25  # moe.bias_rate: a step that shows (the default 0.001 would too)
 TEXT_BYTES = 1750  # 24 training samples of 65 tokens (block 64), 2 for validation
 
 
-def common(text: Path, balance: str = "global") -> list[str]:
+def common(text: Path, balance: str = "global", aux_coef: float | None = AUX) -> list[str]:
+    """The runs' arguments; `aux_coef` None: moe.aux_coef as configured (null, the model's)."""
     return [
         *TINY,
         *MOE,
         f"moe={balance}",
-        f"moe.aux_coef={AUX}",
+        *([] if aux_coef is None else [f"moe.aux_coef={aux_coef}"]),
         f"moe.z_coef={Z}",
         f"data.path={text}",
         "data.block_size=64",  # (a transformers model's default: its longest sequence)
@@ -69,18 +77,24 @@ def load_dump(run_dir: Path) -> dict[str, Any]:
     """DumpFirstStep's weights and gradients of step 1, and the buffers after it."""
     dumped = torch.load(run_dir / "step1.pt")
     dumped["buffers"] = torch.load(run_dir / "step1.pt.buffers")
+    if (run_dir / "step1.pt.batches").exists():
+        dumped["batches"] = torch.load(run_dir / "step1.pt.batches")
     return dumped
 
 
 def hf_model(family: str) -> list[str]:
-    """model=hf_<family> in place of the in-tree GPT (its `model.moe` removed)."""
-    return [f"model=hf_{family}", "~model.moe"]
+    """model=hf_<family> in place of the in-tree GPT (its `model.moe` removed), with its
+    config's router_aux_loss_coef set to HF_AUX."""
+    return [f"model=hf_{family}", "~model.moe", f"+model.config.router_aux_loss_coef={HF_AUX}"]
 
 
-def dump(run_dir: Path) -> str:
-    return (
-        f"+callbacks.dump={{_target_: tests.moe_support.DumpFirstStep, path: {run_dir}/step1.pt}}"
-    )
+def own_coef(args: Any) -> float | None:
+    """moe.aux_coef for a run of `args`: transformers' runs take their model's (None)."""
+    return None if any(a.startswith("model=hf_") for a in args) else AUX
+
+
+def dump(run_dir: Path, target: str = "DumpFirstStep") -> str:
+    return f"+callbacks.dump={{_target_: tests.moe_support.{target}, path: {run_dir}/step1.pt}}"
 
 
 class Runs:
@@ -106,8 +120,9 @@ class Runs:
     def _one(self, name: str, balance: str, *extra: str) -> tuple[dict, dict]:
         run_dir = self.root / f"{name}-{balance}-{len(self.made)}"
         micro, accum = SPLITS[name.split("-")[0]]
-        args = [*common(self.text, balance), *self.split(micro, accum, *extra)]
-        records = train_in_process([*args, dump(run_dir), f"hydra.run.dir={run_dir}"], run_dir)
+        args = [*common(self.text, balance, own_coef(extra)), *self.split(micro, accum, *extra)]
+        dumps = dump(run_dir, "DumpFirstStepBatches")
+        records = train_in_process([*args, dumps, f"hydra.run.dir={run_dir}"], run_dir)
         return load_dump(run_dir), train_records(records)[-1]
 
     def two_ranks(self) -> dict[str, tuple[dict, dict]]:
@@ -122,6 +137,7 @@ class Runs:
             "ddp": ["dist.strategy=ddp"],
             "fsdp": ["dist.strategy=fsdp"],
             "ddp-bias": ["dist.strategy=ddp", "moe=bias", f"moe.bias_rate={RATE}"],
+            "ddp-seq_aux": ["dist.strategy=ddp", "moe=seq_aux"],
         }
         if importlib.util.find_spec("transformers") is not None:  # the `hf` extra
             layouts["hf-ddp"] = ["dist.strategy=ddp", *hf_model("qwen3_moe")]
@@ -129,7 +145,7 @@ class Runs:
         cmds, dirs = {}, {}
         for name, extra in layouts.items():
             run_dir = dirs[name] = self.root / name
-            args = [*common(self.text), *self.split(3, 4), *extra]
+            args = [*common(self.text, aux_coef=own_coef(extra)), *self.split(3, 4), *extra]
             cmds[name] = torchrun(2, [*args, dump(run_dir), f"hydra.run.dir={run_dir}"])
         refused = [*TINY, *MOE, f"data.path={self.text}", "dist.tp=2"]
         cmds["tp"] = torchrun(2, [*refused, f"hydra.run.dir={self.root / 'tp'}"])
@@ -170,11 +186,17 @@ class Runs:
         whole batch's aux and z (from the 24x1 run's weights: every run starts from them)."""
         return self.once("reference", self._reference)
 
-    def _reference(self) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
+    def _reference(
+        self, per_sequence: bool = False
+    ) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
         weights = self.one("24x1")[0]["weights"]
         samples = load_splits(TextCfg(path=str(self.text), block_size=64)).train
         batch = torch.stack(list(samples))  # (24, 65)
-        return whole_batch_gradient(weights, batch)
+        return whole_batch_gradient(weights, batch, per_sequence)
+
+    def seq_reference(self) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
+        """`reference` with Megatron's sequence-level aux (moe.balance=seq_aux)."""
+        return self.once("seq reference", lambda: self._reference(per_sequence=True))
 
 
 @pytest.fixture(scope="module")
@@ -194,10 +216,12 @@ def tiny_moe() -> GPT:
 
 
 def whole_batch_gradient(
-    weights: dict[str, torch.Tensor], batch: torch.Tensor
+    weights: dict[str, torch.Tensor], batch: torch.Tensor, per_sequence: bool = False
 ) -> tuple[dict[str, torch.Tensor], float, float, torch.Tensor]:
     """The gradient of mean CE + AUX * aux + Z * z over `batch` at once (float64), aux, z,
-    and each layer's assignments per expert (L, E)."""
+    and each layer's assignments per expert (L, E). `per_sequence`: aux is Megatron's
+    sequence-level loss instead, each layer's E * sum_i f_i * P_i of every sequence (row) on
+    its own, averaged over the sequences (moe.balance=seq_aux)."""
     model = tiny_moe().double()
     model.load_state_dict({n: w.double() for n, w in weights.items()}, strict=False)
     logits: list[torch.Tensor] = []
@@ -217,7 +241,13 @@ def whole_batch_gradient(
             / chosen.numel()
         )
         counts.append(f * chosen.numel())
-        aux.append(E * (f * probs.mean(0)).sum())
+        if per_sequence:
+            rows, T = batch.shape[0], batch.shape[1] - 1
+            f_rows = F.one_hot(chosen.view(rows, T, K), E).double().sum((1, 2)) / (T * K)
+            p_rows = probs.view(rows, T, E).mean(1)  # (B, E) each
+            aux.append((E * (f_rows * p_rows).sum(-1)).mean())
+        else:
+            aux.append(E * (f * probs.mean(0)).sum())
         z.append(torch.logsumexp(lg, -1).pow(2).mean())
     aux_loss, z_loss = torch.stack(aux).mean(), torch.stack(z).mean()
     (ce + AUX * aux_loss + Z * z_loss).backward()
@@ -447,8 +477,9 @@ def test_the_routing_check_reads_the_device_with_the_records(runs: Runs, tmp_pat
         ([f"+model.moe.experts={E}", "+model.moe.width=3"], "model.moe.width", "valid"),
         (["moe.balance=batch"], "moe.balance", "global, micro, bias, none"),
         ([*MOE, "step=sam"], "moe.balance", "step=accumulate"),
+        ([*MOE, "moe=seq_aux", "step=sam"], "moe.balance", "seq_aux counts the whole step's"),
     ],
-    ids=["top_k>experts", "zero-experts", "unknown-key", "balance", "step"],
+    ids=["top_k>experts", "zero-experts", "unknown-key", "balance", "step", "seq_aux-step"],
 )
 def test_bad_input_is_one_paragraph(
     runs: Runs, overrides: list[str], key: str, says: str, tmp_path: Path
@@ -525,16 +556,51 @@ def test_bias_resumes_exactly(runs: Runs, tmp_path: Path) -> None:
         assert [r[key] for r in resumed] == [r[key] for r in whole[2:]], key
 
 
+# ---------------------------------------------------------------- the modes as strategies
+
+
+def test_the_config_knows_every_strategy() -> None:
+    """The names the config layer validates moe.balance against (engine/moe/modes.py, without
+    torch) are the strategies' (engine/moe/strategies.py), in order."""
+    from engine.moe.modes import BALANCE_MODES
+    from engine.moe.strategies import STRATEGIES
+
+    assert tuple(STRATEGIES) == BALANCE_MODES
+    assert all(cls.name == name for name, cls in STRATEGIES.items())
+
+
+def assert_seq_aux(dumped: dict, record: dict, runs: Runs) -> None:
+    """The gradient of the whole batch's CE + AUX x Megatron's sequence-level aux + Z x z to
+    1e-5; `train/moe_seq_aux_loss` its value and `train/moe_aux_loss` the whole batch's
+    (per-layer) aux, both to 1e-6."""
+    want, want_seq_aux, _, _ = runs.seq_reference()
+    errs = rel_error(dumped["grads"], want)
+    worst = max(errs, key=errs.__getitem__)
+    assert errs[worst] <= REL, f"{worst}: relative error {errs[worst]:.2e} > {REL:.0e}"
+    assert record["train/moe_seq_aux_loss"] == pytest.approx(want_seq_aux, rel=1e-6)
+    assert record["train/moe_aux_loss"] == pytest.approx(runs.reference()[1], rel=1e-6)
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_seq_aux_is_the_whole_batch_gradient(runs: Runs, split: str) -> None:
+    """moe.balance=seq_aux (f and P of each sequence, averaged over the step's 24 sequences)
+    at 24x1 and 4x6: the float64 whole batch's gradient (`assert_seq_aux`)."""
+    assert_seq_aux(*runs.one(split, "seq_aux"), runs)
+
+
+@pytest.mark.multiproc
+def test_seq_aux_on_two_ranks_is_the_whole_batch_gradient(runs: Runs) -> None:
+    """moe.balance=seq_aux on 2 DDP ranks x micro 3 x accum 4: the sequences counted over
+    both ranks, the whole batch's gradient as on one process."""
+    assert_seq_aux(*runs.two_ranks()["ddp-seq_aux"], runs)
+
+
 # ---------------------------------------------------------------- transformers MoE models
 
 
-def hf_reference(
-    family: str, weights: dict[str, torch.Tensor], batch: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], float, float]:
-    """The float64 gradient of mean CE + AUX * aux + Z * z over `batch`, on transformers'
-    model of `family` (configs/model/hf_<family>.yaml) with the run's first weights, and the
-    whole batch's aux and z; router logits from a hook on each `*TopKRouter`, softmax and
-    top-k computed here."""
+def hf_float64(family: str, weights: dict[str, torch.Tensor]) -> Any:
+    """transformers' model of `family` (configs/model/hf_<family>.yaml, router_aux_loss_coef
+    HF_AUX) in float64 with the run's first weights."""
     import yaml
 
     from trainer.models.hf import causal_lm
@@ -542,25 +608,56 @@ def hf_reference(
     node = yaml.safe_load(
         (Path(__file__).parent.parent / f"configs/model/hf_{family}.yaml").read_text()
     )
-    model = causal_lm(node["family"], node["config"]).double()
+    config = {**node["config"], "router_aux_loss_coef": HF_AUX}
+    model = causal_lm(node["family"], config).double()
     model.load_state_dict({n: w.double() for n, w in weights.items()})
-    logits: list[torch.Tensor] = []
-    for m in model.modules():
-        if type(m).__name__.endswith("TopKRouter"):
-            m.register_forward_hook(lambda mod, a, out: logits.append(out[0]))
+    return model
+
+
+def mean_z(router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """z: the mean over the layers of the mean of logsumexp(router logits)^2."""
+    return torch.stack([torch.logsumexp(lg, -1).pow(2).mean() for lg in router_logits]).mean()
+
+
+def hf_reference(
+    family: str, weights: dict[str, torch.Tensor], batch: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], float, float]:
+    """The float64 gradient of mean CE + router_aux_loss_coef * aux + Z * z over `batch`, on
+    transformers' model of `family` with the run's first weights, and the whole batch's aux
+    and z. aux is transformers' own `load_balancing_loss_func` called here on the router
+    logits of the whole batch at once (its model returns them: output_router_logits)."""
+    import importlib
+
+    model = hf_float64(family, weights)
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     x, y = batch[:, :-1], batch[:, 1:]
-    ce = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
-    aux, z = [], []
-    for lg in logits:  # (N, E) each
-        probs = lg.softmax(-1)
-        chosen = probs.topk(K, dim=-1).indices
-        f = torch.bincount(chosen.flatten(), minlength=E).double() / chosen.numel()
-        aux.append(E * (f * probs.mean(0)).sum())
-        z.append(torch.logsumexp(lg, -1).pow(2).mean())
-    aux_loss, z_loss = torch.stack(aux).mean(), torch.stack(z).mean()
-    (ce + AUX * aux_loss + Z * z_loss).backward()
+    out = model(x, output_router_logits=True)
+    ce = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    assert isinstance(out.router_logits, tuple) and len(out.router_logits) == 2
+    aux = modeling.load_balancing_loss_func(out.router_logits, E, K)
+    z = mean_z(out.router_logits)
+    (ce + model.config.router_aux_loss_coef * aux + Z * z).backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return grads, aux_loss.item(), z_loss.item()
+    return grads, aux.item(), z.item()
+
+
+def hf_micro_reference(
+    family: str, weights: dict[str, torch.Tensor], batches: list[tuple[torch.Tensor, ...]]
+) -> dict[str, torch.Tensor]:
+    """The float64 gradient of mean CE over `batches` + the mean over them of each one's
+    router_aux_loss_coef * aux + Z * z, aux being what transformers' own model returns for
+    that micro-batch (`aux_loss`, output_router_logits=True): its balancing under
+    accumulation, averaged over the micro-batches."""
+    model = hf_float64(family, weights)
+    total = sum(y.numel() for _, y in batches)
+    loss = torch.zeros((), dtype=torch.float64)
+    for x, y in batches:
+        out = model(x, output_router_logits=True)
+        ce = F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), reduction="sum") / total
+        balancing = model.config.router_aux_loss_coef * out.aux_loss + Z * mean_z(out.router_logits)
+        loss = loss + ce + balancing / len(batches)
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 def assert_hf_exact(family: str, dumped: dict, record: dict, runs: Runs) -> None:
@@ -588,8 +685,10 @@ def assert_hf_exact(family: str, dumped: dict, record: dict, runs: Runs) -> None
 def test_transformers_moe_is_the_whole_batch_gradient(runs: Runs, family: str, split: str) -> None:
     """model=hf_qwen3_moe at micro x accum 24x1, 4x6 and 4x6 with activation checkpointing
     (each decoder layer recomputed in backward, its router's hook firing again), hf_mixtral at
-    4x6: the whole batch's gradient to 1e-5 and its aux to 1e-6, their own auxiliary loss
-    off, cumulus's from their routers' logits."""
+    4x6: the gradient of the whole batch's CE + router_aux_loss_coef x transformers'
+    load_balancing_loss_func to 1e-5, and `train/moe_aux_loss` transformers' value to 1e-6;
+    their own auxiliary loss off, cumulus's (the same objective) from their routers' logits.
+    Before (cumulus's per-layer objective, weight 0.01): the routers' gradients were off."""
     pytest.importorskip("transformers")
     dumped, record = runs.hf(family, split)
     assert_hf_exact(family, dumped, record, runs)
@@ -605,6 +704,20 @@ def test_transformers_moe_on_two_ranks_is_the_whole_batch_gradient(
     pytest.importorskip("transformers")
     dumped, record = runs.two_ranks()[f"hf-{strategy}"]
     assert_hf_exact("qwen3_moe", dumped, record, runs)
+
+
+def test_transformers_micro_is_their_own_loss_per_micro_batch(runs: Runs) -> None:
+    """moe.balance=micro on hf_qwen3_moe at 4x6 gives what transformers' own model gives under
+    accumulation: the gradient of mean CE + the mean over the 6 micro-batches of
+    router_aux_loss_coef x its own `aux_loss` (+ Z x z), to 1e-5; the split is the run's
+    (its micro-batches, dumped)."""
+    pytest.importorskip("transformers")
+    dumped, _ = runs.one("4x6", "micro", *hf_model("qwen3_moe"))
+    assert len(dumped["batches"]) == 6
+    want = hf_micro_reference("qwen3_moe", dumped["weights"], dumped["batches"])
+    errs = rel_error(dumped["grads"], want)
+    worst = max(errs, key=errs.__getitem__)
+    assert errs[worst] <= REL, f"{worst}: relative error {errs[worst]:.2e} > {REL:.0e}"
 
 
 def test_transformers_moe_without_observable_routers_is_refused() -> None:

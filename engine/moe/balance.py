@@ -1,11 +1,13 @@
 """The load-balancing loss of the whole step (`moe.balance`), exact under any split.
 
-    aux = E * sum_i f_i * P_i       (per MoE layer, averaged over the layers)
+    aux = the model's objective of f and P      (engine/moe/objective.py)
 
 f_i is the share of the (token, slot) assignments that went to expert i (no gradient), P_i
-the mean router probability of expert i. Over a global batch this is a product of two means,
-not a sum of micro-batch terms. With `balance="global"` the accumulation step runs, before any
-backward:
+the mean router probability of expert i. The in-tree GPT's objective is Switch / Megatron's,
+E * sum_i f_i * P_i per MoE layer averaged over the layers; transformers' mixtures pool every
+layer's tokens (their `load_balancing_loss_func`). Over a global batch either is a product of
+two means, not a sum of micro-batch terms. With `balance="global"` the accumulation step runs,
+before any backward:
 
     routing pass: every micro-batch of the window forward without a graph, its random state
     recorded, stopping after the last router (whole-model layouts) -> per layer and expert:
@@ -13,18 +15,20 @@ backward:
     tokens, summed over the data-parallel ranks in one all-reduce ->
     each micro-batch forward again (its random state replayed: the same dropout masks route
     every token alike) and backward of
-        CE_sum + global_count * (aux_coef * E * sum_i f_i * Psum_i / T + z_coef * Zsum / T) / L
+        CE_sum + global_count * (aux_coef * aux(C, Psum, T) + z_coef * Zsum / (T L))
 
-where f is the whole step's (a constant), Psum and Zsum this micro-batch's sums and T the
-whole step's routed tokens. Summed over micro-batches and ranks and divided by the global
-count (the accumulation step's rule), this is the gradient of mean CE + aux_coef * aux +
-z_coef * z of the whole batch at once.
+where C is the whole step's assignments (a constant), Psum and Zsum this micro-batch's sums
+and T the whole step's routed tokens: the objective is linear in P for a fixed C and T.
+Summed over micro-batches and ranks and divided by the global count (the accumulation step's
+rule), this is the gradient of mean CE + aux_coef * aux + z_coef * z of the whole batch at
+once.
 
-`balance="micro"` is what the peers do (Hugging Face, DeepSpeed): each micro-batch's own f and
-P, its aux averaged over the step's micro-batches (the same scale as `global` when the
-micro-batches are alike) - an approximation that depends on the split. `balance="none"` adds
-nothing. The records (`metrics`) are the whole step's aux, z-loss and the most-loaded expert's
-share over the mean (worst layer), in every mode.
+The modes are strategies (engine/moe/strategies.py). `balance="micro"` is what the peers do
+(transformers, DeepSpeed): each micro-batch's own f and P, its aux averaged over the step's
+micro-batches (the same scale as `global` when the micro-batches are alike), an
+approximation that depends on the split. `balance="none"` adds nothing. The records
+(`metrics`) are the whole step's aux (the model's objective), z-loss and the most-loaded
+expert's share over the mean (worst layer), in every mode.
 
 Tokens: every position of the input is routed; f, P and z count only the positions that are
 not padding - a tuple batch's positions whose target is a loss item, a dict batch's where its
@@ -33,41 +37,40 @@ not padding - a tuple batch's positions whose target is a loss item, a dict batc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import DistInfo
-from engine.moe.routing import HALF, BiasedRouter, HookedRouter, Routed, Routing
-from engine.numerics.chunked_ce import IGNORE_INDEX
+from engine.moe.objective import BalanceObjective, PerLayer
+from engine.moe.routing import BiasedRouter, HookedRouter, Routed, Routing
+from engine.moe.strategies import Share, strategy
+from engine.moe.sums import LayerSums, MicroRouting, StepSums, Window, routed_mask
 from engine.parallel.base import NO_GUARD, WindowGuard
 from engine.step import EvalTask
 from engine.steps.cached import RandomState, cuda_devices
 from engine.steps.oom import OutOfMemoryAgreed
 
-BALANCES = ("global", "micro", "bias", "none")
-
 
 @dataclass(frozen=True)
 class BalanceCfg:
-    """`moe.*`: the mode, the load-balancing loss's weight and the router z-loss's, the
-    routing bias's step (`bias`); `stop_early`: the routing pass stops after the last router
-    (off where forwards are collective all the way through: sharded parameters)."""
+    """`moe.*`: the mode (a name of engine/moe/strategies.py's), the load-balancing loss's
+    weight (None: the model's objective's own) and the router z-loss's, the routing bias's
+    step (`bias`); `stop_early`: the routing pass stops after the last router (off where
+    forwards are collective all the way through: sharded parameters)."""
 
     balance: str = "global"
-    aux_coef: float = 0.01
+    aux_coef: float | None = None
     z_coef: float = 0.0
     stop_early: bool = True
     bias_rate: float = 0.001
 
     def __post_init__(self) -> None:
-        if self.balance not in BALANCES:
-            raise ValueError(f"balance must be one of {', '.join(BALANCES)}, got {self.balance!r}")
+        strategy(self.balance)  # an unknown mode: its one message
         if self.bias_rate < 0:
             raise ValueError(f"bias_rate must be >= 0, got {self.bias_rate}")
 
@@ -79,113 +82,6 @@ class RoutingNotRepeated(RuntimeError):
 
 class RoutingDone(Exception):
     """Raised after the last router of the routing pass: the rest of the forward is skipped."""
-
-
-def routed_mask(batch: Any, n: int) -> torch.Tensor:
-    """(n,) bool: which of the n routed positions count (see the module's docstring)."""
-    mask: torch.Tensor | None = None
-    if isinstance(batch, Mapping):
-        if isinstance(batch.get("attention_mask"), torch.Tensor):
-            mask = batch["attention_mask"] != 0
-    elif isinstance(batch, tuple | list) and len(batch) == 2:
-        inputs, targets = batch
-        aligned = isinstance(targets, torch.Tensor) and isinstance(inputs, torch.Tensor)
-        if aligned and targets.shape == inputs.shape:
-            mask = targets != IGNORE_INDEX
-    if mask is None:
-        return torch.ones(n, dtype=torch.bool)
-    if mask.numel() != n:
-        raise ValueError(
-            f"the routers routed {n} positions but the batch marks {mask.numel()} "
-            "(attention_mask or targets): a router must route every input position once"
-        )
-    return mask.reshape(-1)
-
-
-@dataclass
-class LayerSums:
-    """One micro-batch's routing, per layer: assignments (L, E), summed probabilities (L, E)
-    with their graph, summed squared logsumexps (L,) with theirs, and counted tokens."""
-
-    counts: torch.Tensor
-    probs: torch.Tensor
-    lse2: torch.Tensor
-    tokens: torch.Tensor
-
-    @classmethod
-    def of(cls, routings: Sequence[Routing], mask: torch.Tensor) -> LayerSums:
-        counts, probs, lse2 = [], [], []
-        for r in routings:
-            logits = r.logits.float() if r.logits.dtype in HALF else r.logits
-            # Masked, not indexed: no shape that depends on the values (no host sync on a
-            # GPU; a planned step's fake tensors have no values).
-            m = mask.to(logits.device)  # (N,)
-            E, k = logits.shape[-1], r.experts.shape[-1]
-            slots = m.to(torch.int64).repeat_interleave(k)  # (N*k,) 1 where the token counts
-            zeros = torch.zeros(E, dtype=torch.int64, device=logits.device)
-            counts.append(zeros.scatter_add(0, r.experts.reshape(-1), slots))
-            p = torch.where(m.unsqueeze(-1), F.softmax(logits, dim=-1), 0.0)  # (N, E)
-            probs.append(p.sum(0))
-            lse2.append(torch.where(m, torch.logsumexp(logits, dim=-1).pow(2), 0.0).sum())
-        tokens = mask.sum().to(probs[0].device)
-        return cls(torch.stack(counts), torch.stack(probs), torch.stack(lse2), tokens)
-
-    def flat(self) -> torch.Tensor:
-        """Everything detached, in float64, as one vector (one all-reduce)."""
-        parts = [self.counts, self.probs.detach(), self.lse2.detach(), self.tokens]
-        return torch.cat([p.to(torch.float64).reshape(-1) for p in parts])
-
-
-@dataclass
-class StepSums:
-    """The whole step's sums (float64, over every micro-batch and rank): assignments (L, E),
-    probabilities (L, E), squared logsumexps (L,), tokens; and the records they give."""
-
-    counts: torch.Tensor
-    probs: torch.Tensor
-    lse2: torch.Tensor
-    tokens: torch.Tensor
-    top_k: int
-
-    @classmethod
-    def unflat(cls, flat: torch.Tensor, layers: int, experts: int, top_k: int) -> StepSums:
-        le = layers * experts
-        return cls(
-            flat[:le].view(layers, experts),
-            flat[le : 2 * le].view(layers, experts),
-            flat[2 * le : 2 * le + layers],
-            flat[-1],
-            top_k,
-        )
-
-    @property
-    def f(self) -> torch.Tensor:
-        """(L, E): each expert's share of the assignments."""
-        return self.counts / (self.tokens.clamp(min=1) * self.top_k)
-
-    def records(self) -> dict[str, torch.Tensor]:
-        E = self.counts.shape[-1]
-        T = self.tokens.clamp(min=1)
-        aux = (E * (self.f * self.probs / T).sum(-1)).mean()
-        load = self.counts.max(-1).values / self.counts.mean(-1).clamp(min=1e-30)
-        return {
-            "train/moe_aux_loss": aux,
-            "train/moe_z_loss": (self.lse2 / T).mean(),
-            "train/moe_load_max": load.max(),
-        }
-
-
-@dataclass
-class Window:
-    """What the balancing knows of the window being stepped: each micro-batch's random state
-    and routing-pass counts (by the batch's identity), the step's sums, the global count."""
-
-    global_count: torch.Tensor
-    micro_batches: int  # over every rank
-    batches: list[Any]  # kept: their identities name them until the next window
-    replays: dict[int, tuple[RandomState, torch.Tensor]] = field(default_factory=dict)
-    step: StepSums | None = None
-    local: list[torch.Tensor] = field(default_factory=list)  # pass-2 sums (records)
 
 
 class BalancedTask:
@@ -205,11 +101,15 @@ class BalancedTask:
         cfg: BalanceCfg,
         info: DistInfo,
         group: Any = None,
+        objective: BalanceObjective | None = None,
     ) -> None:
         if not routers:
             raise ValueError("BalancedTask needs a model with at least one router")
         self.task, self.routers, self.cfg = task, list(routers), cfg
         self.info, self.group = info, group
+        self.mode = strategy(cfg.balance)
+        self.objective = objective or PerLayer()  # the model's (engine/moe/objective.py)
+        self.aux_coef = self.objective.coef if cfg.aux_coef is None else cfg.aux_coef
         self.experts = routers[0].num_experts
         self.top_k = routers[0].top_k
         if any(r.num_experts != self.experts or r.top_k != self.top_k for r in routers):
@@ -230,14 +130,17 @@ class BalancedTask:
         if entry is not None:
             entry[0].restore()  # the routing pass's random state: the same routing
         loss = self.task.loss_sum(model, batch)
-        sums = self.sums(batch)
+        micro = self.micro(batch)
         differs = None
         if entry is not None:  # compared on the device; read when records are (check_routing)
-            differs = (sums.counts != entry[1]).any()
+            differs = (micro.sums.counts != entry[1]).any()
             self.differs = differs if self.differs is None else self.differs | differs
+        share = self.mode.share(micro, window, self.objective)
         if window.step is None:  # global's routing pass gave the step's sums already
-            window.local.append(sums.flat())
-        extra = self.balance_term(sums, window)
+            own = self.mode.own(share)
+            flat = micro.sums.flat()
+            window.local.append(flat if own is None else torch.cat([flat, own.reshape(-1)]))
+        extra = self.balance_term(share)
         if extra is not None:
             extra = (extra * window.global_count.to(extra.dtype)).to(loss.dtype)
             loss = loss + (extra - extra.detach())  # the value stays the task's loss, exactly
@@ -254,7 +157,7 @@ class BalancedTask:
         scalar all-reduce (MAX) and read once. `metrics` calls it, so the run stops at the
         next record; a trainer calls it too before it writes a checkpoint, which would hold
         the skipped steps as if they had been taken."""
-        if self.cfg.balance != "global":
+        if not self.mode.routing_pass:
             return
         differs, self.differs = self.differs, None
         flag = torch.zeros((), dtype=torch.int32, device=self.info.device)
@@ -279,34 +182,36 @@ class BalancedTask:
         global_count: torch.Tensor,
         guard: WindowGuard = NO_GUARD,
     ) -> None:
-        """Before any backward: with `global`, the routing pass and its one all-reduce. Each
-        forward of the pass runs under `guard.micro_batch`, like a backward's (under
+        """Before any backward: what the mode needs (`Balance.prepare`; with `global`, the
+        routing pass and its one all-reduce: `count_step`)."""
+        dp = ctx.parallel.dp_size
+        prepared = Window(global_count.clamp(min=1), len(window) * dp, list(window))
+        self.window = self.mode.prepare(self, ctx, prepared, guard)
+
+    def count_step(self, ctx: Any, window: Window, guard: WindowGuard = NO_GUARD) -> StepSums:
+        """The routing pass over `window`'s micro-batches (their random states and counts kept
+        in `window.replays`) and its one all-reduce: the whole step's sums. Each forward of
+        the pass runs under `guard.micro_batch`, like a backward's (under
         train.micro_batch_size=auto: ranks agree after each, so an out-of-memory error on one
         rank is every rank's `OutOfMemoryAgreed` before any of them reaches the counts'
         all-reduce)."""
-        dp = ctx.parallel.dp_size
-        self.window = Window(global_count.clamp(min=1), len(window) * dp, list(window))
-        if self.cfg.balance != "global":
-            return
         with ctx.clock.span("moe routing pass"):
             sums = self.routing_pass(ctx, window, guard)
         with ctx.clock.collective("moe routing counts"):
             flat = self.all_reduce(sums)
-        self.window.step = StepSums.unflat(flat, len(self.routers), self.experts, self.top_k)
+        return StepSums.unflat(flat, len(self.routers), self.experts, self.top_k)
 
-    def routing_pass(
-        self, ctx: Any, window: Sequence[Any], guard: WindowGuard = NO_GUARD
-    ) -> torch.Tensor:
-        devices = cuda_devices(ctx, window)
+    def routing_pass(self, ctx: Any, window: Window, guard: WindowGuard = NO_GUARD) -> torch.Tensor:
+        batches = window.batches
+        devices = cuda_devices(ctx, batches)
         total: torch.Tensor | None = None
-        assert self.window is not None
-        for i, batch in enumerate(window):
+        for i, batch in enumerate(batches):
             state = RandomState.capture(devices)
             try:
-                sums = guard.micro_batch(i, len(window), lambda b=batch: self.route(ctx, b))
+                sums = guard.micro_batch(i, len(batches), lambda b=batch: self.route(ctx, b))
             except OutOfMemoryAgreed as oom:  # named for what ran out: the routing pass
                 raise OutOfMemoryAgreed(f"moe routing pass of the {oom.where}", oom.ranks) from None
-            self.window.replays[id(batch)] = (state, sums.counts)
+            window.replays[id(batch)] = (state, sums.counts)
             total = sums.flat() if total is None else total + sums.flat()
         assert total is not None
         return total
@@ -330,17 +235,19 @@ class BalancedTask:
         finally:
             if hook is not None:
                 hook.remove()
-        return self.sums(batch)
+        return self.micro(batch).sums
 
-    def sums(self, batch: Any) -> LayerSums:
-        routings = []
+    def micro(self, batch: Any) -> MicroRouting:
+        """What the routers routed in `batch`'s forward, taken from them."""
+        routings: list[Routing] = []
         for r in self.routers:
             if r.routing is None:
                 raise RuntimeError(f"router {type(r).__name__} did not route in this forward")
             routings.append(r.routing)
             r.routing = None  # not kept alive (nor counted) past this micro-batch
         n = routings[0].logits.shape[0]
-        return LayerSums.of(routings, routed_mask(batch, n))
+        sums = LayerSums.of(routings, routed_mask(batch, n))
+        return MicroRouting(sums, routings, batch, self.top_k)
 
     def all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
         flat = flat.to(self.info.device)
@@ -348,29 +255,15 @@ class BalancedTask:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
         return flat
 
-    def balance_term(self, sums: LayerSums, window: Window) -> torch.Tensor | None:
+    def balance_term(self, share: Share) -> torch.Tensor | None:
         """This micro-batch's share of aux_coef * aux + z_coef * z, per loss item."""
-        cfg, E, L = self.cfg, self.experts, len(self.routers)
-        if cfg.balance == "none" or (cfg.balance == "bias" and not cfg.z_coef):
-            return None
-        if cfg.balance == "global":
-            step = window.step
-            assert step is not None
-            T = step.tokens.clamp(min=1)
-            f = step.f.to(sums.probs.dtype)
-            aux = E * (f * sums.probs).sum() / T.to(sums.probs.dtype)
-            z = sums.lse2.sum() / T.to(sums.lse2.dtype)
-        else:  # micro: this micro-batch's own means, averaged over the step's micro-batches
-            n = sums.tokens.clamp(min=1).to(sums.probs.dtype)
-            f = sums.counts.to(sums.probs.dtype) / (n * self.top_k)
-            aux = E * (f * sums.probs / n).sum() / window.micro_batches
-            z = sums.lse2.sum() / n / window.micro_batches
-        if cfg.balance == "bias":  # no auxiliary loss; the z-loss as micro's
-            return cfg.z_coef * z / L
-        term = cfg.aux_coef * aux
-        if cfg.z_coef:
-            term = term + cfg.z_coef * z
-        return term / L
+        term = None
+        if share.aux is not None:
+            term = self.aux_coef * share.aux
+        if share.z is not None and self.cfg.z_coef:
+            z = self.cfg.z_coef * share.z
+            term = z if term is None else term + z
+        return term
 
     # ---- after the update ----
     def step_sums(self) -> StepSums | None:
@@ -388,7 +281,7 @@ class BalancedTask:
         """`bias`: after each optimizer step, every router's bias moves by `bias_rate` towards
         balance, from the whole step's assignments (every micro-batch, every rank): up for
         experts below the mean load, down for those above (DeepSeek-V3)."""
-        sums = self.step_sums() if self.cfg.balance == "bias" else None
+        sums = self.step_sums() if self.mode.moves_bias else None
         if sums is None:
             return
         with torch.no_grad():
@@ -404,8 +297,10 @@ class BalancedTask:
         `bias`: every rank calls it when a record is due); with `global`, first the routing
         check of the steps since the last record (`check_routing`)."""
         self.check_routing()
-        sums = self.step_sums()
-        return {} if sums is None else sums.records()
+        sums, window = self.step_sums(), self.window
+        if sums is None or window is None:
+            return {}
+        return {**sums.records(self.objective), **self.mode.records(sums, window)}
 
 
 class BalancedEvalTask(BalancedTask):
@@ -416,11 +311,17 @@ class BalancedEvalTask(BalancedTask):
 
 
 def balanced(
-    task: Any, routers: Sequence[Routed], cfg: BalanceCfg, info: DistInfo, group: Any = None
+    task: Any,
+    routers: Sequence[Routed],
+    cfg: BalanceCfg,
+    info: DistInfo,
+    group: Any = None,
+    objective: BalanceObjective | None = None,
 ) -> BalancedTask:
-    """`task` with the routers' balancing; its evaluation sums kept when it has them."""
+    """`task` with the routers' balancing by the model's `objective` (default: Switch's per
+    layer); its evaluation sums kept when it has them."""
     kind = BalancedEvalTask if isinstance(task, EvalTask) else BalancedTask
-    return kind(task, routers, cfg, info, group)
+    return kind(task, routers, cfg, info, group, objective)
 
 
 class _NanGradientIf(torch.autograd.Function):

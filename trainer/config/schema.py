@@ -478,22 +478,29 @@ class MoECfg:
 
     # global: the load-balancing loss of the whole step, exact; micro: per micro-batch (the
     # peers' approximation); bias: no loss, a routing bias moved after each step from the
-    # whole step's counts (DeepSeek-V3); none: no balancing.
+    # whole step's counts (DeepSeek-V3); none: no balancing; seq_aux: Megatron's
+    # sequence-level loss, each sequence's own f and P averaged over the step's sequences.
     balance: str = "global"
-    aux_coef: float = 0.01
+    # The load-balancing loss's weight; null: the model's own (transformers' mixtures: their
+    # config's router_aux_loss_coef; the in-tree GPT: 0.01, Switch's).
+    aux_coef: float | None = None
     z_coef: float = 0.0
     # bias: how far each expert's routing bias moves per step (DeepSeek-V3's gamma).
     bias_rate: float = 0.001
 
     def __post_init__(self) -> None:
-        from engine.moe.balance import BALANCES
+        from engine.moe.modes import BALANCE_MODES
 
         require(
-            self.balance in BALANCES,
+            self.balance in BALANCE_MODES,
             "moe.balance",
-            f"must be one of {', '.join(BALANCES)}, got {self.balance!r}",
+            f"must be one of {', '.join(BALANCE_MODES)}, got {self.balance!r}",
         )
-        require(self.aux_coef >= 0, "moe.aux_coef", f"must be >= 0, got {self.aux_coef}")
+        require(
+            self.aux_coef is None or self.aux_coef >= 0,
+            "moe.aux_coef",
+            f"must be >= 0 or null (the model's own), got {self.aux_coef}",
+        )
         require(self.z_coef >= 0, "moe.z_coef", f"must be >= 0, got {self.z_coef}")
         require(self.bias_rate >= 0, "moe.bias_rate", f"must be >= 0, got {self.bias_rate}")
 

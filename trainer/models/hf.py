@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from engine.moe.objective import SWITCH_COEF, Pooled
 from engine.moe.routing import HookedRouter
 from engine.numerics.chunked_ce import HeadLoss
 from engine.parallel.pipeline import NotSplittable
@@ -191,8 +192,16 @@ class CumulusHooks:
         """The routers of a mixture-of-experts family (transformers' `*TopKRouter` modules,
         Qwen3-MoE's and Mixtral's), observed by hooks (engine/moe/routing.py's `HasRouters`);
         none in a dense model. The model's own per-micro-batch auxiliary loss stays off
-        (`output_router_logits` false): cumulus balances the whole step (moe.balance)."""
+        (`output_router_logits` false): cumulus balances the whole step (moe.balance) by
+        the same objective (`balance_objective`)."""
         return self.moe_routers
+
+    def balance_objective(self) -> Pooled:
+        """transformers' own load-balancing loss (`load_balancing_loss_func`: every layer's
+        tokens pooled, f summing to top_k), weighted by the config's `router_aux_loss_coef`
+        unless moe.aux_coef is given (engine/moe/objective.py's `DeclaresBalanceObjective`)."""
+        coef = self.config.to_dict().get("router_aux_loss_coef")
+        return Pooled(SWITCH_COEF if coef is None else float(coef))
 
     def pipeline_stage(self, blocks: Sequence[int], first: bool, last: bool) -> nn.Module:
         """`dist.pp`: a stage sharing this model's parameters: `GPT2Stage` for GPT-2, else

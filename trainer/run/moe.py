@@ -8,6 +8,7 @@ from typing import Any
 from engine.callbacks import Callback
 from engine.distributed import DistInfo
 from engine.moe.balance import BalanceCfg, BalancedTask, RoutingNotRepeated, balanced
+from engine.moe.objective import objective_of
 from engine.moe.routing import HasRouters
 from engine.parallel.dims import ParallelDims
 from engine.preference import DPOTask
@@ -97,22 +98,23 @@ def balanced_task(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDi
         # graphs would be cut short by the routing pass's early stop).
         stop_early=not parts.parallel.shards_parameters and not cfg.train.compile,
     )
+    objective = objective_of(parts.model)  # the model's own: per layer, or transformers'
     try:
-        return balanced(parts.task, routers, balance, info, parts.parallel.dp_group)
+        return balanced(parts.task, routers, balance, info, parts.parallel.dp_group, objective)
     except ValueError as exc:
         raise ConfigError("model.moe", str(exc)) from None
 
 
 def check_moe_step(task: Any, step_fn: Any, callbacks: Any) -> None:
-    """`moe.balance=global` runs its routing pass in the accumulation step; records join."""
+    """A mode that needs work before any backward (`global`'s routing pass) runs it in the
+    accumulation step; records join."""
     if not isinstance(task, BalancedTask):
         return
-    if task.cfg.balance == "global" and not isinstance(step_fn, AccumulateStep):
+    if task.mode.needs and not isinstance(step_fn, AccumulateStep):
         raise ConfigError(
             "moe.balance",
-            f"global counts the whole window's routing before any backward, which "
-            f"step=accumulate does; {type(step_fn).__name__} does not. Use step=accumulate, "
-            "or moe.balance=micro|none",
+            f"{task.mode.name} {task.mode.needs}, which step=accumulate does; "
+            f"{type(step_fn).__name__} does not. Use step=accumulate, or moe.balance=micro|none",
         )
     # First: the biases are updated before any other callback sees the finished step.
     callbacks.named = {"moe": MoERecords(task), **callbacks.named}
