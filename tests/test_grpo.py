@@ -77,14 +77,23 @@ def reference_advantages(groups: Sequence[Group], scale: str) -> list[list[float
 # --------------------------------------------------------------------------- the reference
 
 
-def completion_log_probs(
+def completion_scores(
     model: nn.Module, prompt: torch.Tensor, tokens: torch.Tensor
-) -> torch.Tensor:
-    """log p of each of `tokens` after `prompt`, the row alone (float64 model)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p of each of `tokens` after `prompt`, and the entropy of each of their
+    distributions: the row alone (float64 model)."""
     row = torch.cat([prompt, tokens])[None]
     logp = model(row)[0].log_softmax(-1)  # (T, V)
     p = len(prompt)
-    return logp[p - 1 : p - 1 + len(tokens)].gather(-1, tokens[:, None]).squeeze(-1)
+    at = logp[p - 1 : p - 1 + len(tokens)]  # (n, V)
+    entropy = -(at.exp() * at).sum(-1).detach()
+    return at.gather(-1, tokens[:, None]).squeeze(-1), entropy
+
+
+def completion_log_probs(
+    model: nn.Module, prompt: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    return completion_scores(model, prompt, tokens)[0]
 
 
 @dataclass
@@ -105,14 +114,15 @@ def reference_objective(
     """The whole batch's loss (the papers' objective, negated) and its token records."""
     adv = reference_advantages(groups, case.scale)
     numer, seq_means, kept, tokens = [], [], 0, 0
-    clipped = kl_sum = 0.0
+    clipped = kl_sum = entropy = 0.0
     n_completions = sum(g.size for g in groups)
     for g, group in enumerate(groups):
         for i in range(group.size):
             n = int(group.lengths[i])
             if case.mask_truncated and bool(group.truncated[i]):
                 continue
-            lp = completion_log_probs(model64, group.prompt, group.completions[i, :n])
+            lp, h = completion_scores(model64, group.prompt, group.completions[i, :n])
+            entropy += float(h.sum())
             lp_old = lp.detach() if old is None else old[g][i]
             ratio = torch.exp(lp - lp_old)
             a = adv[g][i]
@@ -136,7 +146,9 @@ def reference_objective(
         objective = torch.stack(seq_means).sum() / kept
     else:
         objective = torch.stack(numer).sum() / (n_completions * L_MAX)
-    records = {"clip_ratio": clipped / tokens, **({"kl": kl_sum / tokens} if case.beta else {})}
+    records = {"clip_ratio": clipped / tokens, "entropy": entropy / tokens}
+    if case.beta:
+        records["kl"] = kl_sum / tokens
     return objective, records
 
 
@@ -299,6 +311,7 @@ def test_second_step_is_the_float64_whole_batch_gradient(case: Case, mu: int, ro
         if mu == 2:  # the old policy is step 1's: the second step really clips
             assert records["clip_ratio"] > 0.05, records
         assert got["clip_ratio"] == pytest.approx(records["clip_ratio"], abs=1e-12)
+        assert got["entropy"] == pytest.approx(records["entropy"], rel=1e-5)
         if case.beta:
             assert records["kl"] > 0
             assert got["kl"] == pytest.approx(records["kl"], rel=1e-4)
@@ -368,5 +381,6 @@ def test_two_ranks_apply_the_float64_whole_batch_gradient(tmp_path: Any) -> None
     assert records["clip_ratio"] > 0.05
     means = grpo_records(got["sums"], got["maxima"])
     assert means["clip_ratio"] == pytest.approx(records["clip_ratio"], abs=1e-12)
+    assert means["entropy"] == pytest.approx(records["entropy"], rel=1e-5)
     assert means["kl"] == pytest.approx(records["kl"], rel=1e-4)
     assert means["zero_std_groups"] == 1.0
