@@ -147,6 +147,8 @@ class GRPOTask:
 
     Args:
         max_new_tokens: L_max, the completions' longest length (dr_grpo's constant).
+        num_generations: G, the completions of each prompt (the rollouts' group size: the
+            loss reads the advantages, which already compare each completion with its group).
         loss_type: `dapo` (default), `grpo` or `dr_grpo`.
         epsilon, epsilon_high: the clip range [1 - epsilon, 1 + epsilon_high] of the ratio
             (epsilon_high null: epsilon; DAPO's clip-higher: 0.28).
@@ -164,6 +166,7 @@ class GRPOTask:
     def __init__(
         self,
         max_new_tokens: int,
+        num_generations: int = 8,
         loss_type: str = "dapo",
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
@@ -185,6 +188,13 @@ class GRPOTask:
             )
         if beta < 0:
             raise ValueError(f"beta must be >= 0, got {beta}")
+        if not (isinstance(num_generations, int) and num_generations >= 2):
+            raise ValueError(
+                f"num_generations must be at least 2, got {num_generations!r}: a completion's "
+                "advantage is its reward against the others of its group, and a group of one "
+                "has no others (its advantage would always be 0)"
+            )
+        self.num_generations = num_generations
         self.normalization = LOSS_TYPES[loss_type]
         self.max_new_tokens = max_new_tokens
         self.epsilon, self.epsilon_high, self.beta = float(epsilon), float(high), float(beta)
