@@ -6,7 +6,9 @@ rollouts with step 1's log-probabilities as the old policy, and clips), without 
 k3 KL to a frozen copy of the initial model (beta > 0), as one micro-batch and as micro-batches
 of 2 completions x accumulation, on the log-probabilities from the GPT's hidden states and from
 its logits; on 2 gloo ranks (groups split over the ranks, `batch` scaling all-reduced) too.
-The records are the exact means over the step's completions and loss tokens.
+The records are the exact means over the step's completions and loss tokens. From data=prompts
+through generate_rollouts (the in-tree GPT generating, TRL-signature rewards scoring), the
+rollouts do not depend on how the prompts were batched and train as the reference says.
 
 The reference is written here from the papers' definitions (DAPO arXiv 2503.14476, Dr. GRPO
 arXiv 2503.20783, DeepSeekMath's GRPO): each completion scored alone (its prompt and its
@@ -42,6 +44,7 @@ from tests.grpo_support import (
     LR,
     PROMPTS,
     TWO_RANKS,
+    G,
     make_groups,
     tiny_gpt,
     weights,
@@ -56,9 +59,11 @@ ROUTES = {"head": (8, 32), "logits": (8, 1024)}
 WEIGHTS = weights()
 
 
-def reference_advantages(groups: Sequence[Group], scale: str) -> list[list[float]]:
+def reference_advantages(
+    groups: Sequence[Group], scale: str, weights: torch.Tensor = WEIGHTS
+) -> list[list[float]]:
     """A_i from the definitions, in float64 Python numbers."""
-    totals = [[float(WEIGHTS @ r) for r in g.rewards] for g in groups]
+    totals = [[float(weights @ r) for r in g.rewards] for g in groups]
     flat = [x for t in totals for x in t]
     batch_mean = sum(flat) / len(flat)
     batch_std = (sum((x - batch_mean) ** 2 for x in flat) / (len(flat) - 1)) ** 0.5
@@ -102,6 +107,7 @@ class Case:
     beta: float
     mask_truncated: bool = True
     scale: str = "group"
+    weights: torch.Tensor = WEIGHTS
 
 
 def reference_objective(
@@ -112,7 +118,7 @@ def reference_objective(
     ref: list[list[torch.Tensor]] | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The whole batch's loss (the papers' objective, negated) and its token records."""
-    adv = reference_advantages(groups, case.scale)
+    adv = reference_advantages(groups, case.scale, case.weights)
     numer, seq_means, kept, tokens = [], [], 0, 0
     clipped = kl_sum = entropy = 0.0
     n_completions = sum(g.size for g in groups)
@@ -384,3 +390,90 @@ def test_two_ranks_apply_the_float64_whole_batch_gradient(tmp_path: Any) -> None
     assert means["entropy"] == pytest.approx(records["entropy"], rel=1e-5)
     assert means["kl"] == pytest.approx(records["kl"], rel=1e-4)
     assert means["zero_std_groups"] == 1.0
+
+
+def test_rollouts_from_prompts_train_as_the_float64_reference(tmp_path: Any) -> None:
+    """data=prompts -> generate_rollouts (the in-tree GPT, exact_answer and a format)
+    -> one AccumulateStep: the rollouts do not depend on how the prompts were batched, and
+    the step's gradient is the float64 gradient of the whole batch's objective."""
+    from tests.chat_support import make_tokenizer, write_jsonl
+    from tests.prompts_support import prompt_rows
+    from trainer.data.prompts import collate_prompts, prompts_data
+    from trainer.rewards import build_rewards
+    from trainer.rollout.engines import RecomputeEngine
+    from trainer.rollout.generate import RolloutPlan, generate_rollouts
+    from trainer.rollout.sampling import Sampling
+
+    make_tokenizer(tmp_path / "tok")
+    rows = write_jsonl(tmp_path / "p.jsonl", prompt_rows(10))
+    data = prompts_data(
+        str(rows),
+        tokenizer=str(tmp_path / "tok"),
+        max_new_tokens=L_MAX,
+        context=64,
+        tokenize_workers=1,
+        cache_dir=str(tmp_path / "c"),
+    )
+    prompts = data.train
+    rewards = build_rewards(
+        [
+            {"_target_": "trainer.rewards.exact_answer"},
+            {
+                "_target_": "trainer.rewards.format_match",
+                "pattern": ".*e",  # random text holds an e about half the time
+                "weight": 0.5,
+            },
+        ]
+    )
+    sampling = Sampling(L_MAX, prompts.end_ids, temperature=1.0)
+    # A random model seldom ends a completion: the truncated ones train too.
+    plan = RolloutPlan(G, sampling, micro_batch_size=2, mask_truncated=False)
+    torch.manual_seed(0)
+    model = GPT(vocab_size=320, block_size=64, n_layer=2, n_head=2, n_embd=16)
+    samples = [prompts[i] for i in range(4)]
+
+    def rollouts(window: list) -> Any:
+        return generate_rollouts(
+            model,
+            RecomputeEngine(),
+            window,
+            prompts.row,
+            prompts.decode_text,
+            rewards,
+            plan,
+            seed=5,
+            step=1,
+        )
+
+    whole = rollouts([collate_prompts(samples)])
+    split = rollouts([collate_prompts(samples[:1]), collate_prompts(samples[1:])])
+    for a, b in zip(whole.groups, split.groups):
+        assert torch.equal(a.completions, b.completions) and torch.equal(a.rewards, b.rewards)
+    assert torch.equal(whole.advantages.values, split.advantages.values)
+    assert whole.advantages.values.abs().sum() > 0  # rewards that differ within groups
+
+    task = GRPOTask(
+        L_MAX,
+        num_generations=G,
+        loss_type="grpo",
+        epsilon=EPS,
+        epsilon_high=EPS_HIGH,
+        chunk_size=8,
+        chunked_vocab_threshold=32,
+    )
+    template = copy.deepcopy(model)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    capture = StepCapture()
+    ctx = StepContext(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        scheduler=None,
+        task=task,
+        precision=Precision("fp32", "cpu"),
+        dist=DistInfo(),
+        callbacks=CallbackList({"capture": capture}),
+    )
+    AccumulateStep()(ctx, whole.batches)
+    case = Case("grpo", 0.0, mask_truncated=False, weights=rewards.weights)
+    want, _ = reference_gradient(initial, whole.groups, case, None, None, template)
+    assert relative_error(capture.grads[0], want) < TOL

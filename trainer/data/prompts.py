@@ -128,6 +128,8 @@ class PromptSamples:
         self.lengths = np.diff(store.doc_offsets)[docs]
         self.dropped = 0  # prompts too long for the context (data.truncation=drop)
         self.end_ids: tuple[int, ...] = ()  # the tokens that end a completion
+        # A completion's text for the rewards (special tokens left out, as TRL decodes).
+        self.decode_text: Any = None
 
     @property
     def fields(self) -> list[str]:
@@ -258,6 +260,7 @@ def prompts_data(
     train, val = splits
     for split in splits:
         split.end_ids = ends
+        split.decode_text = lambda ids: tok.decode(ids, skip_special_tokens=True)
     if not len(train) or not len(val):
         raise UserError(
             f"data.{'val_path' if val_path and len(train) else 'path'}: {val_path or path} leaves "
