@@ -35,7 +35,8 @@ micro-batch back-propagates `loss_sum / global_count`, with `loss_sum` its share
 numerator (sum m l; sum_i (sum_t m l) / |o_i|; sum m l). TRL's grpo and dr_grpo divide each
 micro-batch by its own size and then by the accumulation steps (exact only when every
 micro-batch holds as many completions), and TRL's grpo counts a masked (truncated) completion
-in N with a zero loss: here it is not part of the objective.
+in N with a zero loss: here it is not part of the objective. TRL's `bnpo` (the tokens of each
+local micro-batch) is not offered: it varies with the micro-batch, and `dapo` is its exact form.
 
 `num_iterations` (mu) > 1 reuses a rollout batch for mu optimizer steps: iteration 1 needs no
 old log-probabilities (pi_old = pi detached, r = 1: the policy that generated is the one
