@@ -93,8 +93,7 @@ def compose_train(overrides: list[str]) -> DictConfig:
     `trainer.api` start from."""
     from hydra import compose, initialize_config_dir
 
-    from trainer.config.schema import register_configs
-    from trainer.run.assemble import CONFIG_DIR
+    from trainer.config.schema import CONFIG_DIR, register_configs
     from trainer.run.identity import register_resolvers
 
     register_configs()

@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from engine.moe.modes import BALANCE_MODES
 from engine.numerics import FP8_INSTALL, PRECISIONS
 from engine.parallel import LayoutError
 from engine.parallel.dims import ParallelDims
 from trainer.config.errors import ConfigError, require
+
+# The config groups cumulus ships (configs/<group>/*.yaml): found without importing torch, so
+# that composing a config (`--help`, a refused override) stays cheap.
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 # torch.compile's modes (torch._inductor.list_mode_options() of torch 2.13): train.compile_mode.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "lite")
@@ -489,8 +495,6 @@ class MoECfg:
     bias_rate: float = 0.001
 
     def __post_init__(self) -> None:
-        from engine.moe.modes import BALANCE_MODES
-
         require(
             self.balance in BALANCE_MODES,
             "moe.balance",

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +32,14 @@ from engine.step import Task
 from engine.window_task import WindowTask, attach_loss_parameters
 from trainer.config.components import check, instantiate
 from trainer.config.errors import ConfigError
-from trainer.config.schema import CUDA_GRAPH_MODES, EXTRAS, Config, DataExtras, ModelExtras
+from trainer.config.schema import (
+    CONFIG_DIR,
+    CUDA_GRAPH_MODES,
+    EXTRAS,
+    Config,
+    DataExtras,
+    ModelExtras,
+)
 from trainer.data import DataSplits, PadCollate, as_splits
 from trainer.data.checks import check_samples
 from trainer.data.pairs import PairCollate
@@ -49,8 +55,6 @@ from trainer.run.preference import (
     precompute_reference,
     reference_file,
 )
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def split_extras(node: dict[str, Any], group: str) -> tuple[dict[str, Any], Any]:
