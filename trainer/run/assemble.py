@@ -45,6 +45,7 @@ from trainer.data.checks import check_samples
 from trainer.data.pairs import PairCollate
 from trainer.models.lora import Adapter
 from trainer.models.lora import check_layout as check_adapter_layout
+from trainer.plurals import counted
 from trainer.run.float8 import to_float8
 from trainer.run.preference import (
     ReferenceFile,
@@ -228,7 +229,8 @@ def check_static_routing(cfg: Config, model: nn.Module) -> None:
     if routers:
         key = "model.moe.experts" if isinstance(cfg.model.get("moe"), dict) else "model"
         why = (
-            f"{type(model).__name__} is a mixture of experts ({routers} routers), whose dispatch "
+            f"{type(model).__name__} is a mixture of experts ({counted(routers, 'router')}), "
+            "whose dispatch "
             "reads each expert's token count to the host and gives each expert as many rows "
             "as were routed to it: shapes vary every step"
         )

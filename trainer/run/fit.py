@@ -26,6 +26,7 @@ from trainer.config.errors import UserError
 from trainer.config.schema import CheckpointCfg, Config, EvalCfg, TrainCfg
 from trainer.data.checks import next_window
 from trainer.data.loader import EvalBatches, TrainBatches
+from trainer.plurals import counted
 from trainer.run.optim import horizon_dependent
 from trainer.run.preemption import StopRequest
 from trainer.run.state import Resumed, RunState, TrainingProgress
@@ -197,7 +198,8 @@ def fit(run: Run) -> str:
                 with clock.within("checkpoint"):
                     save(run)
             if run.stop.agreed():
-                print(f"stop requested: saving step {run.step} and exiting", file=sys.stderr)
+                if run.dist.is_main:  # every rank agreed: one says it
+                    print(f"stop requested: saving step {run.step} and exiting", file=sys.stderr)
                 with clock.within("checkpoint"):
                     save(run, final=True)
                 finish(run)
@@ -208,8 +210,9 @@ def fit(run: Run) -> str:
                 if run.dist.is_main:
                     sample = " and a text sample" if sample_prompt(run) is not None else ""
                     print(
-                        f"final evaluation at step {run.step}: {len(run.val_batches)} "
-                        f"validation batches{sample}",
+                        f"final evaluation at step {run.step}: "
+                        f"{counted(len(run.val_batches), 'validation batch', 'validation batches')}"
+                        f"{sample}",
                         flush=True,
                     )
                 with clock.within("eval"):
@@ -273,11 +276,13 @@ def report_first_step(run: Run, started: float) -> None:
             "(compilation included)",
             flush=True,
         )
-    every = run.settings.train.log_every
-    if run.dist.is_main and every > 1 and run.step < run.settings.train.max_steps:
+    every, last = run.settings.train.log_every, run.settings.train.max_steps
+    if run.dist.is_main and every > 1 and run.step < last:
+        # The next multiple of log_every from this step on (a resumed run's too), or the last.
+        first_record = min(-(-run.step // every) * every, last)
         print(
             f"step {run.step} done in {time.perf_counter() - started:.1f} s (start-up "
-            f"included); the first record comes at step {min(every, run.settings.train.max_steps)}",
+            f"included); the first record comes at step {first_record}",
             flush=True,
         )
     missing = missing_gradients(run.ctx.model)
