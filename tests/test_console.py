@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFIG_DIR, TINY, read_metrics, train_records
+from tests.conftest import CONFIG_DIR, TINY, read_metrics, train_in_process, train_records
 from tests.ranks import explain, launch, python_cmd, run_cli, torchrun
 
 # What transformers' import of torchao and its from_pretrained printed in every run, export
@@ -129,6 +130,28 @@ def test_a_declared_mixture_is_refused_by_one_process_too() -> None:
     assert proc.returncode == 2, explain(proc)
     said = "error: invalid config `dist.cp`: must be 1 with a mixture-of-experts model (got 2)"
     assert said in proc.stderr, explain(proc)
+
+
+def test_a_mixture_records_its_expert_load_and_perplexity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gpt_tiny with 4 experts: each evaluation records `val/ppl` = exp(val/loss) as a dense
+    run's does (before: none, the balancing wrapper hid the causal-LM task); the progress line
+    and the closing summary show `train/moe_load_max` (before: neither)."""
+    args = [*TINY, "model.moe.experts=4", "train.max_steps=4", "train.log_every=2"]
+    records = train_in_process([*args, "eval.every_steps=2", "eval.max_batches=1"], tmp_path)
+    said = capsys.readouterr().out
+    evals = [r for r in records if "val/loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    for r in evals:
+        assert math.isclose(r["val/ppl"], math.exp(r["val/loss"]), rel_tol=1e-12), r
+    trains = train_records(records)
+    assert [r["step"] for r in trains] == [2, 4]
+    progress = [ln for ln in said.splitlines() if ln.startswith("[")]
+    for r, line in zip(trains, progress, strict=True):
+        assert f"| expert load {r['train/moe_load_max']:.2f}x |" in line, line
+    (closing,) = [ln for ln in said.splitlines() if ln.startswith("run finished")]
+    assert f"train/moe_load_max {trains[-1]['train/moe_load_max']:.4f}" in closing, closing
 
 
 def test_counts_are_said_in_the_right_number() -> None:

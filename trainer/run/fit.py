@@ -18,7 +18,7 @@ from engine.checkpoint import CheckpointWriteError, CheckpointWriter
 from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate as evaluate_model
 from engine.model import Generates
-from engine.step import StepContext, StepResult, StepStrategy
+from engine.step import StepContext, StepResult, StepStrategy, innermost_task
 from engine.tasks import CausalLMTask, TaskOutputError
 from engine.window_task import WindowTask
 from trainer.config.contract import annotate_step
@@ -33,7 +33,13 @@ from trainer.run.state import Resumed, RunState, TrainingProgress
 from trainer.run.sum_check import check_loss_is_sum
 from trainer.tracking.phases import TABLE_FILE
 from trainer.tracking.profiler import NoProfiler
-from trainer.tracking.records import EvalProgress, RecordSink, TrainMeter, peak_memory_mb
+from trainer.tracking.records import (
+    MOE_LOAD,
+    EvalProgress,
+    RecordSink,
+    TrainMeter,
+    peak_memory_mb,
+)
 
 
 class RunEnded(UserError):
@@ -322,7 +328,9 @@ def divergence_hints(settings: RunSettings) -> str:
 
 
 def write(run: Run, record: dict[str, Any]) -> None:
-    run.latest.update({k: record[k] for k in ("train/loss", "val/loss") if k in record})
+    # What the summary's first line repeats: the losses, and a mixture's expert load.
+    kept = ("train/loss", "val/loss", MOE_LOAD)
+    run.latest.update({k: record[k] for k in kept if k in record})
     for sink in run.sinks:
         sink.write(record)
 
@@ -400,7 +408,7 @@ def val_metrics(means: dict[str, float], count: int, task: Any) -> dict[str, Any
     """`val/loss`, `val/ppl` (language models), `val/items`, and the task's other means."""
     loss = means["loss"]
     out: dict[str, Any] = {"val/loss": loss}
-    if isinstance(task, CausalLMTask):
+    if isinstance(innermost_task(task), CausalLMTask):  # a mixture's balanced task too
         out["val/ppl"] = math.exp(min(loss, 700.0))
     out["val/items"] = count
     out.update({f"val/{k}": v for k, v in means.items() if k != "loss"})
