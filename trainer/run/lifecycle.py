@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 def check_choices(cfg: Config) -> None:
     """The layout's refusals of the run's other choices that the config alone decides
     (`ParallelDims.check`: what does not compose with dist.ep > 1 yet; a mixture of experts
-    declared by `model.*` under dist.tp, pp or cp), before the world's
-    size is checked and before any parallelism builds its process groups or mesh, so that one
-    process reaches each of them. The built parallelism checks the run again
+    that `model.*` declares, under dist.tp, pp or cp), before the world's size is checked and
+    before any parallelism builds its process groups or mesh, so that one process reaches
+    each of them. The built parallelism checks the run again
     (trainer/run/build.py `check_layout`: the step a task chose, the checkpoint format)."""
     from engine.parallel import LayoutError
     from trainer.run.assemble import layout_error
