@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,12 +32,20 @@ from engine.step import Task
 from engine.window_task import WindowTask, attach_loss_parameters
 from trainer.config.components import check, instantiate
 from trainer.config.errors import ConfigError
-from trainer.config.schema import CUDA_GRAPH_MODES, EXTRAS, Config, DataExtras, ModelExtras
+from trainer.config.schema import (
+    CONFIG_DIR,
+    CUDA_GRAPH_MODES,
+    EXTRAS,
+    Config,
+    DataExtras,
+    ModelExtras,
+)
 from trainer.data import DataSplits, PadCollate, as_splits
 from trainer.data.checks import check_samples
 from trainer.data.pairs import PairCollate
 from trainer.models.lora import Adapter
 from trainer.models.lora import check_layout as check_adapter_layout
+from trainer.plurals import counted
 from trainer.run.float8 import to_float8
 from trainer.run.preference import (
     ReferenceFile,
@@ -49,8 +56,6 @@ from trainer.run.preference import (
     precompute_reference,
     reference_file,
 )
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def split_extras(node: dict[str, Any], group: str) -> tuple[dict[str, Any], Any]:
@@ -224,7 +229,8 @@ def check_static_routing(cfg: Config, model: nn.Module) -> None:
     if routers:
         key = "model.moe.experts" if isinstance(cfg.model.get("moe"), dict) else "model"
         why = (
-            f"{type(model).__name__} is a mixture of experts ({routers} routers), whose dispatch "
+            f"{type(model).__name__} is a mixture of experts ({counted(routers, 'router')}), "
+            "whose dispatch "
             "reads each expert's token count to the host and gives each expert as many rows "
             "as were routed to it: shapes vary every step"
         )

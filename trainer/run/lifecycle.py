@@ -17,15 +17,19 @@ if TYPE_CHECKING:
 
 def check_choices(cfg: Config) -> None:
     """The layout's refusals of the run's other choices that the config alone decides
-    (`ParallelDims.check`: what does not compose with dist.ep > 1 yet), before the world's
-    size is checked and before any parallelism builds its process groups or mesh, so that one
-    process reaches each of them. The built parallelism checks the run again
+    (`ParallelDims.check`: what does not compose with dist.ep > 1 yet; a mixture of experts
+    that `model.*` declares, under dist.tp, pp or cp), before the world's size is checked and
+    before any parallelism builds its process groups or mesh, so that one process reaches
+    each of them. The built parallelism checks the run again
     (trainer/run/build.py `check_layout`: the step a task chose, the checkpoint format)."""
     from engine.parallel import LayoutError
     from trainer.run.assemble import layout_error
     from trainer.run.build import build_callbacks, build_step, choices_shape
+    from trainer.run.moe import check_mixture_layout, declares_experts
 
     dims = cfg.dist.dims()  # every degree checked, the world's size not yet
+    if declares_experts(cfg.model):  # before dist.tp lays out (and warns about) its experts
+        check_mixture_layout(dims)
     if dims.ep == 1:  # nothing else is refused from the choices alone: nothing built twice
         return
     callbacks = build_callbacks(cfg.callbacks, cfg.train)

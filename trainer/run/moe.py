@@ -59,6 +59,34 @@ class MoERecords(Callback):
             raise RoutingDiffered(str(exc)) from None
 
 
+def declares_experts(model: dict[str, Any]) -> bool:
+    """Whether `model.*` alone makes the model a mixture of experts, before it is built: the
+    in-tree GPT's `model.moe.experts`, or the expert count of a transformers model built from
+    `model.config` (`num_experts`, `num_local_experts`). A pretrained directory's own config is
+    read when the model is built (`balanced_task` checks its routers then)."""
+    moe = model.get("moe")
+    if isinstance(moe, dict) and moe.get("experts"):
+        return True
+    fields = model.get("config")
+    if model.get("pretrained") is not None or not isinstance(fields, dict):
+        return False
+    return any(fields.get(name) for name in ("num_experts", "num_local_experts"))
+
+
+def check_mixture_layout(dims: ParallelDims) -> None:
+    """A mixture of experts refuses tensor, pipeline and context parallelism, in one
+    paragraph naming the key."""
+    for key, degree in (("dist.tp", dims.tp), ("dist.pp", dims.pp), ("dist.cp", dims.cp)):
+        if degree > 1:
+            raise ConfigError(
+                key,
+                f"must be 1 with a mixture-of-experts model (got {degree}): the routers' "
+                "load-balancing loss (moe.balance) is counted over whole tokens and whole "
+                "experts on each data-parallel rank; tensor, pipeline and context parallelism "
+                "would split them and are not built for it yet. Use dist.strategy=ddp or fsdp",
+            )
+
+
 def balanced_task(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDims) -> Any:
     """The run's task, wrapped with the balancing when the model declares routers."""
     routers = list(parts.model.routers()) if isinstance(parts.model, HasRouters) else []
@@ -80,15 +108,7 @@ def balanced_task(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDi
             "balancing would not be the policy's. Use a dense model for task=dpo, or "
             "task=causal_lm to train the mixture",
         )
-    for key, degree in (("dist.tp", dims.tp), ("dist.pp", dims.pp), ("dist.cp", dims.cp)):
-        if degree > 1:
-            raise ConfigError(
-                key,
-                f"must be 1 with a mixture-of-experts model (got {degree}): the routers' "
-                "load-balancing loss (moe.balance) is counted over whole tokens and whole "
-                "experts on each data-parallel rank; tensor, pipeline and context parallelism "
-                "would split them and are not built for it yet. Use dist.strategy=ddp or fsdp",
-            )
+    check_mixture_layout(dims)  # (a mixture the config did not declare: its built routers)
     balance = BalanceCfg(
         cfg.moe.balance,
         cfg.moe.aux_coef,

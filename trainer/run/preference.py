@@ -24,6 +24,7 @@ from engine.preference import DPOTask, adapters_disabled, frozen_copy
 from trainer.config.errors import ConfigError
 from trainer.data.preference import PreferenceSamples
 from trainer.models.lora import Adapter
+from trainer.plurals import counted
 
 PAIRS_DATA = "trainer.data.preference.preference_data"
 DPO_TASK = "engine.preference.DPOTask"
@@ -275,7 +276,7 @@ def precompute_reference(
         n = sum(len(v) for v in splits.values())
         how = "read from" if reused else "computed (each rank its share) and written to"
         print(
-            f"task.reference=precomputed: the initial model's log-probabilities of {n} pairs "
-            f"{how} {path}",
+            "task.reference=precomputed: the initial model's log-probabilities of "
+            f"{counted(n, 'pair')} {how} {path}",
             flush=True,
         )

@@ -42,6 +42,7 @@ from engine.rng import rng_state, seed_everything, set_rng_state
 from engine.step import StepContext
 from trainer.config.errors import UserError
 from trainer.config.schema import CheckpointCfg
+from trainer.plurals import counted
 from trainer.run.identity import new_run_id
 
 # Beside the config: the keys it derives from others (trainer/config/trust.py:derived_keys)
@@ -381,7 +382,7 @@ def resume(
     else:
         if info.is_main:
             print(
-                f"WARNING: {path} was saved by {ckpt.world_size} ranks, this run has "
+                f"WARNING: {path} was saved by {counted(ckpt.world_size, 'rank')}, this run has "
                 f"{info.world_size}: model and optimizer resume exactly, random streams "
                 "(dropout) are reseeded",
                 file=sys.stderr,
