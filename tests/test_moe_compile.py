@@ -93,7 +93,7 @@ def test_the_loop_serves_what_the_kernel_refuses() -> None:
 
 @pytest.mark.parametrize(("precision", "op"), [("fp32", "loop_mm"), ("bf16", "_grouped_mm")])
 def test_compiled_mixture_is_one_graph_whatever_the_routing(precision: str, op: str) -> None:
-    """gpt_tiny with 4 experts, top-2, moe.hidden=64 (issue #65's run), `train.compile=true`:
+    """gpt_tiny (one block) with 4 experts, top-2, moe.hidden=64 (issue #65's), compiled:
     dynamo captures the forward and the loss in one graph with no break, and 6 micro-batches,
     each routed to the experts in other counts, compile nothing more (before: a break at the
     dispatch in every mixture layer, and a recompile of the frame after it for each new
@@ -103,7 +103,8 @@ def test_compiled_mixture_is_one_graph_whatever_the_routing(precision: str, op: 
     The graphs are recorded by a backend that keeps dynamo's graph and runs it as traced:
     what inductor would compile, without inductor's minute of compiling."""
     moe = ["+model.moe.experts=4", "+model.moe.top_k=2", "+model.moe.hidden=64"]
-    overrides = ["model=gpt_tiny", *moe, "train.compile=true", f"train.precision={precision}"]
+    overrides = ["model=gpt_tiny", "model.n_layer=1", *moe, "train.compile=true"]
+    overrides.append(f"train.precision={precision}")
     cfg, _ = to_config(compose_config(overrides))
     spec = {k: v for k, v in cfg.model.items() if k[0] != "_" and k != "activation_checkpointing"}
     torch.manual_seed(0)
