@@ -37,6 +37,8 @@ def test_every_command_answers_version(
     this process: one line naming the version, exit 0, before anything else is parsed (the
     other arguments would be refused)."""
     monkeypatch.setattr(sys, "argv", [f"trainer/{command}.py", "--version", "no.such_key=1"])
+    # As `-m` finds it: not yet imported (another test may have), so runpy runs it afresh.
+    monkeypatch.delitem(sys.modules, f"trainer.{command}", raising=False)
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module(f"trainer.{command}", run_name="__main__", alter_sys=False)
     assert exit_info.value.code in (0, None)
