@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from trainer.tracking.report import EXIT_BAD_INPUT, ReportError, build_report
+from trainer.version import answer_version
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -22,7 +23,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    answer_version(argv, "trainer.report")
+    args = parse_args(argv)
     try:
         out = build_report([Path(r) for r in args.runs], Path(args.output))
     except ReportError as exc:
