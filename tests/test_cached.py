@@ -22,7 +22,13 @@ import torch
 
 from engine.contrastive import ContrastiveTask
 from tests.cached_support import TINY_BERT, pairs, tiny_bert, write_pairs, write_tokenizer
-from tests.conftest import read_metrics, stdlib_text, train_in_process, train_records
+from tests.conftest import (
+    read_metrics,
+    rewrite_state,
+    stdlib_text,
+    train_in_process,
+    train_records,
+)
 from tests.ranks import explain, launch_all, python_cmd, run_cli, torchrun
 from trainer.config.errors import ConfigError, UserError
 
@@ -743,6 +749,15 @@ def test_pretrained_directory_trains_and_exports_as_an_encoder(
     (last,) = [r for r in records if "val/loss" in r]
     assert again["val/loss"] == pytest.approx(last["val/loss"], rel=1e-6), again
     assert again["val/accuracy@1"] == last["val/accuracy@1"]
+
+    # A checkpoint of an earlier version saved the yaml's whole model.config beside
+    # model.pretrained (shapes included): it still evaluates (the directory decides them).
+    def as_before(state: dict[str, Any]) -> None:
+        state["config"]["model"]["config"] = {**TINY_BERT, "hidden_dropout_prob": 0.1}
+
+    step2 = tmp_path / "run" / "checkpoints" / "step_00000002"
+    earlier = evaluate(rewrite_state(step2, tmp_path / "earlier", as_before), saved_paths=True)
+    assert earlier["val/loss"] == again["val/loss"], (earlier, again)
     out = tmp_path / "export"
     run_export(tmp_path / "run", out, f"model.pretrained={pretrained}")
     from safetensors.torch import load_file
