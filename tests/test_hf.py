@@ -428,3 +428,28 @@ def test_architecture_beside_a_pretrained_directory_exits_2(tmp_path: Path) -> N
     (error,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
     assert "model.config.num_experts" in error and "architecture" in error, error
     assert not (tmp_path / "run").exists()  # refused before anything was made
+
+
+def test_export_keeps_the_sources_use_cache(tmp_path: Path) -> None:
+    """A Qwen3-MoE directory saved with use_cache true, trained a step and exported: the
+    exported config.json says true, as the source did (the yaml's use_cache: false was applied
+    and written before). Training builds no cache whatever the config says (its forwards pass
+    use_cache=False: tests/test_chat.py packs rows through models whose config says true)."""
+    import importlib.util
+
+    from tests.conftest import REPO
+
+    folder = qwen3_moe_directory(tmp_path / "moe")
+    assert json.loads((folder / "config.json").read_text())["use_cache"] is True
+    text = stdlib_text(tmp_path / "text.py", 20_000)
+    args = ["model=hf_qwen3_moe", f"model.pretrained={folder}", *COMMON, f"data.path={text}"]
+    args += [*ONE, "train.max_steps=1", "checkpoint.every_steps=1"]
+    train_in_process(args, tmp_path / "run")
+    spec = importlib.util.spec_from_file_location("export_hf", REPO / "scripts" / "export_hf.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main([f"checkpoint={tmp_path / 'run'}", f"out={tmp_path / 'out'}"])
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["use_cache"] is True, exported
+    assert exported["num_local_experts"] == 4, exported
