@@ -103,15 +103,10 @@ def pair(record: dict[str, Any], where: str) -> tuple[Conversation, Conversation
         )
     if "prompt" in record:
         prompt = message_list(record["prompt"], where, "prompt", "user", HINT)
-        sides = [
-            message_list(record[s], where, s, "assistant", HINT) for s in ("chosen", "rejected")
-        ]
-        return Conversation(prompt + sides[0], len(prompt)), Conversation(
-            prompt + sides[1], len(prompt)
-        )
-    chosen, rejected = (
-        message_list(record[s], where, s, None, HINT) for s in ("chosen", "rejected")
-    )
+        answers = [message_list(record[s], where, s, "assistant", HINT) for s in COLUMNS[1:]]
+        sides = [Conversation(prompt + answer, len(prompt)) for answer in answers]
+        return sides[0], sides[1]
+    chosen, rejected = (message_list(record[s], where, s, None, HINT) for s in COLUMNS[1:])
     kc, kr = _prompt_len(chosen), _prompt_len(rejected)
     if chosen[:kc] != rejected[:kr]:
         at = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(kc, kr))
@@ -119,8 +114,8 @@ def pair(record: dict[str, Any], where: str) -> tuple[Conversation, Conversation
             f"data.path: {where}: the chosen and rejected conversations do not share their "
             f"prompt (the messages before each one's final assistant answer): they differ at "
             f"message {at + 1} ({repr(chosen[at] if at < kc else None)[:60]} vs "
-            f"{repr(rejected[at] if at < kr else None)[:60]}; or give the prompt apart in "
-            '"prompt").',
+            f"{repr(rejected[at] if at < kr else None)[:60]}); or put the shared prompt in "
+            '"prompt" and only the answers in "chosen" and "rejected".',
             HINT,
         )
     if kc == 0 or kc == len(chosen) or kr == len(rejected):
