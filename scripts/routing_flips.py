@@ -24,7 +24,8 @@ its margins. Within one step the split changes only the order of float sums (eac
 gradient is the whole batch's: tests/test_moe.py), so the runs' weights differ by rounding,
 which training amplifies slowly (a dense model's too). A position whose margin falls below
 that difference takes another expert in one run: from then on the runs' gradients differ by
-a token's worth, not by rounding, and separate. Pinned, they stay together.
+a token's worth, not by rounding, and separate. Pinned, what is left is the rounding's own
+amplification (a dense model's too).
 """
 
 from __future__ import annotations
