@@ -75,8 +75,9 @@ MAIN_CHARTS = (
 # records that follow them: charts of their own when they vary.)
 MAIN_METRICS = {m for _, metrics in MAIN_CHARTS for m in metrics}
 # Shown as marks instead (steps where the count grew), or not a curve at all: which rank was
-# slowest in each phase is the per-rank table's.
-NOT_CHARTED = {"train/skipped_steps"} | {
+# slowest in each phase is the per-rank table's; a mixture's routing digest is a fingerprint
+# for comparing runs (engine/moe/sums.py).
+NOT_CHARTED = {"train/skipped_steps", "train/moe_routing_digest"} | {
     f"time/{p}_rank" for p in ("data", "compute", "sync", "optimizer", "checkpoint", "eval")
 }
 MAX_OTHER_CHARTS = 24
