@@ -36,7 +36,7 @@ from engine.parallel.expert import ExpertLayer  # (a runtime name: transformers 
 from engine.parallel.pipeline import NotSplittable
 from trainer.config.errors import UserError
 from trainer.config.pretrained import dropout_note, refuse_architecture
-from trainer.models.hf_experts import transformers_experts
+from trainer.models.hf_experts import EXPERTS, register_experts_forward, transformers_experts
 
 if TYPE_CHECKING:
     from engine.parallel.context import SequenceShard
@@ -234,6 +234,14 @@ class CumulusHooks:
         them (trainer/models/hf_experts.py), as dist.ep splits them (engine/parallel/
         expert.py's `HasExperts`); none in a dense model."""
         return self.moe_experts
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """Whether transformers may choose this model's experts implementation: the answer
+        of the class this one extends. transformers reads it from the source of the class's
+        module (`@use_experts_implementation` in it), which for this subclass is this file:
+        its own answer would leave a mixture on the eager experts under torch.compile too."""
+        return cls.transformers_class._can_set_experts_implementation()
 
     def balance_objective(self) -> Pooled:
         """transformers' own load-balancing loss (`load_balancing_loss_func`: every layer's
@@ -507,6 +515,9 @@ def causal_lm(
     # The fields as given name the expert count first (Qwen3-MoE's num_experts is an alias of
     # its num_local_experts).
     model.moe_experts = transformers_experts(model, {**hf_config.to_dict(), **config})
+    if model.moe_experts:  # eager: the class's own experts; compiled: grouped_mm
+        register_experts_forward()
+        model.set_experts_implementation(EXPERTS)
     # Training builds no cache, whatever the saved config says: with one, transformers no
     # longer keeps packed documents (position ids restarting at 0) from attending to each
     # other. generate() passes use_cache itself.

@@ -19,6 +19,11 @@ weighed and summed. So cumulus reproduces none of transformers' expert math, and
 decorated family splits; a mixture whose experts are not decorated is refused in one
 paragraph naming dist.ep.
 
+Which forward transformers' experts run (`EXPERTS`, registered in its `ExpertsInterface`):
+compiled, transformers' `grouped_mm` (shapes that do not depend on the routing: one graph);
+eager, the class's own forward (its loop over the experts hit), which runs every dtype,
+float64 included, and is what expert parallelism calls on the local experts.
+
 Checkpoints name the kept slices as the unsplit model does (`...mlp.experts.gate_up_proj`),
 and `ExpertParallel` writes them whole, so a checkpoint resumes under any dist.ep and
 scripts/export_hf.py writes transformers' own class with every expert.
@@ -26,8 +31,10 @@ scripts/export_hf.py writes transformers' own class with every expert.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
 from engine.parallel.expert import ExpertLayer, top_k
@@ -35,6 +42,8 @@ from engine.parallel.expert import ExpertLayer, top_k
 # The config fields transformers' families count their experts in (Qwen3-MoE, OLMoE:
 # num_experts; Mixtral: num_local_experts; DeepSeek-V3: n_routed_experts; ERNIE 4.5 MoE).
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# The experts implementation cumulus registers in transformers' ExpertsInterface.
+EXPERTS = "cumulus"
 
 
 @runtime_checkable
@@ -78,3 +87,27 @@ def transformers_experts(model: nn.Module, config: dict[str, Any]) -> list[Exper
         )
         for m in found
     ]
+
+
+def experts_forward(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """`EXPERTS`: under torch.compile transformers' `grouped_mm` forward (no `nonzero`, so
+    no graph break); eager, the class's own forward (`use_experts_implementation` wraps it),
+    exact in every dtype."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    if torch.compiler.is_compiling():
+        return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    own = inspect.unwrap(type(module).forward)
+    return own(module, hidden_states, top_k_index, top_k_weights)
+
+
+def register_experts_forward() -> None:
+    """`EXPERTS` in transformers' ExpertsInterface (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS, experts_forward)
