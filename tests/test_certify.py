@@ -180,8 +180,8 @@ def test_a_mixture_is_compared_until_its_routing_differs(tmp_path: Path) -> None
 
 def test_ep2_is_a_default_layout_of_a_mixture_dist_ep_splits() -> None:
     """Without certify.layouts, a model whose mixture dist.ep can split (the in-tree GPT's
-    model.moe, transformers' Qwen3-MoE) is also certified under ep2; a dense model, or a
-    transformers mixture whose experts the split refuses (OLMoE), is not offered it."""
+    model.moe, transformers' Qwen3-MoE and OLMoE, whose experts transformers declares) is
+    also certified under ep2; a dense model is not offered it."""
     from tests.conftest import compose_config
     from trainer.checks.certify import DEFAULT_LAYOUTS, default_layouts
     from trainer.config.cli import to_config
@@ -192,7 +192,7 @@ def test_ep2_is_a_default_layout_of_a_mixture_dist_ep_splits() -> None:
     assert layouts(MOE) == [*DEFAULT_LAYOUTS, "ep2"]
     assert layouts(["model=gpt_tiny"]) == list(DEFAULT_LAYOUTS)
     assert layouts(["model=hf_qwen3_moe"]) == [*DEFAULT_LAYOUTS, "ep2"]
-    assert layouts(["model=hf_qwen3_moe", "model.family=olmoe"]) == list(DEFAULT_LAYOUTS)
+    assert layouts(["model=hf_qwen3_moe", "model.family=olmoe"]) == [*DEFAULT_LAYOUTS, "ep2"]
 
 
 @pytest.mark.launches

@@ -194,22 +194,19 @@ def plan(name: str, batch: int, micro: int, slots: int, unit: str) -> Layout:
 
 def default_layouts(cfg: Any) -> list[str]:
     """DEFAULT_LAYOUTS, and EXPERT_LAYOUTS for a model with mixture-of-experts layers whose
-    experts dist.ep splits (engine/parallel/expert.py's SplitsExperts: the in-tree GPT's
-    model.moe, transformers' Qwen3-MoE and Mixtral; not the mixtures whose split refuses,
-    UnsplitExperts): the model built on fake tensors (no memory, no initialization's time)."""
+    experts dist.ep splits (engine/parallel/expert.py's HasExperts: the in-tree GPT's
+    model.moe, transformers' mixtures whose experts transformers declares): the model built
+    on fake tensors (no memory, no initialization's time)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from engine.distributed import DistInfo
-    from engine.parallel.expert import SplitsExperts
-    from trainer.models.hf_experts import UnsplitExperts
+    from engine.parallel.expert import HasExperts
     from trainer.run.assemble import build_model
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model, _ = build_model(cfg.model, DistInfo(0, 1, 0, torch.device("cpu")))
-    splits = any(
-        isinstance(m, SplitsExperts) and not isinstance(m, UnsplitExperts) for m in model.modules()
-    )
+    splits = isinstance(model, HasExperts) and bool(model.expert_layers())
     return [*DEFAULT_LAYOUTS, *(EXPERT_LAYOUTS if splits else ())]
 
 
