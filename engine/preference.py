@@ -60,7 +60,7 @@ from engine.tasks import (
 LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 REFERENCES = ("adapter", "copy", "precomputed", "none")
 # `task.reference=precomputed`: the batch field holding each pair's reference log-probabilities,
-# (pairs, 2), written before training (trainer/run/preference.py) and read by the data.
+# (pairs, 2), written before training (trainer/run/extensions/preference.py) and read by the data.
 PRECOMPUTED = "reference_log_probs"
 REWARDS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
 # Yields the module that scores a batch as the reference, given the policy as the step calls it.

@@ -946,7 +946,9 @@ def test_precomputed_key_follows_the_parameters_the_layout_computes_with(bad_roo
     the fp32 parameters, one process's key (it had its own); dist.tp=2 splits the matmuls, a
     key of its own, and another with dist.tp_sequence_parallel=true."""
     from engine.distributed import DistInfo
-    from trainer.run.assemble import build_model, build_task, layout_reference_file, parameter_dtype
+    from trainer.run.assemble import build_model, build_task
+    from trainer.run.extensions.preference import layout_reference_file
+    from trainer.run.layout import parameter_dtype
 
     path = write_jsonl(bad_root / "keys.jsonl", pair_rows(4, seed=2))
     val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))

@@ -5,7 +5,6 @@ planner; the layout's refusals from the parallelism's own `check`."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -16,30 +15,23 @@ from engine.callbacks.grad_stats import GradNormsPerLayer
 from engine.distributed import DistInfo
 from engine.numerics.precision import Precision
 from engine.parallel.base import RunShape
-from engine.parallel.dims import ParallelDims
 from engine.step import StepContext, StepStrategy
 from engine.steps.accumulate import AccumulateStep
-from engine.steps.dp_sgd import (
-    DP_SGD_PRECISIONS,
-    DPSGDStep,
-    PrivacySpent,
-    check_per_sample_model,
-)
 from engine.window_task import WindowTask
 from trainer.config.components import instantiate
 from trainer.config.errors import ConfigError
-from trainer.config.schema import Config, DataExtras, TrainCfg
+from trainer.config.schema import Config, TrainCfg
 from trainer.config.signing import sign
 from trainer.data.batches import build_train_batches, build_val_batches
-from trainer.data.loader import TrainBatches
 from trainer.models.export import export_line
 from trainer.models.lora import export_line as adapter_line
-from trainer.run.assemble import Assembly, assemble, check_layout
+from trainer.run.assemble import assemble
 from trainer.run.auto_batch import setup_auto
 from trainer.run.batch_plan import AUTO, BatchPlan
 from trainer.run.fit import Run, RunSettings, plain_step_window
-from trainer.run.moe import balanced_task, check_moe_step
+from trainer.run.layout import check_layout
 from trainer.run.optim import build_optimizer, build_scheduler
+from trainer.run.parts import Assembly
 from trainer.run.preemption import StopRequest
 from trainer.run.state import (
     ResumeSettings,
@@ -49,7 +41,6 @@ from trainer.run.state import (
     resume,
     signed_config,
 )
-from trainer.run.window import step_for_task
 from trainer.tracking.profiler import build_profiler
 from trainer.tracking.records import TrainMeter, item_unit
 from trainer.tracking.sinks import Banner, build_sinks
@@ -81,47 +72,16 @@ def build_step(spec: dict[str, Any]) -> StepStrategy:
     return step_fn
 
 
-def attach_privacy(
-    step_fn: StepStrategy, ctx: StepContext, batches: TrainBatches, extras: DataExtras
-) -> None:
-    """step=dp_sgd: check the model, tell the step its batch and dataset sizes, and record
-    `train/epsilon`. Poisson sampling only means something for it."""
-    if not isinstance(step_fn, DPSGDStep):
-        if extras.sampling == "poisson":
-            raise ConfigError(
-                "data.sampling",
-                "poisson draws variable-size batches for DP-SGD's privacy accounting; it needs "
-                "step=dp_sgd (valid otherwise: shuffle)",
-            )
-        return
-    try:
-        check_per_sample_model(ctx.model, ctx.parallel)
-    except ValueError as exc:
-        raise ConfigError("step", str(exc)) from None
-    if ctx.precision.mode not in DP_SGD_PRECISIONS:  # fp16's scaler; fp8's float8 matmuls
-        raise ConfigError(
-            "train.precision",
-            f"step=dp_sgd supports fp32 or bf16, not {ctx.precision.mode}: its per-sample "
-            "gradients (torch.func's vmap) run neither under fp16's loss scaler nor through "
-            "fp8's float8 layers",
-        )
-    try:
-        step_fn.set_sampling(batches.plan.global_batch, len(batches.dataset))
-    except ValueError as exc:  # step.target_epsilon out of reach
-        raise ConfigError("step.target_epsilon", str(exc)) from None
-    ctx.callbacks.named["privacy"] = PrivacySpent(step_fn)
-
-
-def build_context(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDims) -> StepContext:
+def build_context(cfg: Config, parts: Assembly, info: DistInfo) -> StepContext:
     """The step's runtime objects: the optimizer (after wrapping: FSDP shards the
-    parameters), its schedule, the precision and the callbacks; a mixture of experts' task
-    balances its routers (trainer/run/moe.py)."""
+    parameters), its schedule, the precision and the user's callbacks; the task as the
+    extensions wrap it (a mixture of experts' balances its routers)."""
     optimizer = build_optimizer(cfg.optim, parts.model)
     return StepContext(
         model=parts.wrapped,
         optimizer=optimizer,
         scheduler=build_scheduler(cfg.scheduler, optimizer, cfg.train.max_steps),
-        task=balanced_task(cfg, parts, info, dims),
+        task=parts.extensions.wrap_task(parts.task, parts.built),
         precision=Precision(cfg.train.precision, info.device.type),
         dist=info,
         parallel=parts.parallel,
@@ -169,24 +129,17 @@ def build_state(
     return state
 
 
-def choices_shape(cfg: Config, step_fn: Any, callbacks: Any) -> RunShape:
-    """The run's choices a parallelism may refuse that the config (its step and callbacks
-    built) decides: what trainer/run/lifecycle.py checks before any process group."""
+def run_shape(cfg: Config, step_fn: Any, ctx: StepContext, plan: BatchPlan) -> RunShape:
+    """The run's choices a parallelism may refuse (its `check`: the engine's own refusals,
+    which the compatibility table's have come before), the built run's included."""
+    fmt = cfg.checkpoint.format
     return RunShape(
         auto_micro_batch=cfg.train.micro_batch_size == AUTO,
         compile=cfg.train.compile,
         per_layer_norms=cfg.train.grad_norms == "per_layer",
         step=step_fn,
         plain_accumulation=type(step_fn) is AccumulateStep,
-        callbacks=callbacks,
-    )
-
-
-def run_shape(cfg: Config, step_fn: Any, ctx: StepContext, plan: BatchPlan) -> RunShape:
-    """The run's choices a parallelism may refuse (its `check`), the built run's included."""
-    fmt = cfg.checkpoint.format
-    return dataclasses.replace(
-        choices_shape(cfg, step_fn, ctx.callbacks),
+        callbacks=ctx.callbacks,
         accum=plan.accum,
         checkpoint_format=fmt if fmt != "auto" else ctx.parallel.checkpoint_format,
     )
@@ -206,9 +159,11 @@ def build_run(
     plan = BatchPlan.from_config(cfg.train, dims.dp)
     parts = assemble(cfg, info, dims, static_shapes=True)  # (CUDA graphs' refusals first)
     parallel = parts.parallel
-    ctx = build_context(cfg, parts, info, dims)
-    step_fn = step_for_task(build_step(cfg.step), ctx, cfg, plan)
-    check_moe_step(ctx.task, step_fn, ctx.callbacks)
+    ctx = build_context(cfg, parts, info)
+    step_fn = parts.extensions.prepare_step(build_step(cfg.step), ctx, plan, parts.built)
+    # The features' callbacks first (the routing biases move before any other sees the step).
+    ctx.callbacks.named = {**parts.extensions.callbacks(ctx, step_fn), **ctx.callbacks.named}
+    parts.choices.knowing(step=step_fn, callbacks=ctx.callbacks).checked()  # the step chosen
     check_layout(parallel, run_shape(cfg, step_fn, ctx, plan))
     step_fn, plan, auto_window = setup_auto(cfg, ctx, parts.data, step_fn, plan)
     batches = build_train_batches(parts.data, parts.data_extras, cfg.seed, info, plan, parallel)
@@ -221,7 +176,6 @@ def build_run(
         parallel,
         whole_batches=isinstance(parts.task, WindowTask),
     )
-    attach_privacy(step_fn, ctx, batches, parts.data_extras)
     ctx.callbacks.setup(ctx)  # before a checkpoint is restored into their state
     unit = item_unit(parts.task)  # a task names its loss items (`unit = "tokens"`)
     meter = TrainMeter(info, parts.flops_per_token, run_dir, unit)

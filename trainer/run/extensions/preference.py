@@ -1,5 +1,8 @@
-"""`task=dpo` in the run's assembly: the layouts and data it takes (refused otherwise, in one
-paragraph naming the key), and its reference model, chosen and attached."""
+"""`task=dpo` in the run: its reference model, chosen and attached before the policy is laid
+out (after fp8's conversion: a copy is then float8 as the policy is), laid out like the
+policy, or precomputed (`task.reference=precomputed`: the file keyed before the layout, the
+pass on the laid-out model). What it refuses is the compatibility table's
+(trainer/run/compatibility.py)."""
 
 from __future__ import annotations
 
@@ -22,38 +25,12 @@ from engine.parallel.base import Parallelism
 from engine.parallel.dims import ParallelDims
 from engine.preference import DPOTask, adapters_disabled, frozen_copy
 from trainer.config.errors import ConfigError
+from trainer.config.schema import Config
 from trainer.data.preference import PreferenceSamples
 from trainer.models.lora import Adapter
-
-PAIRS_DATA = "trainer.data.preference.preference_data"
-DPO_TASK = "engine.preference.DPOTask"
-
-
-def check_pairs_layout(task_node: dict, dims: ParallelDims) -> None:
-    """task=dpo under sequence or pipeline splits: refused before anything is built."""
-    if task_node.get("_target_") != DPO_TASK:
-        return
-    for key, degree in (("dist.cp", dims.cp), ("dist.pp", dims.pp)):
-        if degree > 1:
-            raise ConfigError(
-                key,
-                f"task=dpo is not available with {key}={degree}: a pair's loss needs the summed "
-                "log-probabilities of both its sequences, each whole on one rank, and splitting "
-                "sequences over ranks (cp) or the model into stages (pp) is not built for "
-                "pairs. Use dist.strategy=ddp or fsdp",
-            )
-
-
-def check_pairs_task(task: object, data_target: str | None) -> None:
-    """data=preference's batches are whole pairs (pairs, 2, positions): only a preference
-    task reads them."""
-    if data_target == PAIRS_DATA and not isinstance(task, DPOTask):
-        raise ConfigError(
-            "task",
-            f"data=preference gives pairs of a chosen and a rejected answer, which train with "
-            f"task=dpo (task.loss_type=sigmoid|ipo|simpo); {type(task).__name__} reads other "
-            "batches. Select task=dpo, or data=chat to fine-tune on the conversations",
-        )
+from trainer.run.extensions.base import Extension
+from trainer.run.layout import parallelize, parameter_dtype
+from trainer.run.parts import Parts
 
 
 def attach_reference(task: object, model: nn.Module, adapter: Adapter | None) -> None:
@@ -208,6 +185,34 @@ def reference_file(
     return ReferenceFile(Path(data.train.store.root) / "reference" / f"{key}.pt", micro, precision)
 
 
+def layout_reference_file(
+    cfg: Config,
+    task: object,
+    model: nn.Module,
+    data: Any,
+    dims: ParallelDims,
+    info: DistInfo,
+    planned: bool = False,
+) -> ReferenceFile | None:
+    """`task.reference=precomputed`'s file (`reference_file`) for this run's layout:
+    keyed to the initial model, whole here (fp8's conversion keeps the names), the run's
+    micro-batch (1 under auto) and precision, the bf16 parameters the layout computes with
+    (`parameter_dtype`, as `parallelize` lays out), its tensor-parallel degree and whether
+    that is sequence-parallel."""
+    micro = cfg.train.micro_batch_size
+    return reference_file(
+        task,
+        model,
+        data,
+        micro if micro != "auto" else 1,
+        precision=cfg.train.precision,
+        planned=planned,
+        low_precision_parameters=parameter_dtype(cfg.train.precision, dims, info) is not None,
+        tensor_parallel=dims.tp,
+        sequence_parallel=dims.sequence_parallel,
+    )
+
+
 def precompute_reference(
     file: ReferenceFile | None,
     task: object,
@@ -279,3 +284,46 @@ def precompute_reference(
             f"{how} {path}",
             flush=True,
         )
+
+
+class Preference(Extension):
+    """task=dpo's reference: attached and keyed before the layout, laid out and precomputed
+    after it (a no-op for any other task)."""
+
+    name = "dpo"
+
+    def __init__(self) -> None:
+        self.file: ReferenceFile | None = None  # precomputed: keyed before, scored after
+
+    def before_layout(self, parts: Parts) -> Parts:
+        # The initial policy, after fp8's conversion (a copy is then float8 as the policy
+        # is: at step 1 the two cancel).
+        attach_reference(parts.task, parts.built_model(), parts.adapter)
+        # (the planner's model is fake tensors: no pass)
+        self.file = layout_reference_file(
+            parts.cfg,
+            parts.task,
+            parts.built_model(),
+            parts.data,
+            parts.dims,
+            parts.info,
+            parts.simulated,
+        )
+        return parts
+
+    def after_layout(self, parts: Parts) -> Parts:
+        assert parts.model_extras is not None
+        extras, parallel, dtype = parts.model_extras, parts.parallel, parts.param_dtype
+        with parts.building:
+            lay_out_reference(
+                parts.task,
+                parallel,
+                lambda ref: parallelize(ref, extras, parallel, param_dtype=dtype),
+                parts.info.is_main and not parts.simulated,
+            )
+        # The pass scores with the model as the run lays it out (FSDP2: sharded, so a model
+        # that fits only sharded precomputes too).
+        precompute_reference(
+            self.file, parts.task, parts.built_model(), parts.data, parts.info, parallel
+        )
+        return parts
