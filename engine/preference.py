@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.moe.routing import routing_not_counted
 from engine.numerics.chunked_ce import (
     IGNORE_INDEX,
     ChunkedLogProbs,
@@ -238,6 +239,20 @@ class DPOTask:
         of_side = torch.stack([side == 0, side == 1], 1)  # (P, 2, T)
         return (per_token.unsqueeze(1) * of_side).sum(-1), (mask.unsqueeze(1) & of_side).sum(-1)
 
+    def routed_positions(self, batch: Any) -> torch.Tensor:
+        """(rows * T,) bool, in the order the model's forward routes them: the positions a
+        mixture's balancing counts (engine/moe/sums.py's `MarksRoutedPositions`), each side's
+        up to its last answer token's. Those are the positions the pair's loss depends on;
+        the padding after them, added per micro-batch, is left out, so the balancing does not
+        depend on how the pairs are split into micro-batches."""
+        _, labels, rest = self._fields(batch)
+        side = rest.get("pair_side")
+        if side is None:  # (P, 2, T) -> (2P, T), as `log_probs` runs them
+            return _up_to_last(labels.flatten(0, 1) != IGNORE_INDEX).reshape(-1)
+        scored = labels != IGNORE_INDEX  # packed (P, T): each side a document of the row
+        keep = [(side == s) & _up_to_last(scored & (side == s)) for s in (0, 1)]
+        return (keep[0] | keep[1]).reshape(-1)
+
     def _token_log_probs(
         self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, rest: dict[str, Any]
     ) -> torch.Tensor:
@@ -322,7 +337,8 @@ class DPOTask:
                 "none is attached (the trainer attaches task.reference before training; "
                 "elsewhere call attach_reference(frozen_copy(model)))"
             )
-        with torch.no_grad(), self._reference(model) as ref:
+        # A mixture's balancing counts the policy's routing alone (engine/moe/routing.py).
+        with torch.no_grad(), routing_not_counted(), self._reference(model) as ref:
             return self.log_probs(ref, batch)[0].detach()
 
     def _accumulate(self, rewards: dict[str, torch.Tensor], pairs: int) -> None:
@@ -332,3 +348,8 @@ class DPOTask:
         )
         for k, v in sums.items():
             self._pending[k] = self._pending[k] + v if k in self._pending else v
+
+
+def _up_to_last(marked: torch.Tensor) -> torch.Tensor:
+    """(rows, T) bool: the positions at or before each row's last marked one."""
+    return marked.flip(-1).cumsum(-1).flip(-1) > 0

@@ -97,7 +97,13 @@ FROM_CONFIG: list[tuple[list[str], tuple[str, str], str, str]] = [
         "dist.pp",
         "task=dpo is not available",
     ),
-    ([*MOE, "task=dpo"], ("task=dpo", MIXTURE), "task", "the reference's forward"),
+    ([*MOE, "task=dpo", "dist.ep=2"], ("task=dpo", "dist.ep > 1"), "dist.ep", "frozen copy"),
+    (
+        [*MOE, "task=dpo", "moe=seq_aux"],
+        ("task=dpo", "moe.balance=seq_aux"),
+        "moe.balance",
+        "a pair's two documents",
+    ),
     (["adapter=lora", "dist.tp=2"], ("adapter=lora", "dist.tp > 1"), "dist.tp", "megatron_config"),
     (
         ["adapter=lora", "dist.pp=2"],

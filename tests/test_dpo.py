@@ -728,21 +728,6 @@ def test_reference_adapter_without_an_adapter_names_the_key(bad_root: Path) -> N
     assert "adapter=lora" in message and "task.reference=copy" in message
 
 
-def test_a_mixture_of_experts_is_refused(bad_root: Path) -> None:
-    """task=dpo on a mixture of experts: one paragraph naming `task` (the reference's forward
-    would be counted by the load balancing; with adapter=lora it runs the policy's own
-    routers, and the routing pass recorded the reference's routing, not the policy's)."""
-    path = write_jsonl(bad_root / "moe.jsonl", pair_rows(4, seed=2))
-    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
-    args = [*data_args(bad_root, path, val), *task_args("sigmoid")]
-    moe = ["+model.moe.experts=4", "+model.moe.top_k=2"]
-    with pytest.raises(UserError) as err:
-        train_in_process([*args, *moe, "logger=none", "train.max_steps=1"], bad_root / "moe")
-    message = str(err.value)
-    assert message.startswith("invalid config `task`: task=dpo on a mixture"), message
-    assert "task=causal_lm" in message, message
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["whole", "precomputed"])
 def test_evaluation_reports_the_val_means(

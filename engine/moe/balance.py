@@ -32,7 +32,9 @@ expert's share over the mean (worst layer), in every mode.
 
 Tokens: every position of the input is routed; f, P and z count only the positions that are
 not padding - a tuple batch's positions whose target is a loss item, a dict batch's where its
-`attention_mask` is 1 (every position without one).
+`attention_mask` is 1 (every position without one), or those a task marks itself
+(engine/moe/sums.py's `MarksRoutedPositions`: task=dpo's pairs, each side's positions up to
+its last answer token).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from torch import nn
 
 from engine.distributed import DistInfo
 from engine.moe.objective import BalanceObjective, PerLayer
-from engine.moe.routing import BiasedRouter, HookedRouter, Routed, Routing
+from engine.moe.routing import BiasedRouter, HookedRouter, Routed, Routing, counted
 from engine.moe.strategies import Share, strategy
 from engine.moe.sums import LayerSums, MicroRouting, StepSums, Window, routed_mask
 from engine.parallel.base import NO_GUARD, WindowGuard
@@ -246,7 +248,7 @@ class BalancedTask:
             routings.append(r.routing)
             r.routing = None  # not kept alive (nor counted) past this micro-batch
         n = routings[0].logits.shape[0]
-        sums = LayerSums.of(routings, routed_mask(batch, n))
+        sums = LayerSums.of(routings, routed_mask(batch, n, self.task))
         return MicroRouting(sums, routings, batch, self.top_k)
 
     def all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
@@ -341,4 +343,5 @@ class _NanGradientIf(torch.autograd.Function):
 
 def _stop(module: nn.Module, args: Any, output: Any) -> None:
     del module, args, output
-    raise RoutingDone
+    if counted():  # not in a forward whose routing is not the model's (DPO's reference)
+        raise RoutingDone

@@ -162,7 +162,10 @@ def build_run(
     ctx = build_context(cfg, parts, info)
     step_fn = parts.extensions.prepare_step(build_step(cfg.step), ctx, plan, parts.built)
     # The features' callbacks first (the routing biases move before any other sees the step).
-    ctx.callbacks.named = {**parts.extensions.callbacks(ctx, step_fn), **ctx.callbacks.named}
+    ctx.callbacks.named = {
+        **parts.extensions.callbacks(ctx, step_fn, parts.built),
+        **ctx.callbacks.named,
+    }
     parts.choices.knowing(step=step_fn, callbacks=ctx.callbacks).checked()  # the step chosen
     check_layout(parallel, run_shape(cfg, step_fn, ctx, plan))
     step_fn, plan, auto_window = setup_auto(cfg, ctx, parts.data, step_fn, plan)

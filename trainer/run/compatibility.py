@@ -13,9 +13,9 @@ before anything is built; a row that needs a built part is refused the moment th
 built. The first row that applies is raised, naming its key.
 
 The engine keeps its own refusals for users who drive it from plain Python (a parallelism's
-`check`, engine/parallel/); in a run the table's come first. Composition that is not refused
-(DPO on a mixture of experts: the reference's forward is not counted by the balancing) has no
-row.
+`check`, engine/parallel/); in a run the table's come first. What composes has no row: DPO
+on a mixture of experts trains with the balancing of the policy's own routing (its
+reference's forward is not counted: engine/moe/routing.py's `routing_not_counted`).
 """
 
 from __future__ import annotations
@@ -260,6 +260,11 @@ ROUTED = Feature(
 BALANCE_BEFORE_BACKWARD = both(
     MOE, of_config("moe.balance=global|seq_aux", _balance_needs), "moe.balance=global|seq_aux"
 )
+SEQ_AUX = both(
+    MOE,
+    of_config("moe.balance=seq_aux", lambda cfg: cfg.moe.balance == "seq_aux"),
+    "moe.balance=seq_aux",
+)
 PADS_BATCHES = Feature(
     "data padded to each micro-batch's longest row",
     lambda c: c.pads_batches,
@@ -320,7 +325,9 @@ class Values(dict):
             "data": lambda: c.data_description or "this data",
             "model": lambda: type(c.model).__name__,
             "routers": lambda: _routers(c.model),
-            "moe_key": lambda: "model.moe.experts" if mixture_in_config(cfg.model) else "model",
+            "moe_key": lambda: (
+                "model.moe.experts" if isinstance(cfg.model.get("moe"), Mapping) else "model"
+            ),
             "task": lambda: f"task `{cfg.task.get('_target_')}`",
             "task_class": lambda: type(c.task).__name__,
             "cached_needs": lambda: _cached_needs(f"task `{cfg.task.get('_target_')}`"),
@@ -504,13 +511,20 @@ ROWS: tuple[Refusal, ...] = (
     ),
     Refusal(
         DPO,
-        MOE,
-        "task",
-        "task=dpo on a mixture-of-experts model is not built yet: the reference's forward "
-        "(task.reference=adapter runs the policy's own routers with the adapters off, copy its "
-        "own) would be counted by the load balancing and its routing check, so the balancing "
-        "would not be the policy's. Use a dense model for task=dpo, or task=causal_lm to train "
-        "the mixture",
+        EP,
+        "dist.ep",
+        "task=dpo with dist.ep > 1 is not built yet: the reference would need its experts split "
+        "over the ranks as the policy's are (a frozen copy holds every expert). task=dpo trains "
+        "a mixture of experts under DDP or FSDP2: set dist.ep=1",
+    ),
+    Refusal(
+        DPO,
+        SEQ_AUX,
+        "moe.balance",
+        "seq_aux balances each row of a (B, T) batch as a sequence, and task=dpo's rows are "
+        "the two sides of a pair (pairs, 2, T), or a pair's two documents packed in one row. "
+        "Use moe.balance=global (the policy's routing of the whole step, exact), micro, bias "
+        "or none",
     ),
     Refusal(
         PAIRS,

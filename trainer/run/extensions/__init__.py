@@ -83,9 +83,11 @@ class Extensions:
             step_fn = ext.prepare_step(step_fn, ctx, plan, parts)
         return step_fn
 
-    def callbacks(self, ctx: StepContext, step_fn: StepStrategy) -> dict[str, Callback]:
+    def callbacks(
+        self, ctx: StepContext, step_fn: StepStrategy, parts: Parts
+    ) -> dict[str, Callback]:
         """Every extension's callbacks, in the extensions' order."""
         out: dict[str, Callback] = {}
         for ext in self:
-            out |= ext.callbacks(ctx, step_fn)
+            out |= ext.callbacks(ctx, step_fn, parts)
         return out

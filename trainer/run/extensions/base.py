@@ -12,7 +12,7 @@ feature overrides it. The assembly (trainer/run/assemble.py) and the training ru
 - `wrap_task(task, parts) -> task` (training and the planner): the task the step runs.
 - `prepare_step(step_fn, ctx, plan, parts) -> step_fn` (training): the step strategy this
   feature needs (another one, or the same one told what it needs to know).
-- `callbacks(ctx, step_fn) -> {name: Callback}` (training): this feature's callbacks,
+- `callbacks(ctx, step_fn, parts) -> {name: Callback}` (training): this feature's callbacks,
   returned; the build puts every extension's into the run's callbacks in one place.
 
 What refuses what is not a point: the compatibility table (trainer/config/compatibility.py)
@@ -58,6 +58,8 @@ class Extension:
         del ctx, plan, parts
         return step_fn
 
-    def callbacks(self, ctx: StepContext, step_fn: StepStrategy) -> dict[str, Callback]:
-        del ctx, step_fn
+    def callbacks(
+        self, ctx: StepContext, step_fn: StepStrategy, parts: Parts
+    ) -> dict[str, Callback]:
+        del ctx, step_fn, parts
         return {}

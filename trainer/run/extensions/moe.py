@@ -85,6 +85,8 @@ class Balancing(Extension):
         except ValueError as exc:
             raise ConfigError("model.moe", str(exc)) from None
 
-    def callbacks(self, ctx: StepContext, step_fn: StepStrategy) -> dict[str, Callback]:
-        del step_fn
+    def callbacks(
+        self, ctx: StepContext, step_fn: StepStrategy, parts: Parts
+    ) -> dict[str, Callback]:
+        del step_fn, parts
         return {"moe": MoERecords(ctx.task)} if isinstance(ctx.task, BalancedTask) else {}

@@ -32,6 +32,8 @@ class Privacy(Extension):
             raise ConfigError("step.target_epsilon", str(exc)) from None
         return step_fn
 
-    def callbacks(self, ctx: StepContext, step_fn: StepStrategy) -> dict[str, Callback]:
-        del ctx
+    def callbacks(
+        self, ctx: StepContext, step_fn: StepStrategy, parts: Parts
+    ) -> dict[str, Callback]:
+        del ctx, parts
         return {"privacy": PrivacySpent(step_fn)} if isinstance(step_fn, DPSGDStep) else {}

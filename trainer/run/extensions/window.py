@@ -64,11 +64,14 @@ class WholeWindow(Extension):
             )
         return CachedStep()
 
-    def callbacks(self, ctx: StepContext, step_fn: StepStrategy) -> dict[str, Callback]:
+    def callbacks(
+        self, ctx: StepContext, step_fn: StepStrategy, parts: Parts
+    ) -> dict[str, Callback]:
         """The task's own values in each record: a whole-window task's metrics, or the exact
-        means of a task's item sums (task=dpo's rewards)."""
-        del step_fn
-        task = ctx.task
+        means of a task's item sums (task=dpo's rewards; the run's own task, also when a
+        mixture's balancing wraps it)."""
+        del ctx, step_fn
+        task = parts.task
         if isinstance(task, WindowTask):
             return {"task": TaskRecords(task)} if isinstance(task, HasMetrics) else {}
         return {"task": ItemMeans(task)} if isinstance(task, ItemSums) else {}
