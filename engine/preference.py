@@ -10,17 +10,14 @@ loss needs the summed log-probabilities of both answers under the policy and (bu
 `count_items` the number of pairs. The accumulation step divides by the pairs of the whole
 global batch, which makes the step exact under accumulation and data parallelism.
 
-Losses, with h = (pi_c - ref_c) - (pi_r - ref_r) on summed log-probabilities:
+Losses (`loss_type`, engine/preference_losses.py: one small class each): `sigmoid` (DPO),
+`ipo` (on length-normalized log-probabilities, as TRL's DPOTrainer), `simpo` (reference-free,
+length-normalized, TRL's CPOTrainer), `hinge` (SLiC) and `robust` (robust DPO), each of the
+pair's margin h = (pi_c - ref_c) - (pi_r - ref_r) (simpo: d = pi_c - pi_r).
 
-- `sigmoid` (DPO): -(1 - eps) logsigmoid(beta h) - eps logsigmoid(-beta h), eps the label
-  smoothing;
-- `ipo`: (h - 1 / (2 beta))^2, on log-probabilities divided by the answer's length (as TRL's
-  DPOTrainer computes them for ipo);
-- `simpo`: -(1 - eps) logsigmoid(beta d - gamma) - eps logsigmoid(-(beta d - gamma)), d the
-  difference of the length-normalized log-probabilities (reference-free, TRL's CPOTrainer).
-
-Rewards (records `train/reward_*`, `val/reward_*`): beta (pi - ref) per side (simpo: beta
-times the length-normalized log-probability), their margin, and whether chosen beats rejected.
+Rewards (records `train/reward_*`, `val/reward_*`): beta (pi - ref) per side, on the
+log-probabilities the loss reads (length-normalized for ipo and simpo; simpo has no ref),
+their margin, and whether chosen beats rejected.
 
 Memory: the log-probabilities are log p(label) = logit(label) - logsumexp(logits) per token,
 `chunk_size` tokens at a time in fp32 (engine/numerics/chunked_ce.py). A model that declares
@@ -40,7 +37,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.moe.routing import routing_not_counted
@@ -49,6 +45,7 @@ from engine.numerics.chunked_ce import (
     ChunkedLogProbs,
     log_probs_in_chunks,
 )
+from engine.preference_losses import PreferenceLoss, preference_loss
 from engine.tasks import (
     ChunkSize,
     TaskOutputError,
@@ -58,7 +55,6 @@ from engine.tasks import (
     tokens_per_chunk,
 )
 
-LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 REFERENCES = ("adapter", "copy", "precomputed", "none")
 # `task.reference=precomputed`: the batch field holding each pair's reference log-probabilities,
 # (pairs, 2), written before training (trainer/run/extensions/preference.py) and read by the data.
@@ -109,9 +105,11 @@ class DPOTask:
 
     Args:
         beta: the inverse temperature of the rewards (TRL's default 0.1).
-        loss_type: `sigmoid`, `ipo` or `simpo`.
+        loss_type: a name of engine/preference_losses.py's `LOSSES`: `sigmoid`, `ipo`,
+            `simpo`, `hinge` or `robust`.
         gamma: simpo's target margin (applied as -gamma inside the sigmoid).
-        label_smoothing: eps, the assumed share of flipped preferences (sigmoid, simpo).
+        label_smoothing: eps, the assumed share of flipped preferences (sigmoid, simpo,
+            robust).
         reference: `copy`, `adapter`, `precomputed` (each pair's reference log-probabilities
             come with the batch, field `reference_log_probs`, written by one pass of the
             initial model before training) or `none` (simpo); null: chosen by the trainer
@@ -139,8 +137,7 @@ class DPOTask:
         chunked_vocab_threshold: int = 32768,
     ) -> None:
         check_chunking(chunk_size, chunked_vocab_threshold)
-        if loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+        loss = preference_loss(loss_type, float(beta), float(gamma), float(label_smoothing))
         if not (isinstance(beta, int | float) and beta > 0):
             raise ValueError(f"beta must be a positive number, got {beta!r}")
         if not 0.0 <= label_smoothing < 0.5:
@@ -149,15 +146,16 @@ class DPOTask:
             raise ValueError(
                 f"reference must be one of {', '.join(REFERENCES)} or null, got {reference!r}"
             )
-        if loss_type == "simpo" and reference not in (None, "none"):
-            raise ValueError(f"reference: simpo is reference-free; got reference={reference}")
-        if loss_type != "simpo" and reference == "none":
+        if not loss.needs_reference and reference not in (None, "none"):
+            raise ValueError(f"reference: {loss_type} is reference-free; got reference={reference}")
+        if loss.needs_reference and reference == "none":
             raise ValueError(
                 f"reference: loss_type={loss_type} needs a reference (copy, adapter, precomputed)"
             )
         self.beta, self.loss_type = float(beta), loss_type
         self.gamma, self.label_smoothing = float(gamma), float(label_smoothing)
-        self.reference = "none" if loss_type == "simpo" else reference
+        self.loss: PreferenceLoss = loss
+        self.reference = "none" if not loss.needs_reference else reference
         self._reference: Reference | FrozenCopy | None = None
         self._pending: dict[str, torch.Tensor] = {}
         self.chunk_size, self.chunked_vocab_threshold = chunk_size, chunked_vocab_threshold
@@ -291,25 +289,18 @@ class DPOTask:
         """Per-pair losses (P,) and per-pair rewards (detached)."""
         # The reference's no-grad forward first: what it holds (a model's logits) is freed
         # before the policy's forward keeps its own for backward.
-        ref = None if self.loss_type == "simpo" else self._reference_log_probs(model, batch)
+        loss = self.loss
+        ref = self._reference_log_probs(model, batch) if loss.needs_reference else None
         policy, lengths = self.log_probs(model, batch)  # (P, 2)
-        if self.loss_type in ("ipo", "simpo"):
+        if loss.length_normalized:
             policy = policy / lengths.clamp(min=1)
-        if ref is None:  # simpo
-            scores = policy
-            logits = self.beta * (policy[:, 0] - policy[:, 1]) - self.gamma
-        else:
+        scores = policy
+        if ref is not None:
             ref = ref.to(policy)
-            if self.loss_type == "ipo":
+            if loss.length_normalized:
                 ref = ref / lengths.clamp(min=1)
             scores = policy - ref
-            logits = scores[:, 0] - scores[:, 1]
-        if self.loss_type == "ipo":
-            losses = (logits - 1.0 / (2.0 * self.beta)) ** 2
-        else:
-            x = logits if self.loss_type == "simpo" else self.beta * logits
-            eps = self.label_smoothing
-            losses = -(1.0 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
+        losses = loss(scores[:, 0] - scores[:, 1])  # of the pairs' margins
         rewards = self.beta * scores.detach()  # (P, 2)
         return losses, {
             "reward_chosen": rewards[:, 0],

@@ -6,7 +6,8 @@ on 2 DDP and 2 FSDP2 ranks (also under LoRA), on 2 FSDP2 ranks with task.referen
 (the initial model's log-probabilities written before training, scored by the sharded model,
 each rank its share: one process writes the same bits; a second start reads them, another base
 writes its own; a run killed with -9 reruns bit for bit reading them back; on 2 tensor-parallel
-ranks each chunk scored by both, its own key), and for ipo and simpo against their own
+ranks each chunk scored by both, its own key), and for ipo, simpo, hinge and robust (TRL's
+definitions, one class each in engine/preference_losses.py) against their own
 references; the records `train/reward_*` and `val/*` equal the reference's means over the
 pairs. Under LoRA the reference is the base with the adapters disabled; a resumed run repeats
 the uninterrupted one, and exports (scripts/export_hf.py) as the trained policy. Composition:
@@ -70,6 +71,8 @@ SHARDED_ONLY = "tests.preference_support.ShardedOnlyGPT"
 # (loss_type, beta, label_smoothing, gamma) of each run's task.
 LOSSES = {"sigmoid": ("sigmoid", 0.5, 0.1, 0.0), "ipo": ("ipo", 0.5, 0.0, 0.0)}
 LOSSES["simpo"] = ("simpo", 2.0, 0.0, 0.5)
+LOSSES["hinge"] = ("hinge", 0.5, 0.0, 0.0)  # TRL's hinge
+LOSSES["robust"] = ("robust", 0.5, 0.2, 0.0)  # TRL's robust
 
 
 def data_args(root: Path, train_file: Path, val_file: Path | None = None) -> list[str]:
@@ -186,6 +189,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "fsdp": two_steps("fsdp", "sigmoid", batch(2, 2), 2, "dist.strategy=fsdp"),
         "ipo": two_steps("ipo", "ipo", batch(2), route="logits"),
         "simpo": two_steps("simpo", "simpo", batch(2), 1, "train.memory_report=true"),
+        "hinge": two_steps("hinge", "hinge", batch(2)),
+        "robust": two_steps("robust", "robust", batch(2)),
         "packed": two_steps("packed", "sigmoid", batch(2), 1, "data.packed=true"),
         # LoRA: the base with its adapters disabled (the default), and a frozen copy.
         "lora_adapter": two_steps(
@@ -294,6 +299,12 @@ def losses(
         h = (pi[:, 0] - r[:, 0]) - (pi[:, 1] - r[:, 1])
         if loss_type == "ipo":
             out = (h - 1 / (2 * beta)) ** 2
+        elif loss_type == "hinge":  # TRL: relu(1 - beta * logits)
+            out = torch.relu(1 - beta * h)
+        elif loss_type == "robust":  # TRL: (-ls(b h)(1 - eps) + ls(-b h) eps) / (1 - 2 eps)
+            out = (-F.logsigmoid(beta * h) * (1 - eps) + F.logsigmoid(-beta * h) * eps) / (
+                1 - 2 * eps
+            )
         else:
             out = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
         rewards = beta * (pi - r).detach()
@@ -359,6 +370,7 @@ def references(runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 LOSS_OF = {"whole": "sigmoid", "accum": "sigmoid", "ddp": "sigmoid", "ipo": "ipo", "simpo": "simpo"}
+LOSS_OF |= {"hinge": "hinge", "robust": "robust"}  # TRL's, one class each
 LOSS_OF["packed"] = "sigmoid"  # each pair one row, its sides two documents
 LOSS_OF["fsdp"] = "sigmoid"
 LOSS_OF["precomputed"] = "sigmoid"  # the reference's log-probabilities written before step 1

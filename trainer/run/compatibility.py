@@ -332,6 +332,7 @@ class Values(dict):
             "task_class": lambda: type(c.task).__name__,
             "cached_needs": lambda: _cached_needs(f"task `{cfg.task.get('_target_')}`"),
             "others": lambda: _other_precisions(),
+            "loss_types": lambda: _loss_types(),
         }
         value = getters[name]()
         self[name] = value
@@ -348,6 +349,12 @@ def _cached_needs(task_name: str) -> str:
     from engine.window_task import needs_window_task
 
     return needs_window_task(task_name)
+
+
+def _loss_types() -> str:
+    from engine.preference_losses import LOSS_TYPES
+
+    return "|".join(LOSS_TYPES)
 
 
 def _other_precisions() -> str:
@@ -531,7 +538,7 @@ ROWS: tuple[Refusal, ...] = (
         NOT_DPO,
         "task",
         "data=preference gives pairs of a chosen and a rejected answer, which train with "
-        "task=dpo (task.loss_type=sigmoid|ipo|simpo); {task_class} reads other batches. Select "
+        "task=dpo (task.loss_type={loss_types}); {task_class} reads other batches. Select "
         "task=dpo, or data=chat to fine-tune on the conversations",
     ),
     # ---- adapters: peft's layers
