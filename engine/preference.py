@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -60,13 +60,23 @@ REFERENCES = ("adapter", "copy", "precomputed", "none")
 # (pairs, 2), written before training (trainer/run/extensions/preference.py) and read by the data.
 PRECOMPUTED = "reference_log_probs"
 REWARDS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
-# Yields the module that scores a batch as the reference, given the policy as the step calls it.
-Reference = Callable[[nn.Module], contextlib.AbstractContextManager[nn.Module]]
+
+
+@runtime_checkable
+class Reference(Protocol):
+    """A reference model to score with: called with the policy as the step calls it, it
+    yields the module that scores a batch as the reference; `mode` is its `task.reference`."""
+
+    mode: str
+
+    def __call__(self, policy: nn.Module) -> contextlib.AbstractContextManager[nn.Module]: ...
 
 
 class FrozenCopy:
     """`task.reference=copy`: the policy's module now, copied once, frozen and in eval mode.
     `module` may be replaced by the same copy laid out over the ranks (`lay_out`)."""
+
+    mode = "copy"
 
     def __init__(self, model: nn.Module) -> None:
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
@@ -85,19 +95,26 @@ def frozen_copy(model: nn.Module) -> FrozenCopy:
     return FrozenCopy(model)
 
 
-def adapters_disabled(peft_model: Any, inner: nn.Module) -> Reference:
+class DisabledAdapters:
     """`task.reference=adapter`: the policy's base with its adapters off (peft's
     `disable_adapter()`): no second copy of the weights. `inner` is the module that runs: the
     user's model with peft's layers in it, outside any data-parallel wrapper (the reference
     takes no gradient, so no wrapper's hooks are needed)."""
 
-    @contextlib.contextmanager
-    def scoring(policy: nn.Module) -> Iterator[nn.Module]:
-        del policy
-        with peft_model.disable_adapter():
-            yield inner
+    mode = "adapter"
 
-    return scoring
+    def __init__(self, peft_model: Any, inner: nn.Module) -> None:
+        self.peft_model, self.inner = peft_model, inner
+
+    @contextlib.contextmanager
+    def __call__(self, policy: nn.Module) -> Iterator[nn.Module]:
+        del policy
+        with self.peft_model.disable_adapter():
+            yield self.inner
+
+
+def adapters_disabled(peft_model: Any, inner: nn.Module) -> DisabledAdapters:
+    return DisabledAdapters(peft_model, inner)
 
 
 class DPOTask:
@@ -113,8 +130,9 @@ class DPOTask:
         reference: `copy`, `adapter`, `precomputed` (each pair's reference log-probabilities
             come with the batch, field `reference_log_probs`, written by one pass of the
             initial model before training) or `none` (simpo); null: chosen by the trainer
-            (none for simpo, adapter under adapter=lora, else copy). The trainer attaches it
-            (`attach_reference`) before the first step.
+            (none for simpo, adapter under adapter=lora, else copy), which builds the
+            reference model and gives it to the task (`attach_reference`) before the first
+            step; `reference_mode` says which the task scores with.
         chunk_size: tokens whose log-probabilities are computed at a time (`auto`: from the
             vocabulary and the device, as task=causal_lm's chunked loss); None: the whole
             fp32 log-softmax of the logits.
@@ -156,8 +174,7 @@ class DPOTask:
         self.gamma, self.label_smoothing = float(gamma), float(label_smoothing)
         self.loss: PreferenceLoss = loss
         self.reference = "none" if not loss.needs_reference else reference
-        self._reference: Reference | FrozenCopy | None = None
-        self._pending: dict[str, torch.Tensor] = {}
+        self._reference: Reference | None = None
         self.chunk_size, self.chunked_vocab_threshold = chunk_size, chunked_vocab_threshold
         # One per vocabulary and device for the whole run, as task=causal_lm's (torch.compile
         # guards on the object a forward is given).
@@ -168,31 +185,39 @@ class DPOTask:
         """The reference when it is a frozen copy (to lay out like the policy)."""
         return self._reference if isinstance(self._reference, FrozenCopy) else None
 
-    def attach_reference(self, reference: Reference | FrozenCopy | None) -> None:
-        """The reference the task scores with (None for `none`)."""
+    def attach_reference(self, reference: Reference) -> None:
+        """The reference model the task scores with (`copy`, `adapter`; `precomputed` and
+        `none` have none)."""
         self._reference = reference
+
+    @property
+    def reference_mode(self) -> str | None:
+        """The `task.reference` the task scores with: its own when given, else the attached
+        model's (None: nothing attached yet)."""
+        if self.reference in ("none", "precomputed") or self._reference is None:
+            return self.reference
+        return self._reference.mode
 
     # ---- the loss contract ----
     def count_items(self, batch: Any) -> torch.Tensor:
         return torch.tensor(self._fields(batch)[0].shape[0], dtype=torch.int64)  # pairs
 
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self._pair_losses(model, batch)[0].sum()
+
+    def loss_and_sums(
+        self, model: nn.Module, batch: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss sum and the rewards' sums over the batch's pairs, with `items`: its
+        pairs (engine/item_sums.py's `ItemSums`: the step adds them up)."""
         losses, rewards = self._pair_losses(model, batch)
-        # The step's forwards, not the no-grad check of the sum (a transformers model loaded
-        # with from_pretrained trains in eval mode: `model.training` cannot tell them apart).
-        if torch.is_grad_enabled():
-            self._accumulate(rewards, len(losses))
-        return losses.sum()
+        sums = {k: v.sum().double() for k, v in rewards.items()}
+        sums["items"] = torch.tensor(float(len(losses)), dtype=torch.float64, device=losses.device)
+        return losses.sum(), sums
 
     def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         losses, rewards = self._pair_losses(model, batch)
         return {"loss": losses.sum(), **{k: v.sum() for k, v in rewards.items()}}
-
-    def take_item_sums(self) -> dict[str, torch.Tensor]:
-        """The reward sums of the training forwards since the last call, and `items`: their
-        pairs (engine/step.py's `ItemSums`)."""
-        out, self._pending = self._pending, {}
-        return out
 
     # ---- the arithmetic ----
     def _fields(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -331,14 +356,6 @@ class DPOTask:
         # A mixture's balancing counts the policy's routing alone (engine/moe/routing.py).
         with torch.no_grad(), routing_not_counted(), self._reference(model) as ref:
             return self.log_probs(ref, batch)[0].detach()
-
-    def _accumulate(self, rewards: dict[str, torch.Tensor], pairs: int) -> None:
-        sums = {k: v.sum().double() for k, v in rewards.items()}
-        sums["items"] = torch.tensor(
-            float(pairs), dtype=torch.float64, device=rewards[REWARDS[0]].device
-        )
-        for k, v in sums.items():
-            self._pending[k] = self._pending[k] + v if k in self._pending else v
 
 
 def _up_to_last(marked: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.distributed import DistInfo
+from engine.item_sums import ItemSums
 from engine.moe.objective import BalanceObjective, PerLayer
 from engine.moe.routing import BiasedRouter, HookedRouter, Routed, Routing, counted
 from engine.moe.strategies import Share, strategy
@@ -125,13 +126,25 @@ class BalancedTask:
         return self.task.count_items(batch)
 
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self.loss_and_sums(model, batch)[0]
+
+    @property
+    def item_sum_names(self) -> tuple[str, ...]:
+        """The task's item sums (engine/item_sums.py), if it reports any."""
+        return self.task.item_sum_names if isinstance(self.task, ItemSums) else ()
+
+    def loss_and_sums(
+        self, model: nn.Module, batch: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The task's loss sum with the balancing in its gradient, and the task's item sums
+        (none when it reports none)."""
         window = self.window
         if window is None or not any(b is batch for b in window.batches):
-            return self.task.loss_sum(model, batch)  # not a micro-batch of the window
+            return self._task_loss(model, batch)  # not a micro-batch of the window
         entry = window.replays.get(id(batch))
         if entry is not None:
             entry[0].restore()  # the routing pass's random state: the same routing
-        loss = self.task.loss_sum(model, batch)
+        loss, sums = self._task_loss(model, batch)
         micro = self.micro(batch)
         differs = None
         if entry is not None:  # compared on the device; read when records are (check_routing)
@@ -146,7 +159,14 @@ class BalancedTask:
         if extra is not None:
             extra = (extra * window.global_count.to(extra.dtype)).to(loss.dtype)
             loss = loss + (extra - extra.detach())  # the value stays the task's loss, exactly
-        return loss if differs is None else _NanGradientIf.apply(loss, differs)
+        return (loss if differs is None else _NanGradientIf.apply(loss, differs)), sums
+
+    def _task_loss(
+        self, model: nn.Module, batch: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if isinstance(self.task, ItemSums):
+            return self.task.loss_and_sums(model, batch)
+        return self.task.loss_sum(model, batch), {}
 
     # ---- the window ----
     def check_routing(self) -> None:

@@ -6,6 +6,7 @@ pass on the laid-out model). What it refuses is the compatibility table's
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -34,16 +35,15 @@ from trainer.run.parts import Parts
 
 
 def attach_reference(task: object, model: nn.Module, adapter: Adapter | None) -> None:
-    """`task.reference` of a DPO task, before the model is laid out over the ranks: `copy`
-    (the default without an adapter) copies the initial policy, frozen; `adapter` (the
-    default under adapter=lora) scores with the base, its adapters disabled; `none` (simpo)
-    has no reference. Any other task: nothing to do."""
-    if not isinstance(task, DPOTask) or task.reference == "none":
+    """`task.reference` of a DPO task, built and given to it before the model is laid out
+    over the ranks: `copy` (the default without an adapter) copies the initial policy,
+    frozen; `adapter` (the default under adapter=lora) scores with the base, its adapters
+    disabled; `precomputed` (scored after layout) and `none` (simpo) attach no model. Any
+    other task: nothing to do."""
+    if not isinstance(task, DPOTask) or task.reference in ("none", "precomputed"):
         return
     mode = task.reference or ("adapter" if adapter is not None else "copy")
-    if mode == "precomputed":  # scored by precompute_reference, after layout
-        task.attach_reference(None)
-    elif mode == "adapter":
+    if mode == "adapter":
         if adapter is None:
             raise ConfigError(
                 "task.reference",
@@ -54,7 +54,6 @@ def attach_reference(task: object, model: nn.Module, adapter: Adapter | None) ->
         task.attach_reference(adapters_disabled(adapter.peft_model, model))
     else:
         task.attach_reference(frozen_copy(model))
-    task.reference = mode
 
 
 def lay_out_reference(
@@ -63,7 +62,7 @@ def lay_out_reference(
     """After the policy is laid out: a frozen copy is sharded like it under FSDP2 (`apply`
     lays a module out as the policy was), so no rank holds a whole second model; one line
     says where the reference lives."""
-    if not isinstance(task, DPOTask) or task.reference in ("none", "precomputed"):
+    if not isinstance(task, DPOTask) or task.reference_mode in ("none", "precomputed"):
         return
     ref = task.frozen_copy
     sharded = parallel.shards_parameters and parallel.name == "fsdp"
@@ -75,7 +74,8 @@ def lay_out_reference(
             "copy": "a frozen copy of the initial model, "
             + ("sharded like the policy" if sharded else "whole on each rank"),
         }
-        print(f"task.reference={task.reference}: {where[task.reference]}", flush=True)
+        mode = task.reference_mode
+        print(f"task.reference={mode}: {where[mode]}", flush=True)
 
 
 def model_key(model: nn.Module) -> str:
@@ -131,9 +131,10 @@ def my_chunks(n: int, micro: int, dp_rank: int, dp_size: int) -> list[list[int]]
 class ReferenceFile:
     """Where task.reference=precomputed's values live (the data's token cache, under a key of
     the initial model, the pairs, the chunk size and the precision) and how they are
-    scored."""
+    scored; `path` None: trainer.plan's fake model, whose pass is zeros of the pairs'
+    shape."""
 
-    path: Path
+    path: Path | None
     micro: int
     precision: str
 
@@ -156,8 +157,8 @@ def reference_file(
     `trainer.run.assemble.parameter_dtype`: FSDP2's under bf16 or fp8) and `tensor_parallel`
     (its degree above 1: split matmuls add their partial products in another order; and
     `sequence_parallel`, whose norms and gathers run on sequence shards).
-    `planned` (trainer.plan: the model is fake tensors): zeros attached, the batches' shapes
-    without a pass, and None. Any other task: None."""
+    `planned` (trainer.plan: the model is fake tensors): no file (zeros of the pairs' shape,
+    no pass). Any other task: None."""
     if not isinstance(task, DPOTask) or task.reference != "precomputed":
         return None
     splits = {"train": data.train, "val": data.val}
@@ -170,9 +171,7 @@ def reference_file(
                 "preference, or task.reference=copy",
             )
     if planned:
-        for samples in splits.values():
-            samples.reference = np.zeros((len(samples), 2))
-        return None
+        return ReferenceFile(None, micro, precision)
     ident: dict[str, Any] = {"model": model_key(model), "micro": micro, "precision": precision}
     if low_precision_parameters:
         ident["parameters"] = "bf16"
@@ -220,11 +219,11 @@ def precompute_reference(
     data: Any,
     info: DistInfo,
     parallel: Parallelism,
-) -> None:
+) -> dict[str, np.ndarray] | None:
     """`task.reference=precomputed` (`file`: see `reference_file`), after the model is laid
-    out: every pair's reference log-probabilities (chosen, rejected), of the train and
-    validation pairs, under the initial model as the run lays it out (FSDP2: sharded, every
-    rank in each forward), attached to the data so that each batch carries its pairs'.
+    out: every pair's reference log-probabilities (chosen, rejected), (pairs, 2) of the train
+    and of the validation pairs, under the initial model as the run lays it out (FSDP2:
+    sharded, every rank in each forward), for the data to carry with each batch.
 
     The pairs are scored `file.micro` consecutive pairs at a time (the run's micro-batch; 1
     under auto), chunk c on data-parallel rank c % dp (`parallel`'s coordinates: a
@@ -236,13 +235,14 @@ def precompute_reference(
     any rank), so runs of other layouts writing the same key write the same bits. Rank 0
     writes them, once the pass is complete, to a temporary file renamed when whole, so an
     interrupted pass leaves nothing. A later start of the same base on the same pairs (a
-    resumed run) reads the file; another base computes anew. Nothing to do without a
-    file."""
+    resumed run) reads the file; another base computes anew. None without a file."""
     if file is None:
-        return
+        return None
     assert isinstance(task, DPOTask)
     splits = {"train": data.train, "val": data.val}
     path = file.path
+    if path is None:  # the planner's fake model: the shapes alone
+        return {k: np.zeros((len(v), 2)) for k, v in splits.items()}
     values: dict[str, np.ndarray] | None = None
     if all(all_gather_object(path.is_file(), info)):
         stored = torch.load(path, weights_only=True)
@@ -274,8 +274,6 @@ def precompute_reference(
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             torch.save({k: torch.from_numpy(v) for k, v in values.items()}, tmp)
             os.replace(tmp, path)
-    for split, samples in splits.items():
-        samples.reference = values[split]
     if info.is_main:
         n = sum(len(v) for v in splits.values())
         how = "read from" if reused else "computed (each rank its share) and written to"
@@ -284,6 +282,7 @@ def precompute_reference(
             f"{how} {path}",
             flush=True,
         )
+    return values
 
 
 class Preference(Extension):
@@ -323,7 +322,14 @@ class Preference(Extension):
             )
         # The pass scores with the model as the run lays it out (FSDP2: sharded, so a model
         # that fits only sharded precomputes too).
-        precompute_reference(
-            self.file, parts.task, parts.built_model(), parts.data, parts.info, parallel
+        data = parts.data
+        values = precompute_reference(
+            self.file, parts.task, parts.built_model(), data, parts.info, parallel
         )
-        return parts
+        if values is None:
+            return parts
+        train, val = (
+            data.train.with_reference(values["train"]),
+            data.val.with_reference(values["val"]),
+        )
+        return parts.replace(data=dataclasses.replace(data, train=train, val=val))

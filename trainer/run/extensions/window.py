@@ -1,6 +1,6 @@
 """Tasks whose loss is of the whole window (engine/window_task.py) in the run: the step they
 train with, chosen by itself, what it refuses; and every task's own records
-(`train/temperature`; a task's exact item means, engine/step.py's `ItemSums`: task=dpo's
+(`train/temperature`; a task's exact item means, engine/item_sums.py's `ItemSums`: task=dpo's
 `train/reward_*`)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Any
 
 from engine.callbacks import Callback
 from engine.callbacks.item_means import ItemMeans
-from engine.step import ItemSums, StepContext, StepStrategy
+from engine.item_sums import ItemSums
+from engine.step import StepContext, StepStrategy
 from engine.steps.accumulate import AccumulateStep
 from engine.steps.cached import CachedStep
 from engine.window_task import HasMetrics, WindowTask
@@ -74,4 +75,5 @@ class WholeWindow(Extension):
         task = parts.task
         if isinstance(task, WindowTask):
             return {"task": TaskRecords(task)} if isinstance(task, HasMetrics) else {}
-        return {"task": ItemMeans(task)} if isinstance(task, ItemSums) else {}
+        reports = isinstance(task, ItemSums) and task.item_sum_names
+        return {"task": ItemMeans(task)} if reports else {}
