@@ -40,8 +40,8 @@ from trainer.planning.routing import UniformRouting
 from trainer.planning.values import RealIntegers, real_or_fake
 from trainer.run.assemble import Assembly, assemble
 from trainer.run.batch_plan import BatchPlan
-from trainer.run.build import build_context, build_step, run_shape
-from trainer.run.layout import check_layout
+from trainer.run.build import build_context, build_step
+from trainer.run.layout import check_layout, run_shape
 from trainer.run.memory import MemoryReport, StepPeaks, frozen_modules, report
 
 STEPS = 2  # the first builds the optimizer's state; the second is a steady step

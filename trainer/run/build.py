@@ -14,32 +14,29 @@ from engine.callbacks import Callback, CallbackList
 from engine.callbacks.grad_stats import GradNormsPerLayer
 from engine.distributed import DistInfo
 from engine.numerics.precision import Precision
-from engine.parallel.base import RunShape
 from engine.step import StepContext, StepStrategy
-from engine.steps.accumulate import AccumulateStep
 from engine.window_task import WindowTask
 from trainer.config.components import instantiate
 from trainer.config.errors import ConfigError
 from trainer.config.schema import Config, TrainCfg
-from trainer.config.signing import sign
 from trainer.data.batches import build_train_batches, build_val_batches
 from trainer.models.export import export_line
 from trainer.models.lora import export_line as adapter_line
 from trainer.run.assemble import assemble
 from trainer.run.auto_batch import setup_auto
-from trainer.run.batch_plan import AUTO, BatchPlan
+from trainer.run.batch_plan import BatchPlan
 from trainer.run.fit import Run, RunSettings, plain_step_window
-from trainer.run.layout import check_layout
+from trainer.run.layout import check_layout, run_shape
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.parts import Assembly
 from trainer.run.preemption import StopRequest
 from trainer.run.state import (
+    Resumed,
     ResumeSettings,
-    RunState,
     TrainingProgress,
     build_checkpointer,
+    build_state,
     resume,
-    signed_config,
 )
 from trainer.tracking.profiler import build_profiler
 from trainer.tracking.records import TrainMeter, item_unit
@@ -91,60 +88,6 @@ def build_context(cfg: Config, parts: Assembly, info: DistInfo) -> StepContext:
     )
 
 
-def build_state(
-    cfg: Config,
-    config: dict[str, Any],
-    ctx: StepContext,
-    parts: Assembly,
-    derived: dict[str, str] | None = None,
-    **named: Any,
-) -> RunState:
-    """What a checkpoint holds: the model and optimizer through the parallelism, the config
-    (with the keys it derives, `derived`, signed on rank 0 with this user's secret), and the
-    named stateful components (user components join when they have state)."""
-    fmt = cfg.checkpoint.format
-    sharded = (fmt if fmt != "auto" else parts.parallel.checkpoint_format) == "sharded"
-    derived = derived or {}
-    signature = sign(signed_config(config, derived)) if ctx.dist.is_main else None
-    state = RunState(
-        parts.model,
-        ctx.optimizer,
-        parts.parallel,
-        config=config,
-        derived=derived,
-        signature=signature,
-        sharded=sharded,
-        adapter=parts.adapter,
-    )
-    for name, component in {
-        **named,
-        "scheduler": ctx.scheduler,
-        "precision": ctx.precision,
-        "callbacks": ctx.callbacks,
-        "task": parts.task,
-        "train_data": parts.data.train,
-        "val_data": parts.data.val,
-    }.items():
-        state.add(name, component)
-    return state
-
-
-def run_shape(cfg: Config, step_fn: Any, ctx: StepContext, plan: BatchPlan) -> RunShape:
-    """The run's choices a parallelism may refuse (its `check`: the engine's own refusals,
-    which the compatibility table's have come before), the built run's included."""
-    fmt = cfg.checkpoint.format
-    return RunShape(
-        auto_micro_batch=cfg.train.micro_batch_size == AUTO,
-        compile=cfg.train.compile,
-        per_layer_norms=cfg.train.grad_norms == "per_layer",
-        step=step_fn,
-        plain_accumulation=type(step_fn) is AccumulateStep,
-        callbacks=ctx.callbacks,
-        accum=plan.accum,
-        checkpoint_format=fmt if fmt != "auto" else ctx.parallel.checkpoint_format,
-    )
-
-
 def build_run(
     cfg: Config,
     config: dict[str, Any],
@@ -160,14 +103,7 @@ def build_run(
     parts = assemble(cfg, info, dims, static_shapes=True)  # (CUDA graphs' refusals first)
     parallel = parts.parallel
     ctx = build_context(cfg, parts, info)
-    step_fn = parts.extensions.prepare_step(build_step(cfg.step), ctx, plan, parts.built)
-    # The features' callbacks first (the routing biases move before any other sees the step).
-    ctx.callbacks.named = {
-        **parts.extensions.callbacks(ctx, step_fn, parts.built),
-        **ctx.callbacks.named,
-    }
-    parts.choices.knowing(step=step_fn, callbacks=ctx.callbacks).checked()  # the step chosen
-    check_layout(parallel, run_shape(cfg, step_fn, ctx, plan))
+    step_fn = run_step(cfg, parts, ctx, plan)
     step_fn, plan, auto_window = setup_auto(cfg, ctx, parts.data, step_fn, plan)
     batches = build_train_batches(parts.data, parts.data_extras, cfg.seed, info, plan, parallel)
     val_batches = build_val_batches(
@@ -192,27 +128,7 @@ def build_run(
     settings = RunSettings.from_config(cfg)
     resumed = resume(state, progress, run_dir, resume_settings(cfg, plan, settings), info)
     checkpointer.committed = resumed.path
-    sinks: list[Any] = []
-    if info.is_main:
-        banner = Banner(
-            run_dir=run_dir,
-            run_id=resumed.run_id,
-            model=type(parts.model).__name__,
-            n_params=parts.n_params,
-            n_trainable=parts.n_trainable,
-            data=parts.data.description or str(cfg.data.get("_target_")),
-            n_train=len(parts.data.train),
-            n_val=len(parts.data.val),
-            plan=plan,
-            layout=parallel.describe(),
-            precision=parts.precision(cfg.train.precision),
-            device=str(info.device),
-            resumed=resumed,
-            export=export_line(parts.model)
-            if parts.adapter is None
-            else adapter_line(parts.adapter),
-        )
-        sinks = build_sinks(cfg, config, banner, unit=unit)
+    sinks = build_run_sinks(cfg, config, parts, plan, run_dir, resumed, info, unit)
     if cfg.train.detect_anomaly:
         torch.autograd.set_detect_anomaly(True)  # slow: for debugging NaNs only
     return Run(
@@ -235,6 +151,50 @@ def build_run(
         data_description=parts.data.description or str(cfg.data.get("_target_")),
         profiler=build_profiler(cfg.profile, run_dir, info, ctx.clock, cfg.train.max_steps),
     )
+
+
+def run_step(cfg: Config, parts: Assembly, ctx: StepContext, plan: BatchPlan) -> StepStrategy:
+    """The step the run takes: the one the extensions prepare from `step`, their callbacks
+    joined to the run's (first: the routing biases move before any other sees the step),
+    refused by the compatibility table or the layout's own check."""
+    step_fn = parts.extensions.prepare_step(build_step(cfg.step), ctx, plan, parts.built)
+    extensions = parts.extensions.callbacks(ctx, step_fn, parts.built)
+    ctx.callbacks.named = {**extensions, **ctx.callbacks.named}
+    parts.choices.knowing(step=step_fn, callbacks=ctx.callbacks).checked()
+    check_layout(parts.parallel, run_shape(cfg, step_fn, ctx, plan))
+    return step_fn
+
+
+def build_run_sinks(
+    cfg: Config,
+    config: dict[str, Any],
+    parts: Assembly,
+    plan: BatchPlan,
+    run_dir: Path,
+    resumed: Resumed,
+    info: DistInfo,
+    unit: str,
+) -> list[Any]:
+    """Rank 0's trackers, opened with the run's banner (none on the other ranks)."""
+    if not info.is_main:
+        return []
+    banner = Banner(
+        run_dir=run_dir,
+        run_id=resumed.run_id,
+        model=type(parts.model).__name__,
+        n_params=parts.n_params,
+        n_trainable=parts.n_trainable,
+        data=parts.data.description or str(cfg.data.get("_target_")),
+        n_train=len(parts.data.train),
+        n_val=len(parts.data.val),
+        plan=plan,
+        layout=parts.parallel.describe(),
+        precision=parts.precision(cfg.train.precision),
+        device=str(info.device),
+        resumed=resumed,
+        export=export_line(parts.model) if parts.adapter is None else adapter_line(parts.adapter),
+    )
+    return build_sinks(cfg, config, banner, unit=unit)
 
 
 def measured(step_window: Any, cfg: Config, run_dir: Path) -> Any:

@@ -4,6 +4,8 @@ layout), which lays out the policy and anything laid out like it (DPO's frozen c
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -11,8 +13,10 @@ from engine.distributed import DistInfo
 from engine.model import NoBlocks, apply_activation_checkpointing, find_blocks, require_blocks
 from engine.parallel.base import LayoutError, Parallelism, RunShape
 from engine.parallel.dims import ParallelDims
+from engine.steps.accumulate import AccumulateStep
 from trainer.config.errors import ConfigError
-from trainer.config.schema import ModelExtras
+from trainer.config.schema import Config, ModelExtras
+from trainer.run.batch_plan import AUTO, BatchPlan
 
 
 def layout_error(exc: LayoutError) -> ConfigError:
@@ -79,3 +83,19 @@ def parallelize(
         return parallel.apply(model, blocks, param_dtype=param_dtype)
     except LayoutError as exc:
         raise layout_error(exc) from None
+
+
+def run_shape(cfg: Config, step_fn: Any, ctx: Any, plan: BatchPlan) -> RunShape:
+    """The run's choices a parallelism may refuse (its `check`: the engine's own refusals,
+    which the compatibility table's have come before), the built run's included."""
+    fmt = cfg.checkpoint.format
+    return RunShape(
+        auto_micro_batch=cfg.train.micro_batch_size == AUTO,
+        compile=cfg.train.compile,
+        per_layer_norms=cfg.train.grad_norms == "per_layer",
+        step=step_fn,
+        plain_accumulation=type(step_fn) is AccumulateStep,
+        callbacks=ctx.callbacks,
+        accum=plan.accum,
+        checkpoint_format=fmt if fmt != "auto" else ctx.parallel.checkpoint_format,
+    )
