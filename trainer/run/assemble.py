@@ -131,6 +131,7 @@ def assemble(
     building: contextlib.AbstractContextManager | None = None,
     simulated: dict[Any, Any] | None = None,
     static_shapes: bool = False,
+    extensions: Extensions | None = None,
 ) -> Assembly:
     """Seed, build the data, model and task, check that they fit, and lay the model out over
     the ranks (`dims`, by default `dist.*`'s in this world), each feature taking part at its
@@ -140,10 +141,11 @@ def assemble(
     compiled, laid out or scores a reference). The model is built and laid out within
     `building` (the planner's fake tensors); the mesh and the data never are. With `simulated`
     (trainer.plan), this rank runs alone in a simulated world. `static_shapes`: training's
-    assembly (CUDA graphs, which need shapes that do not vary, are captured there)."""
+    assembly (CUDA graphs, which need shapes that do not vary, are captured there).
+    `extensions`: the features that take part (default: trainer/run/extensions' own)."""
     dims = dims or cfg.dist.dims(info.world_size)
     choices = Choices.of(cfg, dims, training=static_shapes).checked()
-    extensions = Extensions.of_run()
+    extensions = extensions or Extensions.of_run()
     parallel = build_parallelism(dims, info)
     if simulated is not None:
         parallel.simulate_world(simulated)
@@ -164,7 +166,7 @@ def assemble(
     check_fits(model, data, cfg.model, length_key)
     task = build_task(cfg.task)
     choices = choices.knowing(task=task).checked()
-    parts = extensions.task_built(parts.replace(task=task))
+    parts = parts.replace(task=task)
     flops, n_params, n_trainable = parameter_counts(parts)
     try:  # a task's own parameters (a learned temperature) train and save with the model
         attach_loss_parameters(model, task, info.device)

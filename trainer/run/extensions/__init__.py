@@ -45,8 +45,9 @@ class Extensions:
         self.extensions = extensions
 
     @classmethod
-    def of_run(cls) -> Extensions:
-        return cls([kind() for kind in EXTENSIONS])
+    def of_run(cls, *more: Extension) -> Extensions:
+        """One of each of `EXTENSIONS`, then `more` (a feature not in the trainer yet)."""
+        return cls([*(kind() for kind in EXTENSIONS), *more])
 
     def __iter__(self) -> Iterator[Extension]:
         return iter(self.extensions)
@@ -54,11 +55,6 @@ class Extensions:
     def model_built(self, parts: Parts) -> Parts:
         for ext in self:
             parts = ext.model_built(parts)
-        return parts
-
-    def task_built(self, parts: Parts) -> Parts:
-        for ext in self:
-            parts = ext.task_built(parts)
         return parts
 
     def before_layout(self, parts: Parts) -> Parts:

@@ -5,7 +5,6 @@ feature overrides it. The assembly (trainer/run/assemble.py) and the training ru
 
 - `model_built(parts) -> parts`: the model is built, on this rank's device (inside the
   planner's fake tensors if any: `parts.building`); nothing is converted or laid out yet.
-- `task_built(parts) -> parts`: the task is built beside the model and the data.
 - `before_layout(parts) -> parts`: the last moment the whole initial model is on each rank.
 - `after_layout(parts) -> parts`: the model is laid out over the ranks (`parts.wrapped`;
   trainer/run/layout.py's `parallelize` lays out another module the same way).
@@ -15,7 +14,7 @@ feature overrides it. The assembly (trainer/run/assemble.py) and the training ru
 - `callbacks(ctx, step_fn, parts) -> {name: Callback}` (training): this feature's callbacks,
   returned; the build puts every extension's into the run's callbacks in one place.
 
-What refuses what is not a point: the compatibility table (trainer/config/compatibility.py)
+What refuses what is not a point: the compatibility table (trainer/run/compatibility.py)
 is consulted at these moments, before the extensions (a refusal is one row of it). A
 feature's own checks of its own settings stay in its module.
 """
@@ -37,9 +36,6 @@ class Extension:
     name = ""
 
     def model_built(self, parts: Parts) -> Parts:
-        return parts
-
-    def task_built(self, parts: Parts) -> Parts:
         return parts
 
     def before_layout(self, parts: Parts) -> Parts:
