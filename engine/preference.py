@@ -40,20 +40,9 @@ import torch
 from torch import nn
 
 from engine.moe.routing import routing_not_counted
-from engine.numerics.chunked_ce import (
-    IGNORE_INDEX,
-    ChunkedLogProbs,
-    log_probs_in_chunks,
-)
+from engine.numerics.chunked_ce import IGNORE_INDEX
 from engine.preference_losses import PreferenceLoss, preference_loss
-from engine.tasks import (
-    ChunkSize,
-    TaskOutputError,
-    check_chunking,
-    chunked_head,
-    logits_of,
-    tokens_per_chunk,
-)
+from engine.tasks import ChunkSize, TaskOutputError, TokenLogProbs
 
 REFERENCES = ("adapter", "copy", "precomputed", "none")
 # `task.reference=precomputed`: the batch field holding each pair's reference log-probabilities,
@@ -154,7 +143,7 @@ class DPOTask:
         chunk_size: ChunkSize = "auto",
         chunked_vocab_threshold: int = 32768,
     ) -> None:
-        check_chunking(chunk_size, chunked_vocab_threshold)
+        self._token_log_probs = TokenLogProbs(chunk_size, chunked_vocab_threshold, self.name)
         loss = preference_loss(loss_type, float(beta), float(gamma), float(label_smoothing))
         if not (isinstance(beta, int | float) and beta > 0):
             raise ValueError(f"beta must be a positive number, got {beta!r}")
@@ -176,9 +165,6 @@ class DPOTask:
         self.reference = "none" if not loss.needs_reference else reference
         self._reference: Reference | None = None
         self.chunk_size, self.chunked_vocab_threshold = chunk_size, chunked_vocab_threshold
-        # One per vocabulary and device for the whole run, as task=causal_lm's (torch.compile
-        # guards on the object a forward is given).
-        self._head_log_probs: dict[tuple[int, torch.device], ChunkedLogProbs] = {}
 
     @property
     def frozen_copy(self) -> FrozenCopy | None:
@@ -255,7 +241,7 @@ class DPOTask:
             ids, labels = ids.flatten(0, 1), labels.flatten(0, 1)
             rest = {k: v.flatten(0, 1) for k, v in rest.items()}
         mask = labels != IGNORE_INDEX  # (rows, T)
-        per_token = self._token_log_probs(model, ids, labels, rest) * mask  # (rows, T)
+        per_token = self._token_log_probs(model, ids, labels, rest).log_probs * mask  # (rows, T)
         if side is None:
             return per_token.sum(-1).view(-1, 2), mask.sum(-1).view(-1, 2)
         # Packed: each row's positions of side 0 and of side 1 summed apart, (P, 2).
@@ -275,38 +261,6 @@ class DPOTask:
         scored = labels != IGNORE_INDEX  # packed (P, T): each side a document of the row
         keep = [(side == s) & _up_to_last(scored & (side == s)) for s in (0, 1)]
         return (keep[0] | keep[1]).reshape(-1)
-
-    def _token_log_probs(
-        self, model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, rest: dict[str, Any]
-    ) -> torch.Tensor:
-        """log p(label) of each position, (rows, T), in fp32 (float64 stays float64)."""
-        head = chunked_head(model, self.chunk_size, self.chunked_vocab_threshold)
-        if head is not None:  # from the hidden states: no (rows, T, V) logits at all
-            key = (head.out_features, head.weight.device)
-            if key not in self._head_log_probs:
-                chunk = tokens_per_chunk(self.chunk_size, head.out_features, head.weight.device)
-                self._head_log_probs[key] = ChunkedLogProbs(chunk)
-            # Through the (wrapped) model's own call: DDP's and FSDP's hooks fire as usual.
-            out = model(
-                input_ids=ids, head_loss=self._head_log_probs[key], head_targets=labels, **rest
-            )
-            if not (isinstance(out, torch.Tensor) and out.shape == labels.shape):
-                raise TaskOutputError(
-                    f"{self.name}: {type(model).__name__} declares output_head(), so its "
-                    "forward(..., head_loss=fn, head_targets=targets) must return fn's value, "
-                    f"here of shape {tuple(labels.shape)}; it returned "
-                    f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
-                    ". See engine/numerics/chunked_ce.py's OutputHead"
-                )
-            return out
-        logits = logits_of(model(input_ids=ids, **rest), self.name)  # (rows, T, V)
-        if self.chunk_size is not None:
-            chunk = tokens_per_chunk(self.chunk_size, logits.size(-1), logits.device)
-            return log_probs_in_chunks(logits, labels, chunk)
-        if logits.dtype != torch.float64:
-            logits = logits.float()  # log-softmax in fp32 even under autocast
-        picked = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1))
-        return picked.squeeze(-1)
 
     def _pair_losses(
         self, model: nn.Module, batch: Any

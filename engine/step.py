@@ -55,6 +55,23 @@ def item_count(task: Task, batch: Batch) -> torch.Tensor:
 
 
 @runtime_checkable
+class WrapsTask(Protocol):
+    """A task that wraps the run's own task to add to its gradient, its loss's value the
+    wrapped task's (engine/moe/balance.py's `BalancedTask`: the routers' load balancing). What
+    the loss is (a language model's per-token cross-entropy, whose exp is a perplexity)
+    remains the wrapped task's: `innermost_task`."""
+
+    task: Task
+
+
+def innermost_task(task: Task) -> Task:
+    """The run's own task under any `WrapsTask` wrapping."""
+    while isinstance(task, WrapsTask):
+        task = task.task
+    return task
+
+
+@runtime_checkable
 class PreparesWindow(Protocol):
     """A task that looks at the whole window once before any backward (engine/moe/balance.py:
     the load-balancing loss's routing pass). The accumulation step calls it after counting,

@@ -10,7 +10,7 @@ convention) are not loss items.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +20,12 @@ from engine.distributed import unwrap
 from engine.numerics.chunked_ce import (
     IGNORE_INDEX,
     ChunkedCrossEntropy,
+    ChunkedLogProbs,
     HeadLoss,
     OutputHead,
     PlainCrossEntropy,
     chunk_size_for,
+    log_probs_in_chunks,
 )
 
 
@@ -110,6 +112,93 @@ def chunked_head(
 def tokens_per_chunk(chunk_size: int | Literal["auto"], vocab: int, device: torch.device) -> int:
     """`chunk_size` as a number: `auto` from the vocabulary and the device (`chunk_size_for`)."""
     return chunk_size if isinstance(chunk_size, int) else chunk_size_for(vocab, device)
+
+
+class TokenScores(NamedTuple):
+    """Per-position scores of a batch's rows: log p(label), (rows, T), differentiable; and,
+    when asked for, each position's entropy of its whole distribution, (rows, T), detached.
+    Both are 0 where the label is `IGNORE_INDEX`."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+
+
+class TokenLogProbs:
+    """log p(label) of each position, in fp32 (float64 stays float64): the one path of every
+    task that scores answer tokens one by one (task=dpo's policy, reference and precompute
+    pass; task=grpo's policy, old policy and reference).
+
+    A model that declares `OutputHead` with at least `chunked_vocab_threshold` classes gets
+    `ChunkedLogProbs` as its `head_loss`, so its (rows, T, V) logits are never held; any other
+    model's logits are read `chunk_size` positions at a time (`log_probs_in_chunks`);
+    `chunk_size=None` takes the whole fp32 log-softmax of the logits. `task`: the task's name,
+    for errors."""
+
+    def __init__(self, chunk_size: ChunkSize, chunked_vocab_threshold: int, task: str) -> None:
+        check_chunking(chunk_size, chunked_vocab_threshold)
+        self.chunk_size, self.chunked_vocab_threshold = chunk_size, chunked_vocab_threshold
+        self.task = task
+        # One per vocabulary, device and output for the whole run, as task=causal_lm's
+        # (torch.compile guards on the object a forward is given).
+        self._heads: dict[tuple[int, torch.device, bool], ChunkedLogProbs] = {}
+
+    def __call__(
+        self,
+        model: nn.Module,
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        rest: Mapping[str, Any],
+        with_entropy: bool = False,
+    ) -> TokenScores:
+        """The scores of `labels` (rows, T) under `model` called with `input_ids=ids` and
+        `rest` (its other inputs)."""
+        head = chunked_head(model, self.chunk_size, self.chunked_vocab_threshold)
+        if head is not None:  # from the hidden states: no (rows, T, V) logits at all
+            return self._from_head(model, head, ids, labels, rest, with_entropy)
+        logits = logits_of(model(input_ids=ids, **rest), self.task)  # (rows, T, V)
+        if self.chunk_size is not None:
+            chunk = tokens_per_chunk(self.chunk_size, logits.size(-1), logits.device)
+            out = log_probs_in_chunks(logits, labels, chunk, with_entropy=with_entropy)
+            return TokenScores(*out) if isinstance(out, tuple) else TokenScores(out)
+        if logits.dtype != torch.float64:
+            logits = logits.float()  # log-softmax in fp32 even under autocast
+        log_softmax = logits.log_softmax(-1)  # (rows, T, V)
+        picked = log_softmax.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        valid = labels != IGNORE_INDEX
+        picked = torch.where(valid, picked, 0.0)
+        if not with_entropy:
+            return TokenScores(picked)
+        with torch.no_grad():
+            entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+        return TokenScores(picked, torch.where(valid, entropy, 0.0))
+
+    def _from_head(
+        self,
+        model: nn.Module,
+        head: nn.Linear,
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        rest: Mapping[str, Any],
+        with_entropy: bool,
+    ) -> TokenScores:
+        key = (head.out_features, head.weight.device, with_entropy)
+        if key not in self._heads:
+            chunk = tokens_per_chunk(self.chunk_size, head.out_features, head.weight.device)
+            self._heads[key] = ChunkedLogProbs(chunk, with_entropy=with_entropy)
+        # Through the (wrapped) model's own call: DDP's and FSDP's hooks fire as usual.
+        out = model(input_ids=ids, head_loss=self._heads[key], head_targets=labels, **rest)
+        shape = (*labels.shape, 2) if with_entropy else tuple(labels.shape)
+        if not (isinstance(out, torch.Tensor) and tuple(out.shape) == shape):
+            raise TaskOutputError(
+                f"{self.task}: {type(unwrap(model)).__name__} declares output_head(), so its "
+                "forward(..., head_loss=fn, head_targets=targets) must return fn's value, "
+                f"here of shape {shape}; it returned "
+                f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
+                ". See engine/numerics/chunked_ce.py's OutputHead"
+            )
+        if with_entropy:
+            return TokenScores(out[..., 0], out[..., 1].detach())
+        return TokenScores(out)
 
 
 class CausalLMTask:

@@ -56,7 +56,7 @@ from trainer.models.export import (  # noqa: E402
     saved_architecture,
     to_gpt2,
 )
-from trainer.models.hf import is_transformers_model  # noqa: E402
+from trainer.models.hf import is_transformers_model, no_progress_bars  # noqa: E402
 from trainer.models.lora import export_adapter  # noqa: E402
 from trainer.run.assemble import CONFIG_DIR, build_model  # noqa: E402
 from trainer.run.evaluation import checkpoint_config, resolve_checkpoint  # noqa: E402
@@ -172,7 +172,10 @@ def main(argv: list[str]) -> None:
     except (UserError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    run_command(cfg, lambda config, plain, info: export(path, config, info, out, merge == "true"))
+    with no_progress_bars():  # transformers' "Loading weights", "Writing model shards"
+        run_command(
+            cfg, lambda config, plain, info: export(path, config, info, out, merge == "true")
+        )
 
 
 if __name__ == "__main__":

@@ -336,6 +336,14 @@ def test_config_composes_and_instantiates(group: str, name: str, tmp_path: Path)
         make_tokenizer(tmp_path / "tok")
         pairs = write_jsonl(tmp_path / "pairs.jsonl", pair_rows(40, seed=0))
         overrides += [f"data.path={pairs}", f"data.tokenizer={tmp_path / 'tok'}"]
+    elif cfg.data.get("_target_") == "trainer.data.prompts.prompts_data":  # prompts + answers
+        from tests.chat_support import make_tokenizer, write_jsonl
+        from tests.prompts_support import prompt_rows
+
+        make_tokenizer(tmp_path / "tok")
+        prompts = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(40))
+        overrides += [f"data.path={prompts}", f"data.tokenizer={tmp_path / 'tok'}"]
+        overrides.append("data.max_new_tokens=16")
     elif cfg.data.get("path") == "required":  # a preset on a token .bin dataset the user provides
         for split, n in (("train", 20000), ("val", 3000)):  # > block_size + 1 tokens each
             np.arange(n, dtype="<u2").tofile(tmp_path / f"{split}.bin")

@@ -654,7 +654,7 @@ def test_certify_passes_pairs_and_skips_context_parallelism(
     cmd += ["certify.layouts=[accum,cp2]", f"certify.dir={tmp_path / 'work'}"]
     proc = launch(cmd, TIMEOUT)
     assert proc.returncode == 0, explain(proc)
-    assert "CERTIFIED: 1 layouts train as the reference" in proc.stdout, explain(proc)
+    assert "CERTIFIED: 1 layout trains as the reference" in proc.stdout, explain(proc)
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
     assert lines["accum"].endswith("same"), lines["accum"]
     assert "skipped: the trainer refuses it: invalid config `dist.cp`: task=dpo" in lines["cp2"]

@@ -495,13 +495,17 @@ def test_bad_input_is_one_paragraph(
 
 @pytest.mark.multiproc
 def test_tensor_parallel_is_refused(runs: Runs) -> None:
-    """dist.tp with a mixture: one paragraph naming the key (not built yet)."""
+    """dist.tp with a mixture: one paragraph naming the key (not built yet), and nothing
+    before it: the config says it is a mixture (model.moe.experts), so it is refused before
+    the model is built and laid out (before: 4 UserWarnings of torch's tensor-parallel plan,
+    ~40 lines of module repr, then the refusal)."""
     proc = runs.two_ranks()["tp"]
     assert proc.returncode != 0
     assert "invalid config `dist.tp`: must be 1 with a mixture-of-experts model" in (
         proc.stderr + proc.stdout
     ), explain(proc)
     assert "Traceback" not in proc.stderr, explain(proc)
+    assert "UserWarning" not in proc.stderr and "Router(" not in proc.stderr, explain(proc)
 
 
 # ---------------------------------------------------------------- moe.balance=bias

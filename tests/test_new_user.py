@@ -125,7 +125,7 @@ def test_no_text_sample_is_promised_where_none_is_written(
         said_digits = capsys.readouterr().out
         gpt = train_in_process([*FIRST, *common], tmp_path / "gpt")
         said_gpt = capsys.readouterr().out
-    assert "final evaluation at step 1: 1 validation batches\n" in said_digits, said_digits
+    assert "final evaluation at step 1: 1 validation batch\n" in said_digits, said_digits
     assert not any("val/sample" in r for r in digits)
-    assert "final evaluation at step 1: 1 validation batches and a text sample" in said_gpt
+    assert "final evaluation at step 1: 1 validation batch and a text sample" in said_gpt
     assert any("val/sample" in r for r in gpt)

@@ -273,12 +273,21 @@ def auto_chunk_size(vocab: int, memory: int) -> int:
     return max(256, 1 << max(tokens, 1).bit_length() - 1)
 
 
-# ---- per-token log-probabilities (task=dpo) ------------------------------------------------
+# ---- per-token log-probabilities (task=dpo, task=grpo) -------------------------------------
 # A preference loss needs log p(label) of every answer token, each row's sum weighted by its
 # own pair's gradient, not one sum: the gradient reaching the logits is not a single scalar
 # times `softmax - onehot`, so it cannot be formed in the forward as the loss's is. The
 # forward keeps each token's log-sum-exp (N,) instead; backward recomputes a chunk's logits at
 # a time (from the hidden states, or reads them from the model's logits) and forms its share.
+# With `with_entropy` the forward also gives each token's entropy of its whole distribution,
+# H = lse - sum(softmax * logits), from the chunk's logits it holds anyway (task=grpo's record;
+# not differentiable).
+
+
+def _chunk_entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """(n_c,) entropy of each row of `logits` (n_c, V) given its log-sum-exp (n_c,)."""
+    probs = (logits - lse[:, None]).exp_()
+    return lse - (probs * logits).sum(-1)
 
 
 class _HeadLogProbs(torch.autograd.Function):
@@ -295,7 +304,8 @@ class _HeadLogProbs(torch.autograd.Function):
         chunk_size: int,
         ignore_index: int,
         compute_dtype: torch.dtype,
-    ) -> torch.Tensor:
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden (N, C), weight (V, C), bias (V,) or None, targets (N,)
         acc = torch.float64 if compute_dtype == torch.float64 else torch.float32
         with torch.autocast(hidden.device.type, enabled=False):
@@ -305,19 +315,26 @@ class _HeadLogProbs(torch.autograd.Function):
             safe = targets.masked_fill(~valid, 0)
             out = torch.empty(hidden.shape[:1], dtype=acc, device=hidden.device)  # (N,)
             lse = torch.empty_like(out)  # (N,)
+            entropy = torch.zeros_like(out) if with_entropy else out.new_zeros(0)
             for start in range(0, hidden.size(0), chunk_size):
                 rows = slice(start, start + chunk_size)
                 logits = F.linear(h[rows], w, b).to(acc)  # (n_c, V)
                 lse[rows] = torch.logsumexp(logits, dim=-1)
                 picked = logits.gather(1, safe[rows, None]).squeeze(1)  # (n_c,)
                 out[rows] = torch.where(valid[rows], picked - lse[rows], 0.0)
+                if with_entropy:
+                    entropy[rows] = torch.where(valid[rows], _chunk_entropy(logits, lse[rows]), 0.0)
         ctx.save_for_backward(hidden, weight, bias, safe, valid, lse)
         ctx.setup = (chunk_size, compute_dtype)
-        return out
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: Any, grad_out: torch.Tensor, grad_entropy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        del grad_entropy  # the entropy is a record, not differentiable
         hidden, weight, bias, safe, valid, lse = ctx.saved_tensors
         chunk_size, compute_dtype = ctx.setup
         wants = ctx.needs_input_grad[:3]
@@ -348,7 +365,7 @@ class _HeadLogProbs(torch.autograd.Function):
             None if grad is None else grad.to(t.dtype)
             for grad, t in zip((grad_h, grad_w, grad_b), (hidden, weight, bias))
         ]
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def chunked_log_probs(
@@ -358,9 +375,11 @@ def chunked_log_probs(
     bias: torch.Tensor | None = None,
     chunk_size: int = 2048,
     ignore_index: int = IGNORE_INDEX,
-) -> torch.Tensor:
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(targets) per token, (N,), of `hidden @ weight.T + bias`, `chunk_size` tokens at a
-    time; 0 where the target is `ignore_index`.
+    time; 0 where the target is `ignore_index`. With `with_entropy`: also each token's entropy
+    of its whole distribution, (N,), not differentiable (0 where ignored).
 
     Equals `F.linear(hidden, weight, bias).float().log_softmax(-1).gather(...)` in value and
     gradients to round-off, without ever holding more than (chunk_size, V) logits (forward and
@@ -382,16 +401,22 @@ def chunked_log_probs(
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     dtype = _compute_dtype(hidden, weight)
-    return _HeadLogProbs.apply(hidden, weight, bias, targets, chunk_size, ignore_index, dtype)
+    out, entropy = _HeadLogProbs.apply(
+        hidden, weight, bias, targets, chunk_size, ignore_index, dtype, with_entropy
+    )
+    return (out, entropy) if with_entropy else out
 
 
 @dataclass(frozen=True)
 class ChunkedLogProbs:
-    """The `HeadLoss` task=dpo passes to a model's forward: each token's log p(target),
-    (*targets.shape), from `chunked_log_probs`; the logits are never held whole."""
+    """The `HeadLoss` task=dpo and task=grpo pass to a model's forward: each token's log
+    p(target), (*targets.shape), from `chunked_log_probs`; the logits are never held whole.
+    `with_entropy`: log p and each token's entropy stacked, (*targets.shape, 2) (the entropy
+    not differentiable)."""
 
     chunk_size: int = 2048
     ignore_index: int = IGNORE_INDEX
+    with_entropy: bool = False
 
     def __call__(
         self, hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor
@@ -404,7 +429,10 @@ class ChunkedLogProbs:
             bias=head.bias,
             chunk_size=self.chunk_size,
             ignore_index=self.ignore_index,
+            with_entropy=self.with_entropy,
         )
+        if isinstance(out, tuple):  # (N,) each -> (*targets.shape, 2)
+            return torch.stack(out, -1).view(*targets.shape, 2)
         return out.view(targets.shape)
 
 
@@ -420,7 +448,8 @@ class _LogitLogProbs(torch.autograd.Function):
         targets: torch.Tensor,
         chunk_size: int,
         ignore_index: int,
-    ) -> torch.Tensor:
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # logits (N, V), targets (N,)
         acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
         with torch.autocast(logits.device.type, enabled=False):
@@ -428,19 +457,26 @@ class _LogitLogProbs(torch.autograd.Function):
             safe = targets.masked_fill(~valid, 0)
             out = torch.empty(logits.shape[:1], dtype=acc, device=logits.device)  # (N,)
             lse = torch.empty_like(out)
+            entropy = torch.zeros_like(out) if with_entropy else out.new_zeros(0)
             for start in range(0, logits.size(0), chunk_size):
                 rows = slice(start, start + chunk_size)
                 chunk = logits[rows].to(acc)  # (n_c, V)
                 lse[rows] = torch.logsumexp(chunk, dim=-1)
                 picked = chunk.gather(1, safe[rows, None]).squeeze(1)
                 out[rows] = torch.where(valid[rows], picked - lse[rows], 0.0)
+                if with_entropy:
+                    entropy[rows] = torch.where(valid[rows], _chunk_entropy(chunk, lse[rows]), 0.0)
         ctx.save_for_backward(logits, safe, valid, lse)
         ctx.chunk_size = chunk_size
-        return out
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(
+        ctx: Any, grad_out: torch.Tensor, grad_entropy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        del grad_entropy  # the entropy is a record, not differentiable
         logits, safe, valid, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)  # (N, V), the logits' dtype
         with torch.autocast(logits.device.type, enabled=False):
@@ -455,7 +491,7 @@ class _LogitLogProbs(torch.autograd.Function):
                 g.exp_().mul_(-s_c).scatter_add_(1, safe[rows, None], s_c)  # onehot - softmax
                 if g.dtype != grad.dtype:
                     grad[rows] = g
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def log_probs_in_chunks(
@@ -463,12 +499,14 @@ def log_probs_in_chunks(
     targets: torch.Tensor,
     chunk_size: int = 2048,
     ignore_index: int = IGNORE_INDEX,
-) -> torch.Tensor:
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(targets) per position, (*targets.shape), of `logits` (*targets.shape, V), computed
     `chunk_size` positions at a time in fp32 (float64 stays float64); 0 where the target is
     `ignore_index`. The value and gradient of `logits.float().log_softmax(-1).gather(...)` to
     round-off, with no fp32 copy or log-softmax of the whole tensor: for a model whose output
-    layer is not declared (`OutputHead`), whose logits are then held anyway."""
+    layer is not declared (`OutputHead`), whose logits are then held anyway. With
+    `with_entropy`: also each position's entropy, (*targets.shape), not differentiable."""
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
             f"log_probs_in_chunks: logits must be (*targets.shape, V), got "
@@ -476,5 +514,9 @@ def log_probs_in_chunks(
         )
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    flat = _LogitLogProbs.apply(logits.flatten(0, -2), targets.flatten(), chunk_size, ignore_index)
+    flat, entropy = _LogitLogProbs.apply(
+        logits.flatten(0, -2), targets.flatten(), chunk_size, ignore_index, with_entropy
+    )
+    if with_entropy:
+        return flat.view(targets.shape), entropy.view(targets.shape)
     return flat.view(targets.shape)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from engine.dependency_noise import silence_dependency_noise
 from engine.numerics import FP8_INSTALL
 
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0) and later
@@ -99,6 +100,7 @@ def convert(model: nn.Module, keep: Mapping[nn.Module, str], *, emulate: bool) -
     Raises:
         ModuleNotFoundError: torchao is not installed (the message names the extra).
     """
+    silence_dependency_noise()  # engine users without trainer: torchao's import-time lines
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:

@@ -190,12 +190,13 @@ class DPSGDStep:
         sigma, rate = self.noise_multiplier, self.sample_rate
         # ASCII: a console in a Latin-1 locale must not fail on a Greek letter.
         text = f"  privacy: epsilon {self.epsilon(steps):.5g} at delta {self.delta:g}"
-        text += f" after {steps} steps"
+        text += f" after {steps} step{'s' if steps != 1 else ''}"
         if sigma is not None:
             text += f" (noise multiplier {sigma:.6g}"
             text += f", sampling rate {rate:.4g})" if rate is not None else ")"
         if self.target_epsilon is not None:
-            text += f"; target epsilon {self.target_epsilon:g} over {self.steps} steps"
+            text += f"; target epsilon {self.target_epsilon:g} over {self.steps} step"
+            text += "s" if self.steps != 1 else ""
         return text
 
     def __call__(self, ctx: StepContext, window: Sequence[Batch]) -> StepResult:

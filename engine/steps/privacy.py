@@ -156,7 +156,8 @@ def noise_for_epsilon(
         eps_high = epsilon(high)
         if high > MAX_SIGMA:
             raise ValueError(
-                f"target_epsilon {target_epsilon:g} is out of reach: after {steps} steps at "
+                f"target_epsilon {target_epsilon:g} is out of reach: after {steps} "
+                f"step{'s' if steps != 1 else ''} at "
                 f"sampling rate {sample_rate:.4g} (global batch / training samples) and "
                 f"delta={delta:g}, epsilon is still {eps_high:.3g} with noise multiplier "
                 f"{high:.3g} (the RDP bound does not fall below it however large the noise). "

@@ -19,6 +19,7 @@ from typing import Any
 
 from trainer.checks.compare import CompareError, compare, read_series
 from trainer.config.errors import ConfigError, UserError
+from trainer.plurals import counted
 
 DEFAULT_LAYOUTS = ("accum", "ddp2", "fsdp2", "pp2", "tp2", "tpsp2", "cp2", "auto")
 COMPARED = ("train/loss", "train/grad_norm")
@@ -421,7 +422,10 @@ def table(outcomes: list[Outcome], atol: float, rtol: float) -> str:
             f"from the reference ({tol})"
         )
     elif compared:
-        lines.append(f"CERTIFIED: {len(compared)} layouts train as the reference ({tol})")
+        lines.append(
+            f"CERTIFIED: {counted(len(compared), 'layout')} "
+            f"{'trains' if len(compared) == 1 else 'train'} as the reference ({tol})"
+        )
     else:
         lines.append("NOTHING CERTIFIED: no layout could be compared with the reference")
     return "\n".join(lines)
@@ -476,15 +480,15 @@ def certify(settings: Settings, user: list[str]) -> int:
     work.mkdir(parents=True, exist_ok=True)
     slots, unit = machine_slots()
     print(
-        f"certify: global batch {batch}, {settings.steps} steps per layout, tolerance "
-        f"atol {atol:g} rtol {rtol:g}, this machine hosts {slots} processes ({unit}); runs in "
-        f"{work}",
+        f"certify: global batch {batch}, {counted(settings.steps, 'step')} per layout, tolerance "
+        f"atol {atol:g} rtol {rtol:g}, this machine hosts {counted(slots, 'process', 'processes')} "
+        f"({unit}); runs in {work}",
         flush=True,
     )
     names = ["single", *[n for n in dict.fromkeys(chosen) if n != "single"]]
     layouts = [plan(name, batch, micro, slots, unit) for name in names]
     for layout in layouts:
-        ranks = f"{layout.nproc} rank{'s' if layout.nproc > 1 else ''}"
+        ranks = counted(layout.nproc, "rank")
         doing = f"skipped ({layout.skip})" if layout.skip else f"{ranks}, {layout.what}"
         print(f"  {layout.name}: {doing}", flush=True)
     done = run_layouts(layouts, base, work, settings, slots, unit == "GPUs")

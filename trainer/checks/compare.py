@@ -195,5 +195,6 @@ def report(diffs: list[Difference], only: dict[str, list[str]], atol: float, rto
         names = ", ".join(f"{d.metric} (step {d.at_step})" for d in bad)
         lines.append(f"DIFFERENT: {len(bad)} of {len(diffs)} metrics outside {tol}: {names}")
     else:
-        lines.append(f"SAME: all {len(diffs)} metrics within {tol}")
+        every = "the 1 metric" if len(diffs) == 1 else f"all {len(diffs)} metrics"
+        lines.append(f"SAME: {every} within {tol}")
     return "\n".join(lines)

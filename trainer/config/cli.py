@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config.errors import ConfigError, UserError
-from trainer.config.schema import Config
+from trainer.config.schema import OFF_AT_ZERO, Config, off_at_zero
 
 if TYPE_CHECKING:
     from engine.distributed import DistInfo
@@ -93,8 +93,7 @@ def compose_train(overrides: list[str]) -> DictConfig:
     `trainer.api` start from."""
     from hydra import compose, initialize_config_dir
 
-    from trainer.config.schema import register_configs
-    from trainer.run.assemble import CONFIG_DIR
+    from trainer.config.schema import CONFIG_DIR, register_configs
     from trainer.run.identity import register_resolvers
 
     register_configs()
@@ -191,7 +190,8 @@ def check_value_type(key: str, value: str) -> None:
             return  # not a type problem: leave it to Hydra
         default = OmegaConf.select(section, leaf)
         reason = str(exc).strip().splitlines()[0]
-        raise ConfigError(key, f"{reason}; the default is {default!r}") from None
+        off = f". {off_at_zero(key)}" if key in OFF_AT_ZERO else ""
+        raise ConfigError(key, f"{reason}; the default is {default!r}{off}") from None
 
 
 def _check_composed(cfg: DictConfig, schema: type = Config, parts: tuple[str, ...] = ()) -> None:

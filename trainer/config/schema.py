@@ -12,14 +12,28 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from engine.moe.modes import BALANCE_MODES
 from engine.numerics import FP8_INSTALL, PRECISIONS
 from engine.parallel import LayoutError
 from engine.parallel.dims import ParallelDims
 from trainer.config.errors import ConfigError, require
+
+# The config groups cumulus ships (configs/<group>/*.yaml): found without importing torch, so
+# that composing a config (`--help`, a refused override) stays cheap.
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+# The keys whose 0 turns something off, and what: said by their errors (`null` included, which
+# a user may try for "never").
+OFF_AT_ZERO = {
+    "eval.every_steps": "evaluation",
+    "eval.sample_tokens": "the text sample",
+    "checkpoint.every_steps": "checkpoints",
+}
 
 # torch.compile's modes (torch._inductor.list_mode_options() of torch 2.13): train.compile_mode.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "lite")
@@ -242,8 +256,15 @@ class EvalCfg:
     sample_tokens: int = 200
 
     def __post_init__(self) -> None:
-        require(self.sample_tokens >= 0, "eval.sample_tokens", "must be >= 0 (0 disables)")
-        require(self.every_steps >= 0, "eval.every_steps", "must be >= 0 (0 disables evaluation)")
+        for key, value in (
+            ("sample_tokens", self.sample_tokens),
+            ("every_steps", self.every_steps),
+        ):
+            require(
+                value >= 0,
+                f"eval.{key}",
+                f"must be >= 0, got {value}: {off_at_zero(f'eval.{key}')}",
+            )
         _positive(self.batch_size, "eval.batch_size")
         if self.max_batches is not None:
             _positive(self.max_batches, "eval.max_batches")
@@ -267,7 +288,10 @@ class CheckpointCfg:
     on_write_error: str = "stop"
 
     def __post_init__(self) -> None:
-        require(self.every_steps >= 0, "checkpoint.every_steps", "must be >= 0 (0 disables)")
+        key = "checkpoint.every_steps"
+        require(
+            self.every_steps >= 0, key, f"must be >= 0, got {self.every_steps}: {off_at_zero(key)}"
+        )
         require(
             self.on_write_error in ("stop", "warn"),
             "checkpoint.on_write_error",
@@ -489,8 +513,6 @@ class MoECfg:
     bias_rate: float = 0.001
 
     def __post_init__(self) -> None:
-        from engine.moe.modes import BALANCE_MODES
-
         require(
             self.balance in BALANCE_MODES,
             "moe.balance",
@@ -503,6 +525,11 @@ class MoECfg:
         )
         require(self.z_coef >= 0, "moe.z_coef", f"must be >= 0, got {self.z_coef}")
         require(self.bias_rate >= 0, "moe.bias_rate", f"must be >= 0, got {self.bias_rate}")
+
+
+def off_at_zero(key: str) -> str:
+    """What a key of `OFF_AT_ZERO` says of its 0 ("eval.every_steps=0 disables evaluation")."""
+    return f"{key}=0 disables {OFF_AT_ZERO[key]}"
 
 
 def _component(**defaults: Any) -> Any:

@@ -44,6 +44,7 @@ from trainer.data.packing import one_per_row, pack
 from trainer.data.sequence import TextSequence
 from trainer.data.shards import Source, TokenStore, open_shards
 from trainer.data.tokenize import load_hf_tokenizer, tokenizer_source
+from trainer.plurals import counted
 
 TRUNCATION = ("drop", "cut")
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -307,7 +308,9 @@ def _description(
         if sel.dropped
         else ""
     )
-    rows = f"packed into {len(train)} rows" if train.packed else f"{len(train)} rows"
+    rows = (
+        f"packed into {counted(len(train), 'row')}" if train.packed else counted(len(train), "row")
+    )
     cache = "token cache reused: " if stores.train.reused else "tokenized into "
     return (
         f"{len(sel.docs)} train / {len(val.selection.docs)} val conversations from {path}"

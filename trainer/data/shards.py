@@ -42,6 +42,7 @@ import numpy as np
 
 from trainer.config.errors import UserError
 from trainer.data.encoding import BadRecord, Encoded, Encoder, TextEncoder
+from trainer.plurals import counted
 
 FORMAT = "cumulus-shards/1"
 CHUNK_BYTES = 4 << 20  # source bytes per chunk: bounds memory per worker and per shard
@@ -497,12 +498,12 @@ class BadRows(BadRecord):
         # Each row's message without its key (`data.path: `): the paragraph names it once.
         named = "; ".join(_unkeyed(m).rstrip(".") for _, m, _ in tally.rows)
         more = tally.count - len(tally.rows)
-        rest = f"; and {more} more bad rows" if more > 0 else ""
+        rest = f"; and {counted(more, 'more bad row')}" if more > 0 else ""
         if stopped:
             rest += f" (reading stopped there: {cls.STOP} bad rows are enough to say)"
+        rows = f"{tally.count} or more rows" if stopped else counted(tally.count, "row")
         return cls(
-            f"{key}: {tally.count}{' or more' if stopped else ''} rows of {path} cannot be "
-            f"used (fix or remove them): {named}{rest}.",
+            f"{key}: {rows} of {path} cannot be used (fix or remove them): {named}{rest}.",
             " ".join(tally.hints),
             tally,
         )

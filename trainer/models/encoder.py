@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.models.hf import load_config, require_transformers
+from trainer.models.hf import load_config, no_progress_bars, require_transformers
 
 EXTRA = "hf"
 POOLER = r"(^|\.)pooler\."  # the pooler's weights in a saved state dict
@@ -123,13 +123,14 @@ def encoder(
     # No pooler: mean pooling leaves it without gradient (DDP would wait for it).
     extra = {"add_pooling_layer": False} if _takes(cls, "add_pooling_layer") else {}
     if pretrained is not None:
-        model = model_cls.from_pretrained(
-            Path(pretrained).expanduser(),
-            config=hf_config,
-            dtype=torch.float32,
-            trust_remote_code=False,
-            **extra,
-        ).train()  # from_pretrained returns it in eval mode: dropout off
+        with no_progress_bars():
+            model = model_cls.from_pretrained(
+                Path(pretrained).expanduser(),
+                config=hf_config,
+                dtype=torch.float32,
+                trust_remote_code=False,
+                **extra,
+            ).train()  # from_pretrained returns it in eval mode: dropout off
     else:
         model = model_cls(hf_config, **extra)
     model.config.architectures = [cls.__name__]  # what save_pretrained records

@@ -17,11 +17,12 @@ chunk) and divides by the global count of targets, exact for every model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,26 @@ def require_transformers() -> Any:
             f"pip install 'cumulus[{EXTRA}]'"
         ) from None
     return transformers
+
+
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off: "Loading weights" while `from_pretrained` reads a
+    directory (every rank, evaluation and export would print one; the start-up line names the
+    model), "Writing model shards" while an export saves (its last line says what it wrote).
+    Restored after, for a caller's own use of transformers."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # nothing to quiet
+        yield
+        return
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 class PipelineStage(nn.Module):
@@ -452,12 +473,13 @@ def causal_lm(
     if pretrained is not None:
         # float32 parameters whatever the directory was saved in (transformers 5 would keep a
         # bf16 save in bf16): precision is train.precision's autocast, on fp32 master weights.
-        model = model_cls.from_pretrained(
-            Path(pretrained).expanduser(),
-            config=hf_config,
-            dtype=torch.float32,
-            trust_remote_code=False,
-        ).train()  # from_pretrained returns it in eval mode: dropout off
+        with no_progress_bars():
+            model = model_cls.from_pretrained(
+                Path(pretrained).expanduser(),
+                config=hf_config,
+                dtype=torch.float32,
+                trust_remote_code=False,
+            ).train()  # from_pretrained returns it in eval mode: dropout off
     else:
         model = model_cls(hf_config)
     model.config.architectures = [cls.__name__]  # what save_pretrained records

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -20,7 +19,7 @@ from engine.step import Task
 from engine.window_task import WindowTask, attach_loss_parameters
 from trainer.config.components import check, instantiate
 from trainer.config.errors import ConfigError
-from trainer.config.schema import EXTRAS, Config, DataExtras, ModelExtras
+from trainer.config.schema import CONFIG_DIR, EXTRAS, Config, DataExtras, ModelExtras
 from trainer.data import DataSplits, PadCollate, as_splits
 from trainer.data.checks import check_samples
 from trainer.data.pairs import PairCollate
@@ -28,8 +27,6 @@ from trainer.run.compatibility import Choices
 from trainer.run.extensions import Extensions
 from trainer.run.layout import build_parallelism, parallelize, parameter_dtype
 from trainer.run.parts import Assembly, Parts
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def split_extras(node: dict[str, Any], group: str) -> tuple[dict[str, Any], Any]:

@@ -29,6 +29,7 @@ from typing import Any
 
 from trainer.config.errors import ConfigError
 from trainer.config.schema import CUDA_GRAPH_MODES, Config
+from trainer.plurals import counted
 
 DPO_TASK = "engine.preference.DPOTask"
 PAIRS_DATA = "trainer.data.preference.preference_data"
@@ -36,6 +37,7 @@ HF_CAUSAL_LM = "trainer.models.hf.causal_lm"
 # transformers' mixture families (model=hf_qwen3_moe, hf_mixtral; a pretrained directory's
 # config.json `model_type`): known to have routers before the model is built.
 MIXTURE_FAMILIES = ("qwen3_moe", "mixtral")
+EXPERT_COUNTS = ("num_experts", "num_local_experts")  # a transformers config's expert count
 
 
 @dataclass(frozen=True)
@@ -165,22 +167,27 @@ def _window_task(c: Choices) -> bool | None:
 
 def mixture_in_config(node: Any) -> bool | None:
     """Whether a `model` node builds a mixture of experts, as far as the config says: the
-    in-tree GPT's `moe.experts`, transformers' mixture families (`family`, or a pretrained
-    directory's config.json `model_type`); None for any other model (known once built)."""
+    in-tree GPT's `model.moe.experts`, the expert count of a transformers model built from
+    `model.config` (`num_experts`, `num_local_experts`), transformers' mixture families
+    (`family`), or a pretrained directory's config.json; None for any other model (known
+    once it is built)."""
     moe = node.get("moe")
     if isinstance(moe, Mapping):
         return int(moe.get("experts", 0) or 0) > 0
     if node.get("_target_") != HF_CAUSAL_LM:
         return None
-    family = node.get("family")
+    fields = node.get("config")
     pretrained = node.get("pretrained")
     if pretrained:
         config = Path(str(pretrained)).expanduser() / "config.json"
         try:
-            family = json.loads(config.read_text()).get("model_type", family)
+            fields = json.loads(config.read_text())
         except (OSError, ValueError):
             return None  # the model's own loading names what is wrong with the directory
-    return family in MIXTURE_FAMILIES
+    fields = fields if isinstance(fields, Mapping) else {}
+    counts = any(fields.get(name) for name in EXPERT_COUNTS)
+    family = fields.get("model_type", node.get("family"))
+    return counts or family in MIXTURE_FAMILIES
 
 
 def _routers(model: Any) -> int:
@@ -324,7 +331,7 @@ class Values(dict):
             "graphs": lambda: f"train.compile_mode={cfg.train.compile_mode} captures CUDA graphs",
             "data": lambda: c.data_description or "this data",
             "model": lambda: type(c.model).__name__,
-            "routers": lambda: _routers(c.model),
+            "routers": lambda: counted(_routers(c.model), "router"),
             "moe_key": lambda: (
                 "model.moe.experts" if isinstance(cfg.model.get("moe"), Mapping) else "model"
             ),
@@ -576,7 +583,7 @@ ROWS: tuple[Refusal, ...] = (
     _graphs(
         ROUTED,
         "{moe_key}",
-        "{model} is a mixture of experts ({routers} routers), whose dispatch reads each expert's "
+        "{model} is a mixture of experts ({routers}), whose dispatch reads each expert's "
         "token count to the host and gives each expert as many rows as were routed to it: shapes "
         "vary every step",
         "a dense model",

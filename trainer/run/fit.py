@@ -18,7 +18,7 @@ from engine.checkpoint import CheckpointWriteError, CheckpointWriter
 from engine.distributed import DistInfo, unwrap
 from engine.evaluate import evaluate as evaluate_model
 from engine.model import Generates
-from engine.step import StepContext, StepResult, StepStrategy
+from engine.step import StepContext, StepResult, StepStrategy, innermost_task
 from engine.tasks import CausalLMTask, TaskOutputError
 from engine.window_task import WindowTask
 from trainer.config.contract import annotate_step
@@ -26,13 +26,20 @@ from trainer.config.errors import UserError
 from trainer.config.schema import CheckpointCfg, Config, EvalCfg, TrainCfg
 from trainer.data.checks import next_window
 from trainer.data.loader import EvalBatches, TrainBatches
+from trainer.plurals import counted
 from trainer.run.optim import horizon_dependent
 from trainer.run.preemption import StopRequest
 from trainer.run.state import Resumed, RunState, TrainingProgress
 from trainer.run.sum_check import check_loss_is_sum
 from trainer.tracking.phases import TABLE_FILE
 from trainer.tracking.profiler import NoProfiler
-from trainer.tracking.records import EvalProgress, RecordSink, TrainMeter, peak_memory_mb
+from trainer.tracking.records import (
+    MOE_LOAD,
+    EvalProgress,
+    RecordSink,
+    TrainMeter,
+    peak_memory_mb,
+)
 
 
 class RunEnded(UserError):
@@ -197,7 +204,8 @@ def fit(run: Run) -> str:
                 with clock.within("checkpoint"):
                     save(run)
             if run.stop.agreed():
-                print(f"stop requested: saving step {run.step} and exiting", file=sys.stderr)
+                if run.dist.is_main:  # every rank agreed: one says it
+                    print(f"stop requested: saving step {run.step} and exiting", file=sys.stderr)
                 with clock.within("checkpoint"):
                     save(run, final=True)
                 finish(run)
@@ -208,8 +216,9 @@ def fit(run: Run) -> str:
                 if run.dist.is_main:
                     sample = " and a text sample" if sample_prompt(run) is not None else ""
                     print(
-                        f"final evaluation at step {run.step}: {len(run.val_batches)} "
-                        f"validation batches{sample}",
+                        f"final evaluation at step {run.step}: "
+                        f"{counted(len(run.val_batches), 'validation batch', 'validation batches')}"
+                        f"{sample}",
                         flush=True,
                     )
                 with clock.within("eval"):
@@ -273,11 +282,13 @@ def report_first_step(run: Run, started: float) -> None:
             "(compilation included)",
             flush=True,
         )
-    every = run.settings.train.log_every
-    if run.dist.is_main and every > 1 and run.step < run.settings.train.max_steps:
+    every, last = run.settings.train.log_every, run.settings.train.max_steps
+    if run.dist.is_main and every > 1 and run.step < last:
+        # The next multiple of log_every from this step on (a resumed run's too), or the last.
+        first_record = min(-(-run.step // every) * every, last)
         print(
             f"step {run.step} done in {time.perf_counter() - started:.1f} s (start-up "
-            f"included); the first record comes at step {min(every, run.settings.train.max_steps)}",
+            f"included); the first record comes at step {first_record}",
             flush=True,
         )
     missing = missing_gradients(run.ctx.model)
@@ -317,7 +328,9 @@ def divergence_hints(settings: RunSettings) -> str:
 
 
 def write(run: Run, record: dict[str, Any]) -> None:
-    run.latest.update({k: record[k] for k in ("train/loss", "val/loss") if k in record})
+    # What the summary's first line repeats: the losses, and a mixture's expert load.
+    kept = ("train/loss", "val/loss", MOE_LOAD)
+    run.latest.update({k: record[k] for k in kept if k in record})
     for sink in run.sinks:
         sink.write(record)
 
@@ -395,7 +408,7 @@ def val_metrics(means: dict[str, float], count: int, task: Any) -> dict[str, Any
     """`val/loss`, `val/ppl` (language models), `val/items`, and the task's other means."""
     loss = means["loss"]
     out: dict[str, Any] = {"val/loss": loss}
-    if isinstance(task, CausalLMTask):
+    if isinstance(innermost_task(task), CausalLMTask):  # a mixture's balanced task too
         out["val/ppl"] = math.exp(min(loss, 700.0))
     out["val/items"] = count
     out.update({f"val/{k}": v for k, v in means.items() if k != "loss"})

@@ -18,6 +18,7 @@ from torch import nn
 
 from trainer.config.components import call, check, instantiate, locate
 from trainer.config.errors import ConfigError
+from trainer.plurals import counted
 
 _NO_DECAY = (nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
@@ -105,11 +106,11 @@ def warmup_note(spec: dict[str, Any], max_steps: int, lr: float) -> str:
     else:
         what = (
             f"the learning rate reaches optim.lr={lr:g} at step {warmup} and has only the last "
-            f"{max_steps - warmup} steps to decay"
+            f"{counted(max_steps - warmup, 'step')} to decay"
         )
     return (
         f"NOTE: scheduler.warmup_steps={warmup} covers more than half of this run's "
-        f"{max_steps} steps (train.max_steps): {what}. Set scheduler.warmup_steps (e.g. "
+        f"{counted(max_steps, 'step')} (train.max_steps): {what}. Set scheduler.warmup_steps (e.g. "
         f"{max(1, max_steps // 10)}) or train.max_steps."
     )
 

@@ -43,6 +43,7 @@ from engine.step import StepContext
 from trainer.config.errors import UserError
 from trainer.config.schema import CheckpointCfg, Config
 from trainer.config.signing import sign
+from trainer.plurals import counted
 from trainer.run.identity import new_run_id
 from trainer.run.parts import Assembly
 
@@ -383,7 +384,7 @@ def resume(
     else:
         if info.is_main:
             print(
-                f"WARNING: {path} was saved by {ckpt.world_size} ranks, this run has "
+                f"WARNING: {path} was saved by {counted(ckpt.world_size, 'rank')}, this run has "
                 f"{info.world_size}: model and optimizer resume exactly, random streams "
                 "(dropout) are reseeded",
                 file=sys.stderr,

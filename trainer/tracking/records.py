@@ -21,6 +21,9 @@ from engine.step import StepResult
 from engine.timing import PhaseClock, PhaseTimes
 from trainer.tracking.phases import PhaseTable
 
+# A mixture of experts' record of the most-loaded expert's share over the mean (worst layer).
+MOE_LOAD = "train/moe_load_max"
+
 
 @runtime_checkable
 class NamesItems(Protocol):
@@ -154,6 +157,8 @@ class Progress(RecordSink):
             f"[{bar}] {step}/{self.max_steps} | loss {record['train/loss']:.4f} | "
             f"lr {record['train/lr']:.2e} | {speed} | "
             + (f"eps {record['train/epsilon']:.3g} | " if "train/epsilon" in record else "")
+            # A mixture of experts' expert load (1 = balanced).
+            + (f"expert load {load:.2f}x | " if (load := record.get(MOE_LOAD)) is not None else "")
             + f"eta {_duration(eta)}"
         )
         if self.live:

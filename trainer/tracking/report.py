@@ -25,6 +25,7 @@ import yaml
 
 from engine.checkpoint.manifest import MANIFEST
 from trainer.checks.compare import CompareError, compare, metrics_file, report, series_of
+from trainer.plurals import counted
 from trainer.tracking.phases import TABLE_FILE
 from trainer.tracking.plots import COLORS, DASHES, Chart, Line, phase_legend, svg, timeline_svg
 from trainer.tracking.records import is_throughput, throughput_key
@@ -498,9 +499,10 @@ def where_time_goes(runs: list[RunData]) -> list[str]:
         if run.ranks is not None:
             records, steps = run.ranks.get("records", 0), run.ranks.get("steps", 0)
             out.append(
-                f"<p>Mean seconds per optimizer step of each rank over {records} records "
-                f"({steps} steps) of the last launch ({TABLE_FILE}). <i>sync</i> is time spent "
-                "waiting inside collectives: the ranks that wait longest are the fast ones.</p>"
+                "<p>Mean seconds per optimizer step of each rank over "
+                f"{counted(records, 'record')} ({counted(steps, 'step')}) of the last launch "
+                f"({TABLE_FILE}). <i>sync</i> is time spent waiting inside collectives: the "
+                "ranks that wait longest are the fast ones.</p>"
             )
             out.append(rank_table(run))
         if run.timeline is not None:

@@ -29,6 +29,7 @@ from trainer.config.errors import ConfigError
 from trainer.config.schema import Config
 from trainer.data.preference import PreferenceSamples
 from trainer.models.lora import Adapter
+from trainer.plurals import counted
 from trainer.run.extensions.base import Extension
 from trainer.run.layout import parallelize, parameter_dtype
 from trainer.run.parts import Parts
@@ -278,8 +279,8 @@ def precompute_reference(
         n = sum(len(v) for v in splits.values())
         how = "read from" if reused else "computed (each rank its share) and written to"
         print(
-            f"task.reference=precomputed: the initial model's log-probabilities of {n} pairs "
-            f"{how} {path}",
+            "task.reference=precomputed: the initial model's log-probabilities of "
+            f"{counted(n, 'pair')} {how} {path}",
             flush=True,
         )
     return values
