@@ -184,7 +184,7 @@ def noise_scale() -> Any:
 # the moment that part is built.
 FROM_BUILT: list[tuple[list[str], dict[str, Any], tuple[str, str], str, str]] = [
     (["dist.tp=2"], {"model": Routed()}, (MIXTURE, "dist.tp > 1"), "dist.tp", "must be 1"),
-    ([*GRAPHS], {"model": Routed()}, (CUDA, "a model with routers"), "model", "(1 routers)"),
+    ([*GRAPHS], {"model": Routed()}, (CUDA, "a model with routers"), "model", "(1 router)"),
     (
         [*GRAPHS],
         {"pads_batches": True, "data_description": "chat"},

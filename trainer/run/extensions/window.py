@@ -1,7 +1,7 @@
 """Tasks whose loss is of the whole window (engine/window_task.py) in the run: the step they
-train with, chosen by itself, what it refuses; and every task's own records
-(`train/temperature`; a task's exact item means, engine/item_sums.py's `ItemSums`: task=dpo's
-`train/reward_*`)."""
+train with, chosen by itself (what it refuses is the compatibility table's); and every task's
+own records (`train/temperature`; a task's exact item means, engine/item_sums.py's
+`ItemSums`: task=dpo's `train/reward_*`)."""
 
 from __future__ import annotations
 
