@@ -21,6 +21,7 @@ from trainer.config.errors import ConfigError
 from trainer.config.schema import Config, TrainCfg
 from trainer.data.batches import build_train_batches, build_val_batches
 from trainer.models.export import export_line
+from trainer.models.hf import origin_note
 from trainer.models.lora import export_line as adapter_line
 from trainer.run.assemble import assemble
 from trainer.run.auto_batch import setup_auto
@@ -181,7 +182,7 @@ def build_run_sinks(
     banner = Banner(
         run_dir=run_dir,
         run_id=resumed.run_id,
-        model=type(parts.model).__name__,
+        model=type(parts.model).__name__ + origin_note(parts.model, cfg.model),
         n_params=parts.n_params,
         n_trainable=parts.n_trainable,
         data=parts.data.description or str(cfg.data.get("_target_")),
