@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +18,22 @@ from engine.numerics.chunked_ce import IGNORE_INDEX
 from engine.steps.cached import RandomState
 
 
-def routed_mask(batch: Any, n: int) -> torch.Tensor:
-    """(n,) bool: which of the n routed positions count (engine/moe/balance.py's docstring)."""
+@runtime_checkable
+class MarksRoutedPositions(Protocol):
+    """A task whose batches say which positions count their own way (task=dpo's pairs, padded
+    per micro-batch without an attention mask): `routed_positions(batch)`, (n,) bool over the
+    n positions its model's forward routes, in order."""
+
+    def routed_positions(self, batch: Any) -> torch.Tensor: ...
+
+
+def routed_mask(batch: Any, n: int, task: Any = None) -> torch.Tensor:
+    """(n,) bool: which of the n routed positions count (engine/moe/balance.py's docstring);
+    `task`'s own marks when it declares them (`MarksRoutedPositions`)."""
     mask: torch.Tensor | None = None
-    if isinstance(batch, Mapping):
+    if isinstance(task, MarksRoutedPositions):
+        mask = task.routed_positions(batch)
+    elif isinstance(batch, Mapping):
         if isinstance(batch.get("attention_mask"), torch.Tensor):
             mask = batch["attention_mask"] != 0
     elif isinstance(batch, tuple | list) and len(batch) == 2:

@@ -359,7 +359,8 @@ class ExpertSplit(ParallelBase):
 
     def check(self, shape: RunShape) -> None:
         # Decided before any group too (ParallelDims.check, from the config); again here for
-        # the step the task chose (trainer/run/window.py) and for the planner's simulated run.
+        # the step the task chose (trainer/run/extensions/window.py) and for the planner's
+        # simulated run.
         check_beside_experts(shape)
         super().check(shape)
 

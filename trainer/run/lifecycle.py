@@ -16,28 +16,17 @@ if TYPE_CHECKING:
 
 
 def check_choices(cfg: Config) -> None:
-    """The layout's refusals of the run's other choices that the config alone decides
-    (`ParallelDims.check`: what does not compose with dist.ep > 1 yet; a mixture of experts
-    that `model.*` declares, under dist.tp, pp or cp), before the world's size is checked and
-    before any parallelism builds its process groups or mesh, so that one process reaches
-    each of them. The built parallelism checks the run again
-    (trainer/run/build.py `check_layout`: the step a task chose, the checkpoint format)."""
-    from engine.parallel import LayoutError
-    from trainer.run.assemble import layout_error
-    from trainer.run.build import build_callbacks, build_step, choices_shape
-    from trainer.run.moe import check_mixture_layout, declares_experts
+    """The compatibility table's refusals that the config decides, its step and callbacks
+    built (trainer/run/compatibility.py), before the world's size is checked and before any
+    parallelism builds its process groups or mesh, so that one process reaches each of them.
+    The assembly asks the table again as it builds the data, the model and the task, and the
+    run once its step is chosen."""
+    from trainer.run.build import build_callbacks, build_step
+    from trainer.run.compatibility import Choices
 
     dims = cfg.dist.dims()  # every degree checked, the world's size not yet
-    if declares_experts(cfg.model):  # before dist.tp lays out (and warns about) its experts
-        check_mixture_layout(dims)
-    if dims.ep == 1:  # nothing else is refused from the choices alone: nothing built twice
-        return
-    callbacks = build_callbacks(cfg.callbacks, cfg.train)
-    shape = choices_shape(cfg, build_step(cfg.step), callbacks)
-    try:
-        dims.check(shape)
-    except LayoutError as exc:
-        raise layout_error(exc) from None
+    step, callbacks = build_step(cfg.step), build_callbacks(cfg.callbacks, cfg.train)
+    Choices.of(cfg, dims, training=True, step=step, callbacks=callbacks).checked()
 
 
 def train(
