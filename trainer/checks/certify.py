@@ -19,7 +19,7 @@ from typing import Any
 
 from trainer.checks.compare import CompareError, Series, difference, read_series
 from trainer.config.errors import ConfigError, UserError
-from trainer.plurals import counted
+from trainer.tracking.plurals import counted
 
 DEFAULT_LAYOUTS = ("accum", "ddp2", "fsdp2", "pp2", "tp2", "tpsp2", "cp2", "auto")
 COMPARED = ("train/loss", "train/grad_norm")

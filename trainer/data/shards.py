@@ -42,7 +42,7 @@ import numpy as np
 
 from trainer.config.errors import UserError
 from trainer.data.encoding import BadRecord, Encoded, Encoder, TextEncoder
-from trainer.plurals import counted
+from trainer.tracking.plurals import counted
 
 FORMAT = "cumulus-shards/1"
 CHUNK_BYTES = 4 << 20  # source bytes per chunk: bounds memory per worker and per shard

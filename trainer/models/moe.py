@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.moe.grouped import group_offsets, grouped_mm, row_groups
-from engine.moe.routing import Routing, combine, dispatch, recomputing, top_k_route
+from engine.moe.routing import Routing, combine, dispatch, keeps_routing, top_k_route
 from engine.parallel.expert import ExpertLayer, sorted_rows
 
 
@@ -102,7 +102,7 @@ class Router(nn.Module):
         logits = self.gate(x)  # (N, E)
         # A zero bias chooses as plain top-k does, exactly (p + 0.0 == p).
         weights, experts = top_k_route(logits, self.top_k, self.bias)  # (N, k), (N, k)
-        if not recomputing():  # activation checkpointing's second forward keeps nothing
+        if keeps_routing():  # not in a recomputing backward, nor a reference forward
             self.routing = Routing(logits, experts)
         return weights, experts
 

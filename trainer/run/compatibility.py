@@ -29,7 +29,7 @@ from typing import Any
 
 from trainer.config.errors import ConfigError
 from trainer.config.schema import CUDA_GRAPH_MODES, Config
-from trainer.plurals import counted
+from trainer.tracking.plurals import counted
 
 DPO_TASK = "engine.preference.DPOTask"
 PAIRS_DATA = "trainer.data.preference.preference_data"

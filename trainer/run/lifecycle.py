@@ -18,9 +18,11 @@ if TYPE_CHECKING:
 def check_choices(cfg: Config) -> None:
     """The compatibility table's refusals that the config decides, its step and callbacks
     built (trainer/run/compatibility.py), before the world's size is checked and before any
-    parallelism builds its process groups or mesh, so that one process reaches each of them.
-    The assembly asks the table again as it builds the data, the model and the task, and the
-    run once its step is chosen."""
+    parallelism builds its process groups or mesh, so that one process reaches each of them:
+    the entry points (trainer/train.py, trainer.api.train) call it before they join the
+    process group, so every rank refuses alike and none waits for a peer that has exited in
+    the rendezvous. The assembly asks the table again as it builds the data, the model and
+    the task, and the run once its step is chosen."""
     from trainer.run.build import build_callbacks, build_step
     from trainer.run.compatibility import Choices
 
@@ -49,7 +51,6 @@ def train(
     from trainer.run.lock import run_dir_lock
     from trainer.tracking.report import write_run_report
 
-    check_choices(cfg)  # before any layout: one process reaches each of these refusals
     started = time.perf_counter()
     # Names the rank(s) a timed-out collective waited for (trainer/run/hang.py).
     watch = start_watch(info, run_dir, cfg.dist.timeout_s)

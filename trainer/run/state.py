@@ -43,9 +43,9 @@ from engine.step import StepContext
 from trainer.config.errors import UserError
 from trainer.config.schema import CheckpointCfg, Config
 from trainer.config.signing import sign
-from trainer.plurals import counted
 from trainer.run.identity import new_run_id
 from trainer.run.parts import Assembly
+from trainer.tracking.plurals import counted
 
 # Beside the config: the keys it derives from others (trainer/config/trust.py:derived_keys)
 # and this user's signature of both (trainer/config/signing.py).

@@ -25,9 +25,9 @@ import yaml
 
 from engine.checkpoint.manifest import MANIFEST
 from trainer.checks.compare import CompareError, compare, metrics_file, report, series_of
-from trainer.plurals import counted
 from trainer.tracking.phases import TABLE_FILE
 from trainer.tracking.plots import COLORS, DASHES, Chart, Line, phase_legend, svg, timeline_svg
+from trainer.tracking.plurals import counted
 from trainer.tracking.records import is_throughput, throughput_key
 from trainer.tracking.timeline import phase_lanes
 

@@ -29,10 +29,10 @@ from trainer.config.errors import ConfigError
 from trainer.config.schema import Config
 from trainer.data.preference import PreferenceSamples
 from trainer.models.lora import Adapter
-from trainer.plurals import counted
 from trainer.run.extensions.base import Extension
 from trainer.run.layout import parallelize, parameter_dtype
 from trainer.run.parts import Parts
+from trainer.tracking.plurals import counted
 
 
 def attach_reference(task: object, model: nn.Module, adapter: Adapter | None) -> None:
