@@ -5,7 +5,7 @@
   names; else, where a feature needs blocks, an error that lists the model's repeated
   module classes so the user can name them (`block_classes`).
 - `flops_per_token(seq_len)`: forward + backward FLOPs per loss item, for MFU. Fallback:
-  6 x parameters.
+  6 x the parameters a token goes through (engine/moe/active.py).
 - `generate(idx, max_new_tokens, generator=...)`: text samples at evaluation; none without.
 - `output_head()`: the output layer, for `task=causal_lm`'s chunked loss over a large
   vocabulary (engine/numerics/chunked_ce.py's `OutputHead`); the plain logits without.
@@ -21,6 +21,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from engine.moe.active import active_parameters
 
 
 @runtime_checkable
@@ -135,7 +137,8 @@ def apply_activation_checkpointing(blocks: Sequence[nn.Module]) -> None:
 
 
 def flops_per_token(model: nn.Module, seq_len: int | None) -> float:
-    """Training FLOPs per loss item: the model's own count, else 6 x parameters."""
+    """Training FLOPs per loss item: the model's own count, else 6 x the parameters a token
+    goes through (of a mixture's routed experts its top-k: engine/moe/active.py)."""
     if isinstance(model, DeclaresFlops) and seq_len:
         return float(model.flops_per_token(seq_len))
-    return 6.0 * sum(p.numel() for p in model.parameters())  # tied parameters counted once
+    return 6.0 * active_parameters(model)  # tied parameters counted once

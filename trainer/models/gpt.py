@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.moe.active import active_parameters
 from engine.moe.routing import Routed
 from engine.numerics.chunked_ce import HeadLoss
 from trainer.models.moe import MoE, MoEConfig
@@ -334,13 +335,9 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward + backward FLOPs per token (PaLM appendix B): 6N + 12 L T C, N counting
-        the parameters a token goes through (of a mixture, its top-k experts only)."""
-        n = self.num_params() - self.pos_emb.weight.numel()
-        for block in self.blocks:
-            if block is not None and isinstance(block.mlp, MoE):
-                experts = sum(p.numel() for p in block.mlp.experts.parameters())
-                moe = self.cfg.moe
-                n -= experts * (moe.experts - moe.top_k) // moe.experts
+        the parameters a token goes through (engine/moe/active.py: of a mixture, its top-k
+        experts only) but the position lookup."""
+        n = active_parameters(self) - self.pos_emb.weight.numel()
         return 6 * n + 12 * self.cfg.n_layer * seq_len * self.cfg.n_embd
 
     @torch.inference_mode()

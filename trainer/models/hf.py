@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from engine.moe.active import active_parameters
 from engine.moe.objective import SWITCH_COEF, Pooled
 from engine.moe.routing import HookedRouter
 from engine.numerics.chunked_ce import HeadLoss
@@ -321,9 +322,10 @@ class CumulusHooks:
         return out
 
     def flops_per_token(self, seq_len: int) -> float:
-        """6 x the parameters that do matrix products + attention's 12 x layers x width x
-        sequence (the PaLM / nanoGPT count), from the config's shapes. Embedding lookups cost
-        nothing, except a token embedding tied to the output layer (GPT-2), which does."""
+        """6 x the parameters a token's matrix products go through + attention's 12 x layers x
+        width x sequence (the PaLM / nanoGPT count), from the config's shapes. Of a mixture,
+        the top-k routed experts only (engine/moe/active.py). Embedding lookups cost nothing,
+        except a token embedding tied to the output layer (GPT-2), which does."""
         c = self.config
         layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", 0)
         width = getattr(c, "hidden_size", None) or getattr(c, "n_embd", 0)
@@ -334,7 +336,7 @@ class CumulusHooks:
             for m in self.modules()  # type: ignore[attr-defined]
             if isinstance(m, nn.Embedding) and m.weight is not tied
         )
-        params = sum(p.numel() for p in self.parameters())  # type: ignore[attr-defined]
+        params = active_parameters(self)  # type: ignore[arg-type]
         return 6.0 * (params - lookups) + 12.0 * layers * width * seq_len
 
     def generate(  # type: ignore[override]

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from engine.distributed import DistInfo
 from engine.model import DeclaresContext, DeclaresVocabulary, flops_per_token
+from engine.moe.active import MixtureSizes, active_parameters, mixture_sizes
 from engine.parallel.dims import ParallelDims
 from engine.rng import seed_everything
 from engine.step import Task
@@ -164,7 +166,7 @@ def assemble(
     task = build_task(cfg.task)
     choices = choices.knowing(task=task).checked()
     parts = parts.replace(task=task)
-    flops, n_params, n_trainable = parameter_counts(parts)
+    sizes = ModelSizes.of(parts.built_model(), parts.data.seq_len)
     try:  # a task's own parameters (a learned temperature) train and save with the model
         attach_loss_parameters(model, task, info.device)
     except ValueError as exc:
@@ -181,16 +183,29 @@ def assemble(
             param_dtype=param_dtype,
         )
     parts = extensions.after_layout(parts.replace(wrapped=wrapped))
-    return Assembly(parts, flops, n_params, n_trainable, extensions, choices)
+    return Assembly(
+        parts, sizes.flops_per_token, sizes.parameters, sizes.trainable, extensions, choices,
+        sizes.mixture,
+    )  # fmt: skip
 
 
-def parameter_counts(parts: Parts) -> tuple[float, int, int]:
-    """FLOPs per token, parameters and trainable parameters of the whole model, before
-    pipeline stages prune it to their own parameters. A frozen weight (a base under adapters)
-    has no weight gradient: of its 6 FLOPs per token (forward 2, input gradient 2, weight
-    gradient 2) it costs 4, so MFU is not overstated."""
-    model = parts.built_model()
-    flops = flops_per_token(model, parts.data.seq_len)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return flops - 2.0 * (n_params - n_trainable), n_params, n_trainable
+@dataclass(frozen=True)
+class ModelSizes:
+    """The whole model's sizes, before pipeline stages prune it to their own parameters, and
+    a token's training FLOPs (MFU, the planner's compute)."""
+
+    flops_per_token: float
+    parameters: int
+    trainable: int  # all of them without an adapter
+    mixture: MixtureSizes | None  # a mixture of experts' routing and active parameters
+
+    @classmethod
+    def of(cls, model: nn.Module, seq_len: int | None) -> ModelSizes:
+        parameters = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # A frozen weight (a base under adapters) has no weight gradient: of its 6 FLOPs per
+        # token (forward 2, input gradient 2, weight gradient 2) it costs 4, so MFU is not
+        # overstated; of a mixture's frozen experts only those a token goes through count.
+        frozen = active_parameters(model, lambda p: not p.requires_grad)
+        flops = flops_per_token(model, seq_len) - 2.0 * frozen
+        return cls(flops, parameters, trainable, mixture_sizes(model))

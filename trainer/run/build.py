@@ -185,6 +185,7 @@ def build_run_sinks(
         model=type(parts.model).__name__ + origin_note(parts.model, cfg.model),
         n_params=parts.n_params,
         n_trainable=parts.n_trainable,
+        mixture=parts.mixture,
         data=parts.data.description or str(cfg.data.get("_target_")),
         n_train=len(parts.data.train),
         n_val=len(parts.data.val),

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.distributed import DistInfo
+from engine.moe.active import MixtureSizes
 from engine.numerics.float8 import Float8Layers
 from engine.parallel.base import Parallelism
 from engine.parallel.dims import ParallelDims
@@ -71,6 +72,7 @@ class Assembly:
     n_trainable: int  # parameters that train (all of them without an adapter)
     extensions: Any  # trainer/run/extensions' `Extensions` of this run
     choices: Choices  # what the compatibility table was asked last (the task built)
+    mixture: MixtureSizes | None = None  # a mixture of experts' routing and active sizes
 
     @property
     def model(self) -> nn.Module:

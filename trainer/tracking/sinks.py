@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
@@ -15,6 +15,9 @@ from trainer.run.batch_plan import AUTO, BatchPlan
 from trainer.run.optim import warmup_note
 from trainer.run.state import Resumed
 from trainer.tracking.records import JsonlWriter, Progress, RecordSink, supersede
+
+if TYPE_CHECKING:
+    from engine.moe.active import MixtureSizes
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,15 @@ class Banner:
     resumed: Resumed
     export: str  # what scripts/export_hf.py will make of the model
     n_trainable: int | None = None  # when not every parameter trains (adapter=lora)
+    mixture: MixtureSizes | None = None  # a mixture of experts: its routing, active parameters
+
+    def routing(self) -> str:
+        """' (N active: E experts, top-k)' for a mixture of experts (the parameters a token
+        goes through, which MFU counts); '' for a dense model."""
+        if self.mixture is None:
+            return ""
+        routed = "; ".join(f"{e} experts, top-{k}" for e, k in self.mixture.routing)
+        return f" ({self.mixture.active / 1e6:.2f}M active: {routed})"
 
     def trainable(self) -> str:
         """' (N trainable, x%)' when not every parameter trains."""
@@ -47,7 +59,8 @@ class Banner:
         plan = self.plan
         return (
             f"cumulus | run dir {self.run_dir} | run id {self.run_id}\n"
-            f"  model {self.model} {self.n_params / 1e6:.2f}M params{self.trainable()} | "
+            f"  model {self.model} {self.n_params / 1e6:.2f}M params{self.routing()}"
+            f"{self.trainable()} | "
             f"data {self.data}: "
             f"{self.n_train} train / {self.n_val} val samples\n"
             f"  world {plan.dp_size} x micro {plan.micro} x accum {plan.accum} = "
