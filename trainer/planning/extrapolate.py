@@ -9,7 +9,10 @@ loss's temporaries, a pipeline's in-flight inputs) plus the blocks times what ea
 (their parameters and states, the activations each keeps for backward, the gathers and
 reductions of each). The planner simulates the model with `SAMPLES[0]` and `SAMPLES[1]`
 blocks per stage and takes each figure on the line through the two, at the stage's real
-count; tests/test_plan.py checks it against the full simulation (1%).
+count; tests/test_plan.py checks it against the full simulation (1%). The peak is the highest
+of the step's moments, each on its line; a part of the step outside the blocks whose ops
+depend on the block count (a mixture's balancing loss over every layer's router logits) is
+one moment, its highest point (`aligned`).
 
 It applies when the model's block count is a config key (`LAYER_KEYS`, at the model's node or
 its transformers `config`), the blocks are alike (one class, the same parameter shapes),
@@ -121,7 +124,7 @@ def memory(a: MemoryReport, b: MemoryReport, at: int) -> MemoryReport:
     untracked = _lines(a.untracked, b.untracked, at)
     # In the step's order (dicts keep it; a set's order follows the string hash seed): of
     # moments that tie on the total, the first is the peak, as a real run's tracker keeps it.
-    moments = {k: _lines(a.moments[k], b.moments[k], at) for k in a.moments if k in b.moments}
+    moments = {k: _lines(*pair, at) for k, pair in aligned(a.moments, b.moments).items()}
     at_peak = max(moments.values(), key=lambda m: m["Total"], default=None)
     if at_peak is None:  # no moments measured: the peak's own line
         at_peak = _lines(a.at_peak, b.at_peak, at)
@@ -134,6 +137,37 @@ def memory(a: MemoryReport, b: MemoryReport, at: int) -> MemoryReport:
         at_peak=at_peak,
         moments=moments,
     )
+
+
+Moment = dict[str, int]
+
+
+def aligned(a: dict[str, Moment], b: dict[str, Moment]) -> dict[str, tuple[Moment, Moment]]:
+    """The moments of the two samples that are one moment of the step, paired. A segment
+    (the key without its op index) that runs as many ops in both samples pairs op by op. One
+    whose ops depend on the block count (outside the blocks, a loss over every layer's
+    router logits: moe.balance) pairs no op with its like: its highest point in each sample
+    is taken as one moment, on the line with the other's."""
+    ops_a, ops_b = _by_segment(a), _by_segment(b)
+    pairs: dict[str, tuple[Moment, Moment]] = {}
+    for segment, keys in ops_a.items():
+        other = ops_b.get(segment)
+        if other is None:
+            continue
+        if len(keys) == len(other):
+            pairs.update((k, (a[k], b[k])) for k in keys if k in b)
+            continue
+        top_a = max((a[k] for k in keys), key=lambda m: m.get("Total", 0))
+        top_b = max((b[k] for k in other), key=lambda m: m.get("Total", 0))
+        pairs[f"{segment}/highest"] = (top_a, top_b)
+    return pairs
+
+
+def _by_segment(moments: dict[str, Moment]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for key in moments:  # in the step's order
+        out.setdefault(key.rsplit("/", 1)[0], []).append(key)
+    return out
 
 
 def comm(a: dict[str, int], b: dict[str, int], at: int) -> dict[str, int]:
