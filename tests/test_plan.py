@@ -414,6 +414,18 @@ def test_attention_is_planned_with_the_kernel_cuda_would_pick() -> None:
     assert scores in ops(torch.randn(1, 4, 64, 12), torch.randn(1, 4, 64, 12), planned=True)
 
 
+def test_a_recomputed_block_runs_the_attention_kernel_its_forward_ran(tmp_path: Path) -> None:
+    """Activation checkpointing recomputes a block's forward in backward, where the autograd
+    engine carries no torch-function mode: an fp32 grouped-query Llama (CUDA's math kernel,
+    this CPU's flash kernel) planned with checkpointing stopped with torch's CheckpointError
+    (the recomputed forward saved the flash kernel's tensors, not the math kernel's). It
+    plans, and checkpointing keeps less than the plan without."""
+    plain = plan([*LLAMA, "plan.world=2"], tmp_path)
+    recomputed = plan([*LLAMA, "plan.world=2", "model.activation_checkpointing=true"], tmp_path)
+    kept = [p["roles"][0]["activations_bytes"] for p in (recomputed, plain)]
+    assert 0 < kept[0] < kept[1], kept
+
+
 def test_a_layout_that_does_not_fit_says_so_and_search_finds_ones_that_do(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -22,12 +22,12 @@ CUDA would hold it: forced to the math kernel where CUDA would choose it, withou
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.overrides import TorchFunctionMode
 
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 EFFICIENT_TAKES_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14)
@@ -49,25 +49,38 @@ def cuda_kernel(query: torch.Tensor, key: torch.Tensor, attn_mask: Any, enable_g
     return "math"
 
 
-class CudaAttention(TorchFunctionMode):
-    """SDPA as CUDA's kernel choice holds it: the math kernel's T x T scores where CUDA
-    picks math; no T x T tensor where it picks a fused kernel, with dropout too."""
+class CudaAttention:
+    """While entered, SDPA as CUDA's kernel choice holds it: the math kernel's T x T scores
+    where CUDA picks math; no T x T tensor where it picks a fused kernel, with dropout too.
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = dict(kwargs or {})
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        call = {**dict(zip(SDPA_ARGS, args)), **kwargs}
-        query, key = call.get("query"), call.get("key")
-        if not isinstance(query, torch.Tensor) or not isinstance(key, torch.Tensor):
-            return func(*args, **kwargs)
-        kernel = cuda_kernel(query, key, call.get("attn_mask"), bool(call.get("enable_gqa")))
-        if kernel == "math":
-            with sdpa_kernel([SDPBackend.MATH]):
-                return func(*args, **kwargs)
-        if call.get("dropout_p"):
-            if len(args) > 4:
-                args = (*args[:4], 0.0, *args[5:])
-            else:
-                kwargs["dropout_p"] = 0.0
-        return func(*args, **kwargs)
+    `torch.nn.functional.scaled_dot_product_attention` itself is replaced (models look it up
+    at each call), not intercepted by a torch-function mode: the autograd engine does not
+    carry such a mode into backward, where activation checkpointing recomputes a block's
+    forward, which then chose this CPU's kernel and saved other tensors than the forward had
+    (torch.utils.checkpoint's CheckpointError, for an fp32 grouped-query model)."""
+
+    def __enter__(self) -> CudaAttention:
+        self.original = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = functools.partial(as_cuda_runs, self.original)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        F.scaled_dot_product_attention = self.original
+
+
+def as_cuda_runs(sdpa: Any, *args: Any, **kwargs: Any) -> Any:
+    """`sdpa(*args, **kwargs)` with the kernel CUDA would run it with."""
+    call = {**dict(zip(SDPA_ARGS, args)), **kwargs}
+    query, key = call.get("query"), call.get("key")
+    if not isinstance(query, torch.Tensor) or not isinstance(key, torch.Tensor):
+        return sdpa(*args, **kwargs)
+    kernel = cuda_kernel(query, key, call.get("attn_mask"), bool(call.get("enable_gqa")))
+    if kernel == "math":
+        with sdpa_kernel([SDPBackend.MATH]):
+            return sdpa(*args, **kwargs)
+    if call.get("dropout_p"):
+        if len(args) > 4:
+            args = (*args[:4], 0.0, *args[5:])
+        else:
+            kwargs["dropout_p"] = 0.0
+    return sdpa(*args, **kwargs)
