@@ -483,8 +483,10 @@ class PlanCfg:
     # Memory kept free for what no tensor tracker sees (CUDA context, NCCL, fragmentation).
     headroom: float = 0.1
     gpus_per_node: int = 8  # which links are fast (within a node) and which are not
-    # Simulate every block; by default a stage of more than 3 alike blocks is simulated with
-    # 2 and 3 and extrapolated (trainer/planning/extrapolate.py: within 1% of the full run).
+    # Simulate every block and micro-batch; by default a stage of more than 3 alike blocks is
+    # simulated with 2 and 3 and extrapolated (trainer/planning/extrapolate.py: within 1% of
+    # the full run), and a steady step of plain accumulation without a pipeline with 3 of its
+    # micro-batches (trainer/planning/simulate.py: the same peak, the traffic scaled).
     full: bool = False
 
     def __post_init__(self) -> None:

@@ -26,6 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainer.run.memory import DEVICE_QUERY
+
 ASSUMPTION = "uniform (each expert gets 1/E of a layer's token-slot assignments)"
 
 
@@ -46,6 +48,8 @@ class UniformRouting(TorchDispatchMode):
     indices); every other op goes on unchanged."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is DEVICE_QUERY:
+            return func(*args)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is torch.ops.aten.topk.default and isinstance(args[0], FakeTensor):

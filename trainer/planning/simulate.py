@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.distributed import DistInfo
 from engine.parallel.dims import ParallelDims
 from engine.parallel.expert import ExpertSplit
+from engine.window_task import WindowTask
 from trainer.config.schema import Config
 from trainer.planning.attention import CudaAttention
 from trainer.planning.progress import Progress
@@ -42,9 +43,12 @@ from trainer.run.assemble import Assembly, assemble
 from trainer.run.batch_plan import BatchPlan
 from trainer.run.build import build_context, build_step
 from trainer.run.layout import check_layout, run_shape
-from trainer.run.memory import MemoryReport, StepPeaks, frozen_modules, report
+from trainer.run.memory import DEVICE_QUERY, MemoryReport, StepPeaks, frozen_modules, report
 
 STEPS = 2  # the first builds the optimizer's state; the second is a steady step
+# Micro-batches of the steady step simulated under plain accumulation without a pipeline: the
+# first (its backward allocates the gradients), one between and the last (which syncs them).
+STEADY_WINDOW = 3
 
 
 def first_window(dims: ParallelDims) -> int:
@@ -125,6 +129,8 @@ class CommCounter(TorchDispatchMode):
         return self._names[name]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is DEVICE_QUERY:
+            return func(*args)
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default and _fake_scalar(args[0]):
             # A non-fused optimizer's step reads the step's overflow flag (`found_inf.item()`,
@@ -256,16 +262,22 @@ def simulate_rank(
         with mode:
             ctx = build_context(cfg, parts, info)
             step_fn = build_step(cfg.step)
-            check_layout(parts.parallel, run_shape(cfg, step_fn, ctx, plan))
+            shape = run_shape(cfg, step_fn, ctx, plan)
+            check_layout(parts.parallel, shape)
             ctx.callbacks.setup(ctx)
             peaks, counter = StepPeaks(), CommCounter(meshes, names)
             progress.peaks, peaks.blocks = peaks, blocks
+            windows = [
+                window[: first_window(dims)],
+                steady_window(window, dims, shape, parts, cfg.plan.full),
+            ]
             for step in range(STEPS):
                 progress.what = f"{role}: step {step + 1}/{STEPS}"
                 if step == STEPS - 1:  # the steady step's traffic only
+                    first_bytes = dict(counter.bytes)
                     counter.bytes.clear()
                     book["sent_bytes"] = 0
-                steps_window = window if step == STEPS - 1 else window[: first_window(dims)]
+                steps_window = windows[min(step, 1)]
                 tracked = peaks.step(parts.wrapped, ctx.optimizer, frozen_modules(parts.task))
                 with (
                     no_cycle_collection(),
@@ -279,7 +291,7 @@ def simulate_rank(
             progress.peaks = None
             frozen = frozen_modules(parts.task)
             memory = report(peaks, parts.model, ctx.optimizer, parts.parallel, frozen)
-    comm = dict(counter.bytes)
+    comm = whole_window(first_bytes, counter.bytes, (len(windows[0]), len(windows[1])), len(window))
     sent = book.pop("sent_bytes", 0)  # a pipeline stage's sends to its neighbours
     if sent:
         comm["send/pp"] = sent
@@ -287,6 +299,35 @@ def simulate_rank(
         if key == "ddp_buckets":
             comm["allreduce/dp (DDP buckets)"] = value
     return memory, comm, parts, plan
+
+
+def steady_window(
+    window: list[Any], dims: ParallelDims, shape: Any, parts: Assembly, full: bool
+) -> list[Any]:
+    """The steady step's micro-batches to simulate: the whole window (`full`: plan.full), or
+    under plain accumulation without a pipeline `STEADY_WINDOW` of them, whose peak is the
+    whole window's: each micro-batch between the first and the last repeats the one
+    simulated (the same tensors alive, the gradients accumulated in place). A pipeline keeps
+    up to `pp` of them in flight, a window task (step=cached) holds the whole window's
+    outputs."""
+    plain = shape.plain_accumulation and dims.pp == 1 and not isinstance(parts.task, WindowTask)
+    return window[:STEADY_WINDOW] if plain and not full else window
+
+
+def whole_window(
+    first: dict[str, int], steady: dict[str, int], sizes: tuple[int, int], window: int
+) -> dict[str, int]:
+    """Each collective's bytes in a steady step of `window` micro-batches, from the first
+    step's (`sizes[0]` micro-batches) and the steady step's as simulated (`sizes[1]`): per
+    step plus per micro-batch, on the line through the two."""
+    done, simulated = sizes
+    if simulated == window:
+        return dict(steady)
+    out = {}
+    for key in sorted(first.keys() | steady.keys()):
+        per_micro = (steady.get(key, 0) - first.get(key, 0)) / (simulated - done)
+        out[key] = steady.get(key, 0) + round(per_micro * (window - simulated))
+    return out
 
 
 def expert_groups(parallel: Any) -> dict[str, str | None]:

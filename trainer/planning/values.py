@@ -25,6 +25,8 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from trainer.run.memory import DEVICE_QUERY
+
 # The largest integer or boolean tensor computed for real (a (B, 1, T, T) mask at 8192 tokens
 # is 64 MiB per sample); a larger one stays fake.
 LIMIT_BYTES = 2**28
@@ -49,6 +51,8 @@ class RealIntegers(TorchDispatchMode):
     mode (which fakes the real arguments it is given)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is DEVICE_QUERY:
+            return func(*args)
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if not all(_plain(t) for t in tensors):
