@@ -163,6 +163,7 @@ def test_the_run_meters_mfu_with_the_active_parameters() -> None:
     assert parts.mixture is not None and parts.mixture.routing == ((8, 2),)
     assert parts.mixture.active == hand_count("qwen3_moe") + 256 * 64
     assert parts.mixture.routed == 2 * 8 * gated_mlp(64, 96)  # every expert: what ep splits
+    assert parts.mixture.dispatched == 2 * 2 * 64  # 2 layers x top-2 x the width
 
 
 def test_frozen_experts_cost_their_forward_for_the_top_k_only() -> None:

@@ -443,6 +443,7 @@ def test_a_layout_that_does_not_fit_says_so_and_search_finds_ones_that_do(
     assert fitting and planned["layouts"][0]["fits"]
     assert any(lay["how"] == "simulated" for lay in fitting)
     assert all(lay["peak_bytes"] <= int(ddp_peak * 0.8) for lay in fitting)
+    assert not any("dist.ep" in o for lay in planned["layouts"] for o in lay["overrides"])
     shown = capsys.readouterr().out.splitlines()
     start = [i for i, ln in enumerate(shown) if ln.startswith("layouts: ")][-1]
     assert f"{len(planned['layouts'])} valid, {len(fitting)} fit" in shown[start]
@@ -453,6 +454,39 @@ def test_a_layout_that_does_not_fit_says_so_and_search_finds_ones_that_do(
     first = [cell.strip() for cell in shown[start + 2].split("|")]
     assert first[:2] == ["1", "yes"] and first[4] == best["how"], first
     assert first[3] == f"{best['step_time_s']:.3f} s" and first[5] == " ".join(best["overrides"])
+
+
+# gpt_tiny's mixture (8 experts top-2) on 4 GPUs, bf16 (the gathers and the all-to-all in it).
+MOE_SEARCH = [*MOE["gpt"], "plan.world=4", "train.precision=bf16"]
+
+
+def test_search_offers_a_mixture_its_expert_parallel_layouts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A mixture's search varies dist.ep over the degrees that divide the world and the
+    expert count (1, 2, 4 of 8 experts on 4 GPUs), DDP and FSDP2, and offers none of the
+    pipeline, tensor- or context-parallel layouts a mixture refuses (a dense model's names
+    no dist.ep: test_a_layout_that_does_not_fit_says_so_and_search_finds_ones_that_do). The
+    screening's bytes per collective are those the simulation counts (the all-to-all's less
+    the expert counts exchanged before each dispatch)."""
+    from trainer.planning import search
+    from trainer.planning.gpus import GPUS
+    from trainer.planning.plan import plan_run
+
+    monkeypatch.setattr(search, "SIMULATED", 1)  # (simulating layouts: the test above)
+    ep2 = [*MOE_SEARCH, "dist.ep=2", "dist.strategy=fsdp", "train.global_batch_size=16"]
+    cfg, _ = to_config(compose_config([*ep2, "plan.search=true"]))
+    planned = plan_run(cfg)
+    found = [dict(o.split("=", 1) for o in lay["overrides"]) for lay in search.search(cfg, planned)]
+    assert {d["dist.ep"] for d in found} == {"1", "2", "4"}
+    assert {d["dist.strategy"] for d in found} == {"ddp", "fsdp"}
+    assert all(d["dist.pp"] == d["dist.tp"] == d["dist.cp"] == "1" for d in found)
+    measured = planned.roles[0].comm_bytes
+    traffic = search.Traffic(planned, GPUS["h100"], 8, routing_pass=True)  # moe.balance=global
+    screened = traffic.comm(cfg.dist.dims(4), ac=False, micro=planned.micro)
+    counts = measured["alltoall_base/ep"] - screened.pop("alltoall_base/ep")
+    assert 0 <= counts < screened["allgather_base/dp"] / 100, counts
+    assert screened == {k: v for k, v in measured.items() if k in screened}, measured
 
 
 @pytest.mark.launches

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from engine.moe.routing import HasRouters
+from engine.moe.routing import HasRouters, HookedRouter, Routed
 from engine.parallel.expert import ExpertLayer, HasExperts
 
 
@@ -60,11 +60,25 @@ class MixtureSizes:
     routing: tuple[tuple[int, int], ...]  # (experts, top_k) of each distinct mixture
     active: int  # the parameters one token goes through (`active_parameters`)
     routed: int  # the routed experts' parameters, every expert: what dist.ep splits
+    dispatched: int  # values one token sends its experts, summed over the mixture layers
 
     @property
     def experts(self) -> int:
         """The expert count every mixture's divides (what dist.ep must divide)."""
         return math.gcd(*(e for e, _ in self.routing))
+
+
+def token_width(router: Routed) -> int:
+    """The width of the hidden state a router scores, which dist.ep sends the experts: the
+    second dimension of its (E, C) weight (a linear gate over the token); 0 when it holds
+    none."""
+    module = router.module if isinstance(router, HookedRouter) else router
+    if not isinstance(module, nn.Module):
+        return 0
+    for p in module.parameters():
+        if p.dim() == 2 and p.shape[0] == router.num_experts:
+            return int(p.shape[1])
+    return 0
 
 
 def mixture_sizes(model: nn.Module) -> MixtureSizes | None:
@@ -81,4 +95,7 @@ def mixture_sizes(model: nn.Module) -> MixtureSizes | None:
         for layer, _ in layers
         for p in (layer.module.get_parameter(name) for name in layer.params)
     }
-    return MixtureSizes(tuple(routing), active_parameters(model), sum(routed.values()))
+    routers = model.routers() if isinstance(model, HasRouters) else ()
+    dispatched = sum(int(r.top_k) * token_width(r) for r in routers)
+    sizes = (active_parameters(model), sum(routed.values()), dispatched)
+    return MixtureSizes(tuple(routing), *sizes)

@@ -478,7 +478,9 @@ class PlanCfg:
     world: int = 8  # GPUs of the simulated world
     gpu: str = "h100"  # trainer/planning/gpus.py: memory, peak FLOP/s, links
     memory_bytes: int | None = None  # the GPU's memory, if not the data sheet's
-    search: bool = False  # also rank the valid layouts of `world` by predicted step time
+    # Also rank the valid layouts of `world` by predicted step time (a mixture of experts':
+    # each dist.ep that divides the world and the expert count, DDP or FSDP2).
+    search: bool = False
     out: str = "plan.json"  # where the plan is written
     # Memory kept free for what no tensor tracker sees (CUDA context, NCCL, fragmentation).
     headroom: float = 0.1

@@ -25,7 +25,7 @@ import torch
 
 from engine.distributed import DistInfo
 from engine.model import find_blocks, flops_per_token
-from engine.moe.routing import HasRouters
+from engine.moe.active import MixtureSizes, mixture_sizes
 from engine.parallel.dims import ParallelDims
 from trainer.config.schema import Config
 from trainer.planning import extrapolate
@@ -61,6 +61,8 @@ class Plan:
     how: str = "simulated"  # or how the figures were extrapolated
     layouts: list[dict[str, Any]] | None = None
     routing: str | None = None  # a mixture of experts' routing assumption (routing.py)
+    work: Work | None = None  # what the step computes (the estimate's FLOPs)
+    mixture: MixtureSizes | None = None  # a mixture of experts' sizes, of the whole model
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -111,6 +113,7 @@ class _Roles:
     work: Work
     parameters: int
     routing: str | None = None
+    mixture: MixtureSizes | None = None
 
 
 def _simulate_roles(
@@ -136,8 +139,8 @@ def _simulate_roles(
         bool(parts.model_extras.activation_checkpointing),
         cfg.train.precision in ("bf16", "fp16", "fp8"),  # fp8: planned as bf16
     )
-    routed = isinstance(parts.model, HasRouters) and bool(parts.model.routers())
-    return _Roles(memories, comms, plan, work, parts.n_params, ASSUMPTION if routed else None)
+    routing = ASSUMPTION if parts.mixture is not None else None
+    return _Roles(memories, comms, plan, work, parts.n_params, routing, parts.mixture)
 
 
 def _whole_model(cfg: Config) -> Any:
@@ -176,6 +179,7 @@ def _sampled(cfg: Config, dims: ParallelDims, progress: Progress) -> _Roles | No
         Work(flops, small.work.seq_len, small.work.checkpointing, small.work.low_precision),
         n_params,
         large.routing,
+        mixture_sizes(model),
     )
 
 
@@ -206,5 +210,5 @@ def plan_run(cfg: Config, progress: Progress | None = None) -> Plan:
     return Plan(
         pc.world, pc.gpu, gpu_memory, found.parameters, planned, est, describe(dims),
         time.perf_counter() - started, plan.micro, plan.accum, plan.global_batch, how,
-        routing=found.routing,
+        routing=found.routing, work=found.work, mixture=found.mixture,
     )  # fmt: skip

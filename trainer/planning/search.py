@@ -9,6 +9,14 @@ estimate; the `SIMULATED` fastest layouts it finds fitting are then simulated li
 itself (trainer/planning/plan.py), and their measured peak decides. Layouts a model cannot
 run (heads that do not divide, no pipeline stages or context-parallel hook) are left out, as
 the simulation's refusal says.
+
+A mixture of experts runs without pipeline, tensor or context parallelism (trainer/run/moe.py):
+its layouts are DDP or FSDP2 with each expert-parallel degree (`dist.ep`) that divides the
+world and the expert count, checkpointing off or on. Its traffic outweighs its compute (a
+token goes through top-k of the experts, every expert's weights are moved), so its screening
+counts the bytes each collective moves in that layout, as the simulation counts them
+(`mixture_traffic`), and estimates the step from them as a plan does; the experts' state is
+split by `ep` (not sharded by FSDP2 beside it), the rest by the strategy.
 """
 
 from __future__ import annotations
@@ -24,9 +32,11 @@ from engine.parallel import LayoutError
 from engine.parallel.dims import ParallelDims
 from trainer.config.errors import UserError
 from trainer.config.schema import Config, DistCfg
+from trainer.planning.estimate import estimate
 from trainer.planning.gpus import GPUS
 from trainer.planning.plan import plan_run
 from trainer.planning.progress import Progress
+from trainer.run.batch_plan import BatchPlan
 from trainer.run.compatibility import Choices, refused
 
 SIMULATED = 3  # how many screened layouts are simulated in full
@@ -42,6 +52,7 @@ class Layout:
     peak_bytes: float
     step_time_s: float
     simulated: bool = False
+    experts: bool = False  # a mixture's layout: its expert-parallel degree is one of them
 
     def overrides(self) -> list[str]:
         d = self.dims
@@ -49,6 +60,7 @@ class Layout:
             f"dist.pp={d.pp}",
             f"dist.tp={d.tp}",
             f"dist.cp={d.cp}",
+            *([f"dist.ep={d.ep}"] if self.experts else []),
             f"dist.strategy={d.strategy}",
             f"model.activation_checkpointing={str(self.activation_checkpointing).lower()}",
             f"train.micro_batch_size={self.micro}",
@@ -68,8 +80,14 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(world: int, base: ParallelDims) -> list[tuple[ParallelDims, bool]]:
-    """Every layout of `world` ranks the degrees allow, with and without checkpointing."""
+def candidates(
+    world: int, base: ParallelDims, experts: int | None = None, ep: bool = True
+) -> list[tuple[ParallelDims, bool]]:
+    """Every layout of `world` ranks the degrees allow, with and without checkpointing; of a
+    mixture of `experts` experts, its data- and expert-parallel layouts (`ep` false: the
+    run's other choices refuse dist.ep > 1, `ep_refused`)."""
+    if experts is not None:
+        return mixture_candidates(world, base, experts, ep)
     out = []
     for pp in _divisors(world):
         for tp in _divisors(world // pp):
@@ -90,18 +108,54 @@ def candidates(world: int, base: ParallelDims) -> list[tuple[ParallelDims, bool]
     return out
 
 
+def mixture_candidates(
+    world: int, base: ParallelDims, experts: int, ep: bool
+) -> list[tuple[ParallelDims, bool]]:
+    """A mixture's layouts: DDP or FSDP2 over the world, each expert-parallel degree that
+    divides the world and `experts` (only 1 when not `ep`), with and without checkpointing."""
+    out = []
+    for degree in _divisors(world) if ep else [1]:
+        for strategy in ("ddp", "fsdp"):
+            if experts % degree or (strategy == "fsdp" and world == 1):
+                continue
+            dims = dataclasses.replace(
+                base, pp=1, tp=1, cp=1, ep=degree, strategy=strategy, pp_split=None,
+                sequence_parallel=False, world=world,
+            )  # fmt: skip
+            out += [(dims, False), (dims, True)]
+    return out
+
+
+def ep_refused(cfg: Config) -> bool:
+    """Whether the run's other choices refuse dist.ep > 1 (task=dpo, step=sam, ...): the
+    compatibility table's rows the config decides, as training asks them before any process
+    group (trainer/run/lifecycle.py's `check_choices`)."""
+    from trainer.run.build import build_callbacks, build_step
+
+    step, callbacks = build_step(cfg.step), build_callbacks(cfg.callbacks, cfg.train)
+    d = cfg.dist
+    choices = Choices(d.tp, d.pp, d.cp, 2, cfg, training=True, step=step, callbacks=callbacks)
+    return any(refused(choices))
+
+
 def screen(
     base_dims: ParallelDims, base_ac: bool, plan: Any, dims: ParallelDims, ac: bool,
-    global_batch: int, capacity: float,
+    global_batch: int, capacity: float, traffic: Traffic | None = None,
 ) -> Layout | None:  # fmt: skip
     """The layout's largest fitting micro-batch and step time, scaled from the plan (the
-    first role, usually the heaviest: a pipeline's first stage holds the most in flight)."""
+    first role, usually the heaviest: a pipeline's first stage holds the most in flight);
+    a mixture's (`traffic`) step time from the bytes its collectives move."""
     role = max(plan.roles, key=lambda r: r.memory.peak_bytes).memory
-    share = _state_share(base_dims) / _state_share(dims)
+    routed = traffic.routed_share if traffic is not None else 0.0
+    base_state = _state_fraction(base_dims, routed)
+    share = _state_fraction(dims, routed) / base_state
     state = (role.parameters_bytes + role.gradients_bytes + role.optimizer_bytes) * share
-    state += sum(role.untracked.values()) * share if dims.strategy == "ddp" else 0.0
-    if dims.strategy == "ddp" and base_dims.strategy != "ddp" and dims.dp * dims.cp > 1:
-        state += role.gradients_bytes * share  # DDP's buckets: a copy of the gradients
+    # DDP's buckets: a copy of the gradients, less the experts dist.ep keeps out of DDP.
+    if dims.strategy == "ddp" and base_dims.strategy == "ddp":
+        buckets = sum(role.untracked.values()) / _bucketed(base_dims, routed)
+        state += buckets * _bucketed(dims, routed)
+    elif dims.strategy == "ddp" and dims.dp * dims.cp > 1:
+        state += role.gradients_bytes / base_state * _bucketed(dims, routed)
     base_micro = plan.micro
     per_sample = (role.activations_bytes + role.temporaries_bytes) / base_micro
     per_sample *= (base_dims.cp * base_dims.tp * base_dims.pp) / (dims.cp * dims.tp * dims.pp)
@@ -122,12 +176,77 @@ def screen(
     if not fitting:
         micro = 1
         peak = state + per_sample * inflight
-        return Layout(dims, ac, micro, peak, float("inf"))
+        return Layout(dims, ac, micro, peak, float("inf"), experts=traffic is not None)
     micro, peak, accum = fitting[-1]
+    if traffic is not None:
+        return Layout(dims, ac, micro, peak, traffic.step_time_s(dims, ac, micro), experts=True)
     # The plan's compute, without its own pipeline bubble and checkpointing, then this one's.
     compute = plan.estimate.compute_s / _bubble(base_dims, plan.accum)
     compute *= (4 / 3 if ac else 1.0) / (4 / 3 if base_ac else 1.0)
     return Layout(dims, ac, micro, peak, compute * _bubble(dims, accum) * _traffic(dims))
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What a mixture's step moves in a layout, from the whole model's sizes: the bytes each
+    collective moves per step on a rank, as the simulation counts them (the largest tensor of
+    each call; docs/plan.md), and the step time a plan estimates from them."""
+
+    plan: Any  # the planned layout's Plan (its work, mixture sizes and global batch)
+    gpu: Any
+    gpus_per_node: int
+    routing_pass: bool  # moe.balance=global: a whole forward more before the window's
+
+    @property
+    def routed_share(self) -> float:
+        return self.plan.mixture.routed / self.plan.parameters
+
+    def comm(self, dims: ParallelDims, ac: bool, micro: int) -> dict[str, int]:
+        """Per rank per step: the experts' all-to-all (dispatch and combine, each forward and
+        backward, the bytes leaving the rank) and their gradients over their replicas; FSDP2's
+        gathers of what it shards (every forward and backward of every micro-batch) and its
+        reduce-scatter, or DDP's all-reduce of its buckets; gradients in fp32."""
+        plan, mixture = self.plan, self.plan.mixture
+        low = 2 if plan.work.low_precision else 4  # bf16 activations and FSDP2's gathers
+        forwards = 2 if self.routing_pass else 1
+        tokens = plan.global_batch * plan.work.seq_len // dims.dp
+        out: dict[str, int] = {}
+        if dims.ep > 1:
+            passes = forwards + 1 + (1 if ac else 0)  # + the recomputed forward
+            sent = tokens * mixture.dispatched * low * 2 * passes * (dims.ep - 1) // dims.ep
+            out["alltoall_base/ep"] = sent
+            if dims.dp > dims.ep:
+                out["allreduce/ep_replica"] = mixture.routed // dims.ep * 4
+        layout = plan.parameters - (mixture.routed if dims.ep > 1 else 0)  # the rest's
+        if dims.strategy == "fsdp":
+            windows = plan.global_batch // (dims.dp * micro)
+            out["allgather_base/dp"] = layout * low * windows * (forwards + 1)
+            out["reduce_scatter_base/dp"] = layout * 4
+        elif dims.dp > 1:
+            out["allreduce/dp (DDP buckets)"] = layout * 4
+        return out
+
+    def step_time_s(self, dims: ParallelDims, ac: bool, micro: int) -> float:
+        work = dataclasses.replace(self.plan.work, checkpointing=ac)
+        per_rank = self.plan.global_batch // dims.dp
+        batch = BatchPlan(micro, per_rank // micro, dims.dp, self.plan.global_batch)
+        comm = self.comm(dims, ac, micro)
+        return estimate(work, dims, batch, comm, self.gpu, self.gpus_per_node).step_time_s
+
+
+def _state_fraction(dims: ParallelDims, routed: float) -> float:
+    """The share of the whole model's state (parameters, gradients, moments) one rank holds:
+    the routed experts (`routed` of the parameters) split by dist.ep, or else laid out as the
+    rest, which the strategy shares (`_state_share`)."""
+    rest = 1.0 / _state_share(dims)
+    experts = 1.0 / (dims.pp * dims.tp * dims.ep) if dims.ep > 1 else rest
+    return (1.0 - routed) * rest + routed * experts
+
+
+def _bucketed(dims: ParallelDims, routed: float) -> float:
+    """The share of the whole model's gradients in one rank's DDP buckets (DDP ignores the
+    experts dist.ep splits)."""
+    return (1.0 - (routed if dims.ep > 1 else 0.0)) / (dims.pp * dims.tp)
 
 
 def _traffic(dims: ParallelDims) -> float:
@@ -158,10 +277,15 @@ def search(cfg: Config, plan: Any, progress: Progress | None = None) -> list[dic
     base_dims = cfg.dist.dims(pc.world)
     global_batch = plan.global_batch
     base_ac = bool(cfg.model.get("activation_checkpointing", False))
+    traffic, experts = None, None
+    if plan.mixture is not None:
+        experts = plan.mixture.experts
+        traffic = Traffic(plan, gpu, pc.gpus_per_node, cfg.moe.balance == "global")
+    layouts = candidates(pc.world, base_dims, experts, experts is None or not ep_refused(cfg))
     screened = [
         layout
-        for dims, ac in candidates(pc.world, base_dims)
-        if (layout := screen(base_dims, base_ac, plan, dims, ac, global_batch, capacity))
+        for dims, ac in layouts
+        if (layout := screen(base_dims, base_ac, plan, dims, ac, global_batch, capacity, traffic))
     ]
     screened.sort(key=lambda lay: (lay.peak_bytes > capacity, lay.step_time_s))
     simulated = 0
@@ -189,7 +313,7 @@ def with_layout(cfg: Config, layout: Layout, global_batch: int) -> Config:
     """`cfg` with the layout's degrees, checkpointing and micro-batch, the global batch kept."""
     d = layout.dims
     dist = dataclasses.replace(
-        cfg.dist, pp=d.pp, tp=d.tp, cp=d.cp, strategy=d.strategy, pp_split=None,
+        cfg.dist, pp=d.pp, tp=d.tp, cp=d.cp, ep=d.ep, strategy=d.strategy, pp_split=None,
         tp_sequence_parallel=False,
     )  # fmt: skip
     DistCfg.__post_init__(dist)
