@@ -216,3 +216,59 @@ def test_the_banner_shows_the_experts_and_the_active_parameters(
     line = banner_model_line(capsys, ["model=hf_qwen3_moe"], tmp_path / "hf")
     want = f"params ({active / 1e6:.2f}M active: 8 experts, top-2) | data "
     assert f" {total / 1e6:.2f}M {want}" in line, line
+
+
+# Qwen3-30B-A3B's shapes (its config.json), 4096 tokens, on 64 H100s with dist.ep=8 under FSDP2.
+QWEN3_30B = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "max_position_embeddings": 4096,
+}
+PLAN_30B = [
+    "model=hf_qwen3_moe",
+    *(f"model.config.{k}={v}" for k, v in QWEN3_30B.items()),
+    "data.block_size=4096",
+    "train.precision=bf16",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=64",
+    "plan.world=64",
+    "plan.gpu=h100",
+    "dist.strategy=fsdp",
+    "dist.ep=8",
+    "moe=none",  # (no routing pass: the plan's FLOPs are the point here)
+    "logger=none",
+]
+
+
+def test_a_plan_at_qwen3_30b_a3b_shapes_counts_3b_parameters_a_token_goes_through() -> None:
+    """128 experts, top-8, 48 layers: a token goes through 3.3B of the 30.5B parameters
+    (Qwen3-30B-A3B's name). The plan's compute time is their FLOPs over the world at half the
+    H100's bf16 peak, and its MFU those FLOPs over its step time; counting every expert it
+    said 8x the compute (12.34 s against 1.53 at global batch 512, MFU 45.3%)."""
+    from trainer.planning.estimate import COMPUTE_EFFICIENCY
+    from trainer.planning.gpus import GPUS
+    from trainer.planning.plan import plan_run
+
+    C, layers, T = 2048, 48, 4096
+    attention = linear(C, 32 * 128) + 2 * linear(C, 4 * 128) + linear(32 * 128, C) + 2 * 128
+    layer = 2 * C + attention + 128 * C + 8 * gated_mlp(C, 768)  # norms, router, top-8
+    body = layers * layer + C + linear(C, 151936)  # + the final norm and the output layer
+    cfg = OmegaConf.to_object(compose_config(PLAN_30B))
+    planned = plan_run(cfg).as_json()
+    assert planned["active_parameters"] == body + 151936 * C  # + the embedding lookup
+    assert planned["parameters"] == body + 151936 * C + layers * 120 * gated_mlp(C, 768)
+    flops = (6.0 * body + 12.0 * layers * T * C) * 64 * T  # the global batch's tokens
+    peak = GPUS["h100"].bf16_flops
+    est = planned["estimate"]
+    assert est["compute_s"] == pytest.approx(flops / (64 * peak * COMPUTE_EFFICIENCY))
+    assert est["mfu"] == pytest.approx(flops / (est["step_time_s"] * 64 * peak))
+    every_expert = 6.0 * (planned["parameters"] - 151936 * C) * 64 * T
+    assert est["compute_s"] < 0.15 * every_expert / (64 * peak * COMPUTE_EFFICIENCY)

@@ -100,6 +100,8 @@ class Plan:
             out["layouts"] = self.layouts
         if self.routing is not None:
             out["moe_routing"] = self.routing
+        if self.mixture is not None:  # what the estimate's FLOPs count
+            out["active_parameters"] = self.mixture.active
         return out
 
 

@@ -68,6 +68,9 @@ def table(p: Any) -> str:
         )
     if p.routing is not None:
         lines.append(f"mixture of experts: routing planned as {p.routing}")
+    if p.mixture is not None:  # what the compute time and MFU count
+        routed = "; ".join(f"{e} experts, top-{k}" for e, k in p.mixture.routing)
+        lines.append(f"  {routed}: {p.mixture.active:,} parameters a token goes through")
     frozen = max((r.memory.reference_bytes for r in p.roles), default=0)
     if frozen:
         lines.append(
