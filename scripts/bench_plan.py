@@ -1,10 +1,14 @@
 """How long `trainer.plan` takes on this machine, and how close its fast path (2 and 3 blocks
 per stage, extrapolated) is to simulating every block (`plan.full=true`).
 
-    python scripts/bench_plan.py [--rounds 1] [--cases 3d,search] [--no-full] [--out PATH]
+    python scripts/bench_plan.py [--rounds 1] [--cases 3d,search,moe30b] [--no-full] [--out PATH]
 
 Cases, at Llama-3-8B's shapes (docs/plan.md's `L`): `3d` plans pp 4 x FSDP 4 x tp 4 on 64
-GPUs; `search` plans DDP over 8 GPUs with `plan.search=true`. Each runs as its own process
+GPUs; `search` plans DDP over 8 GPUs with `plan.search=true`. At Qwen3-30B-A3B's (128
+experts, top-8, 48 layers, 4096 tokens, global batch 512 on 64 GPUs): `moe30b` plans FSDP2
+with dist.ep=8 and searches (`plan.search=true`, dist.ep varied), `moe30b_ep1` the same from
+dist.ep=1 (transformers' own expert loop: 128 experts a layer on each rank; off by default,
+minutes). Each runs as its own process
 (`python -m trainer.plan`), timed in CPU seconds (user + sys of the child: steadier than wall
 time on a shared machine) and wall seconds; with `--full` left on, the 3-D plan runs again
 with `plan.full=true`, rounds interleaved, and the report compares every role's peak and the
@@ -42,15 +46,40 @@ LLAMA3_8B = [
     "train.micro_batch_size=1",
     "logger=none",
 ]
+QWEN3_30B_A3B = [
+    "model=hf_qwen3_moe",
+    "model.config.vocab_size=151936",
+    "model.config.hidden_size=2048",
+    "model.config.intermediate_size=6144",
+    "model.config.moe_intermediate_size=768",
+    "model.config.num_experts=128",
+    "model.config.num_experts_per_tok=8",
+    "model.config.num_hidden_layers=48",
+    "model.config.num_attention_heads=32",
+    "model.config.num_key_value_heads=4",
+    "model.config.head_dim=128",
+    "model.config.max_position_embeddings=4096",
+    "data.block_size=4096",
+    "train.precision=bf16",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=512",
+    "plan.world=64",
+    "dist.strategy=fsdp",
+    "logger=none",
+]
 CASES = {
     "3d": [
+        *LLAMA3_8B,
         *("dist.pp=4", "dist.tp=4", "dist.strategy=fsdp"),
         *("train.global_batch_size=16", "plan.world=64"),
     ],
     "search": [
+        *LLAMA3_8B,
         *("dist.strategy=ddp", "train.global_batch_size=8", "plan.world=8"),
         "plan.search=true",
     ],
+    "moe30b": [*QWEN3_30B_A3B, "dist.ep=8", "plan.search=true"],
+    "moe30b_ep1": [*QWEN3_30B_A3B, "dist.ep=1", "plan.search=true"],
 }
 
 
@@ -108,13 +137,13 @@ def main() -> None:
             if "3d" in cases and not opts.no_full:
                 todo.insert(1, ("3d full", [*CASES["3d"], "plan.full=true"]))
             for name, extra in todo:
-                cpu, wall, plan, lines = run([*LLAMA3_8B, *extra], Path(tmp) / f"{r}.json")
+                cpu, wall, plan, lines = run(extra, Path(tmp) / f"{r}.json")
                 times.setdefault(name, []).append((cpu, wall))
                 plans[name], shown[name] = plan, lines
     stamp = datetime.date.today().isoformat()
     report = [
-        f"## trainer.plan at Llama-3-8B shapes, {stamp} (this machine, torch CPU, "
-        f"{opts.rounds} round(s), medians)",
+        f"## trainer.plan, {stamp} (this machine, torch CPU, load average "
+        f"{os.getloadavg()[0]:.1f}, {opts.rounds} round(s), medians)",
         "",
         "`python scripts/bench_plan.py " + " ".join(sys.argv[1:]) + "`",
         "",
