@@ -129,3 +129,22 @@ def test_site_builds_strict_and_offline(tmp_path: Path) -> None:
     assert "train.log_every" in config and "model=hf_llama" in config
     assert (site / "search" / "search_index.js").stat().st_size > 10_000
     print(f"mkdocs build --strict: {seconds:.1f} s, {len(pages)} pages")
+
+
+def test_pictures_drawn_from_the_code_are_the_committed_ones() -> None:
+    """docs/images/layout.svg is the rank layout as engine/parallel/dims.py's mesh order gives
+    it (scripts/docs_pictures.py redraws it), and the guides show their pictures."""
+    from scripts import docs_pictures
+
+    committed = (REPO / "docs" / "images" / "layout.svg").read_text()
+    assert committed == docs_pictures.layout_svg(docs_pictures.LAYOUT)
+    grid = docs_pictures.rank_grid({"pp": 2, "dp": 2, "cp": 2, "tp": 2})
+    assert grid[0, 0, 0].tolist() == [0, 1] and grid[1, 0, 0, 0] == 8  # tp innermost, pp outer
+    pictures = {
+        "guides/parallelism.md": "../images/layout.svg",
+        "guides/planning.md": "../images/plan.svg",
+        "guides/seeing-runs.md": "../report.png",
+    }
+    for page, picture in pictures.items():
+        assert f"]({picture})" in (REPO / "docs" / page).read_text(), page
+        assert (REPO / "docs" / page).parent.joinpath(picture).resolve().is_file(), picture
