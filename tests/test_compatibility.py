@@ -131,6 +131,7 @@ FROM_CONFIG: list[tuple[list[str], tuple[str, str], str, str]] = [
         "train.precision",
         "not fp16",
     ),
+    ([*DP_SGD, "task=dpo"], ("task=dpo", "step=dp_sgd"), "step", "vmap"),
     (
         ["+data.sampling=poisson"],
         ("data.sampling=poisson", "any step but step=dp_sgd"),

@@ -605,6 +605,15 @@ ROWS: tuple[Refusal, ...] = (
         "layers",
     ),
     Refusal(
+        DPO,
+        DP_SGD,
+        "step",
+        "task=dpo with step=dp_sgd is not built yet: DP-SGD takes each sample's gradient under "
+        "torch.func's vmap, and a pair's log-probabilities (taken a chunk of tokens at a time "
+        "by an autograd function of their own) and its reference's forward do not run there. "
+        "Train task=dpo with step=accumulate (the default)",
+    ),
+    Refusal(
         POISSON,
         NOT_DP_SGD,
         "data.sampling",
