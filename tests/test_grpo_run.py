@@ -347,3 +347,45 @@ def test_the_capture_is_what_the_run_records(files: dict[str, Path], tmp_path: P
         assert f"train/{key}" in step, key
     assert "train/kl" not in step  # beta = 0
     json.dumps(step)
+
+
+def lora_template() -> Any:
+    """The run's GPT with peft's adapters on every linear layer but the output layer
+    (configs/adapter/lora.yaml: r 16, alpha 32), injected in place as the trainer does."""
+    import peft
+
+    model = GPT(**GPT_ARGS)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    targets = [n for n in names if n != "lm_head"]
+    config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets)
+    peft.get_peft_model(model, config)
+    return model
+
+
+def adapter_gradient(params: dict, groups: list, case: Case, old: Any, ref: Any) -> dict:
+    """The float64 whole-batch gradient with respect to the adapters (the base frozen)."""
+    from tests.test_grpo import reference_objective
+
+    model64 = lora_template().double()
+    model64.load_state_dict({k: v.double() for k, v in params.items()})
+    objective, _ = reference_objective(model64, groups, case, old, ref)
+    objective.backward()
+    return {n: p.grad for n, p in model64.named_parameters() if p.requires_grad}
+
+
+def test_lora_with_the_adapter_reference(files: dict[str, Path], tmp_path: Path) -> None:
+    """adapter=lora, beta > 0 against the base with its adapters disabled, mu = 2: both steps
+    apply the float64 whole-batch gradient of the adapters (the base gets none)."""
+    out = tmp_path / "steps"
+    extra = ["adapter=lora", "task.beta=0.2", "task.num_iterations=2", "rollout.micro_batch_size=4"]
+    train_in_process(args(files, out, *extra), tmp_path / "run")
+    one, two = (torch.load(out / f"step{s}.pt") for s in (1, 2))
+    groups = groups_of(one)
+    assert all(".lora_" in n for n in one["grads"]) and one["grads"]
+    case = Case("dapo", 0.2, mask_truncated=False, weights=WEIGHTS)
+    template = lora_template()
+    base = all_log_probs(one["params"], groups, template)  # B = 0: the base's own
+    want1 = adapter_gradient(one["params"], groups, case, None, base)
+    assert relative_error(one["grads"], want1) < TOL
+    want2 = adapter_gradient(two["params"], groups, case, base, base)
+    assert relative_error(two["grads"], want2) < TOL
