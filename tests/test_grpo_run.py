@@ -330,9 +330,12 @@ def test_prompts_without_a_field_a_reward_reads(files: dict[str, Path], tmp_path
 
 
 def test_the_capture_is_what_the_run_records(files: dict[str, Path], tmp_path: Path) -> None:
-    """The records' keys of a GRPO step (and nothing of a plain run's time/generate_s)."""
-    records = train_in_process([*args(files, tmp_path / "c"), "train.max_steps=1"], tmp_path)
+    """The records' keys of a GRPO step, and its evaluation's."""
+    evaluate = ["train.max_steps=1", "eval.every_steps=1", "eval.max_batches=1"]
+    records = train_in_process([*args(files, tmp_path / "c"), *evaluate], tmp_path)
     step = train_records(records)[0]
+    (val,) = [r for r in records if "val/loss" in r]  # one greedy completion per prompt
+    assert val["val/loss"] == -val["val/reward"] and "val/reward/format" in val
     for key in (
         "reward",
         "reward_std",
@@ -389,3 +392,22 @@ def test_lora_with_the_adapter_reference(files: dict[str, Path], tmp_path: Path)
     assert relative_error(one["grads"], want1) < TOL
     want2 = adapter_gradient(two["params"], groups, case, base, base)
     assert relative_error(two["grads"], want2) < TOL
+
+
+def test_preview_shows_each_prompt_its_completions_rewards_and_advantages(
+    files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """trainer.preview with task=grpo: per prompt its G completions, each with its weighted
+    reward, each function's score and its advantage (the group's advantages sum to 0)."""
+    from trainer.preview import main
+
+    run = [a for a in args(files, tmp_path / "c") if "callbacks.capture" not in a]
+    main([*run, "preview.samples=3"])
+    out = capsys.readouterr().out.strip().splitlines()
+    stats = json.loads(out[-1])
+    assert stats["prompts"] == 3 and stats["completions"] == 12
+    shown = [line for line in out if line.startswith("  [")]
+    assert len(shown) == 12 and all("exact_answer" in s and "format" in s for s in shown)
+    for k in range(3):
+        adv = [float(s.split("advantage ")[1].split(" ")[0]) for s in shown[4 * k : 4 * k + 4]]
+        assert abs(sum(adv)) < 1e-2
