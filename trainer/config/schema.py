@@ -532,6 +532,53 @@ class MoECfg:
         require(self.bias_rate >= 0, "moe.bias_rate", f"must be >= 0, got {self.bias_rate}")
 
 
+ROLLOUT_ENGINES = ("transformers", "recompute", "vllm")
+
+
+@dataclass
+class RolloutCfg:
+    """`rollout.*`: how task=grpo's policy generates each prompt's completions
+    (trainer/rollout/: one group per call, each completion its own random stream)."""
+
+    max_new_tokens: int = 64  # tokens generated at most per completion (L_max of dr_grpo)
+    temperature: float = 1.0  # the logits' divisor; 0: greedy
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens reaching top_p
+    # transformers (generate with its KV cache), recompute (any model returning logits: the
+    # whole sequence each token), vllm (GPU, colocated: not built yet); null: transformers for
+    # a transformers model, else recompute.
+    engine: str | None = None
+    # Completions per training micro-batch; null: train.micro_batch_size x task.num_generations
+    # (each prompt micro-batch's completions).
+    micro_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive(self.max_new_tokens, "rollout.max_new_tokens")
+        require(
+            self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}"
+        )
+        require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        require(
+            self.engine is None or self.engine in ROLLOUT_ENGINES,
+            "rollout.engine",
+            f"must be one of {', '.join(ROLLOUT_ENGINES)} or null, got {self.engine!r}",
+        )
+        if self.micro_batch_size is not None:
+            _positive(self.micro_batch_size, "rollout.micro_batch_size")
+
+
+@dataclass
+class RewardCfg:
+    """`reward=[exact_answer,format,...]` (configs/reward/): task=grpo's reward functions,
+    TRL's signature `fn(prompts, completions, completion_ids, **row_fields) -> list[float]`
+    (trainer/rollout/rewards.py). A completion's reward is the sum of weight x score."""
+
+    # NAME: {_target_: pkg.fn, <its keyword arguments>}; NAME names the record
+    # train/reward/NAME.
+    funcs: dict[str, Any] = field(default_factory=dict)
+    # NAME: weight (1.0 for a function not listed).
+    weights: dict[str, float] = field(default_factory=dict)
+
+
 def off_at_zero(key: str) -> str:
     """What a key of `OFF_AT_ZERO` says of its 0 ("eval.every_steps=0 disables evaluation")."""
     return f"{key}=0 disables {OFF_AT_ZERO[key]}"
@@ -569,6 +616,9 @@ class Config:
     profile: ProfileCfg = field(default_factory=ProfileCfg)
     # Mixture-of-experts balancing (moe=global|micro|none).
     moe: MoECfg = field(default_factory=MoECfg)
+    # task=grpo: how completions are generated, and the rewards that score them.
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    reward: RewardCfg = field(default_factory=RewardCfg)
     # python -m trainer.plan only (training ignores it).
     plan: PlanCfg = field(default_factory=PlanCfg)
 
