@@ -167,16 +167,16 @@ def check_grpo_task(task: GRPORunTask, model: nn.Module, prompts: Any) -> None:
 
 
 def check_rollout(cfg: Config) -> None:
-    """The policy generates a group of completions with `rollout.*`."""
+    """The policy generates a group of completions with `rollout.engine` (what is drawn,
+    task.max_new_tokens / temperature / top_p, is task=grpo's: check_grpo_task)."""
     from trainer.models.gpt import GPT
     from trainer.rollout.engines import generation_engine
     from trainer.rollout.sampling import Sampling, completion_seeds
 
     torch.manual_seed(0)
     model = GPT(vocab_size=64, block_size=64, n_layer=1, n_head=2, n_embd=16)
-    r = cfg.rollout
-    sampling = Sampling(min(r.max_new_tokens, 8), (1,), r.temperature, r.top_p)
-    engine = generation_engine(r.engine, model)
+    sampling = Sampling(8, (1,), temperature=1.0, top_p=0.9)
+    engine = generation_engine(cfg.rollout.engine, model)
     out = engine.generate(model, torch.tensor([5, 6, 7]), completion_seeds(0, 0, 0, 3), sampling)
     assert out.tokens.shape[0] == 3 and int(out.lengths.max()) <= sampling.max_new_tokens
 

@@ -60,7 +60,7 @@ def args(files: dict[str, Path], out: Path, *more: str) -> list[str]:
         "task.num_generations=4",
         "task.epsilon=0.05",
         "task.epsilon_high=0.08",
-        "rollout.max_new_tokens=6",
+        "task.max_new_tokens=6",
         "reward=[exact_answer,format]",
         "reward.funcs.format.pattern=.*e",  # random text holds an e about half the time
         "reward.weights.format=0.5",
@@ -283,7 +283,10 @@ def raises_on_some(completions: list[Any], answer: list[str], **kwargs: Any) -> 
 
 BAD = [
     (["task.num_generations=1"], "task.num_generations", "at least 2"),
-    (["rollout.max_new_tokens=200"], "data.max_new_tokens", "do not fit"),
+    (["task.max_new_tokens=200"], "data.max_new_tokens", "do not fit"),
+    (["data.max_new_tokens=8"], "data.max_new_tokens", "set task.max_new_tokens alone"),
+    (["task.temperature=-1"], "task.temperature", "must be >= 0"),
+    (["task.top_p=0"], "task.top_p", "must be in (0, 1]"),
     (["model.block_size=40"], "data.path", "leave no room for the completion"),
     (
         ["+reward.funcs.bad._target_=tests.test_grpo_run.wrong_count"],
@@ -327,6 +330,40 @@ def test_prompts_without_a_field_a_reward_reads(files: dict[str, Path], tmp_path
         train_in_process([*args(files, tmp_path / "c"), f"data.path={bare}"], tmp_path / "r")
     text = str(err.value)
     assert text.startswith("data.path:") and "'answer'" in text and "exact_answer" in text
+
+
+def greedy(model: GPT, prompt: torch.Tensor, steps: int) -> list[int]:
+    """The argmax continuation of `prompt`, `steps` tokens, by the model's plain forward."""
+    ids = prompt[None]
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = model(ids)[:, -1].argmax(-1)
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def test_task_temperature_and_max_new_tokens_take_effect(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    """task.temperature=0 generates greedily (every completion of a group is the model's
+    argmax continuation, computed here from the step's parameters) and task.max_new_tokens=3
+    caps them; task.temperature=1 samples (a group's completions differ)."""
+    drawn = {}
+    for temperature in (0, 1):
+        out = tmp_path / f"t{temperature}"
+        more = ["train.max_steps=1", "task.max_new_tokens=3", f"task.temperature={temperature}"]
+        train_in_process([*args(files, out), *more], tmp_path / f"r{temperature}")
+        drawn[temperature] = saved = torch.load(out / "step1.pt")
+        assert all(g.completions.shape[1] <= 3 for g in groups_of(saved))
+        assert max(int(g.lengths.max()) for g in groups_of(saved)) == 3
+    model = GPT(**GPT_ARGS)
+    model.load_state_dict(drawn[0]["params"])
+    model.eval()
+    for g in groups_of(drawn[0]):
+        want = greedy(model, g.prompt, 3)
+        for row, n in zip(g.completions, g.lengths):
+            assert row[: int(n)].tolist() == want[: int(n)]
+    assert any(len({tuple(r.tolist()) for r in g.completions}) > 1 for g in groups_of(drawn[1]))
 
 
 def test_the_capture_is_what_the_run_records(files: dict[str, Path], tmp_path: Path) -> None:

@@ -537,12 +537,11 @@ ROLLOUT_ENGINES = ("transformers", "recompute", "vllm")
 
 @dataclass
 class RolloutCfg:
-    """`rollout.*`: how task=grpo's policy generates each prompt's completions
-    (trainer/rollout/: one group per call, each completion its own random stream)."""
+    """`rollout.*`: which engine task=grpo's policy generates with, and how its completions
+    are batched for training (trainer/rollout/: one group per call, each completion its own
+    random stream). What is drawn, `task.max_new_tokens`, `task.temperature` and
+    `task.top_p`, is the task's (configs/task/grpo.yaml, trainer/rollout/task.py)."""
 
-    max_new_tokens: int = 64  # tokens generated at most per completion (L_max of dr_grpo)
-    temperature: float = 1.0  # the logits' divisor; 0: greedy
-    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens reaching top_p
     # transformers (generate with its KV cache), recompute (any model returning logits: the
     # whole sequence each token), vllm (GPU, colocated: not built yet); null: transformers for
     # a transformers model, else recompute.
@@ -552,11 +551,6 @@ class RolloutCfg:
     micro_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        _positive(self.max_new_tokens, "rollout.max_new_tokens")
-        require(
-            self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}"
-        )
-        require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
         require(
             self.engine is None or self.engine in ROLLOUT_ENGINES,
             "rollout.engine",
@@ -575,7 +569,8 @@ class RewardCfg:
     # NAME: {_target_: pkg.fn, <its keyword arguments>}; NAME names the record
     # train/reward/NAME.
     funcs: dict[str, Any] = field(default_factory=dict)
-    # NAME: weight (1.0 for a function not listed).
+    # NAME: weight (1.0 for a function not listed), e.g. reward.weights.format=0.2; a NAME
+    # that is not in funcs is refused.
     weights: dict[str, float] = field(default_factory=dict)
 
 

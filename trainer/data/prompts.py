@@ -297,7 +297,7 @@ def _prompt_limit(context: int | None, max_new_tokens: int) -> int | None:
         raise UserError(
             f"data.max_new_tokens: {max_new_tokens} new tokens do not fit the model's context of "
             f"{context} tokens with any prompt (a prompt and its completion share the context); "
-            f"generate fewer (rollout.max_new_tokens < {context}), or use a model with a longer "
+            f"generate fewer (task.max_new_tokens < {context}), or use a model with a longer "
             "context"
         )
     return context - max_new_tokens

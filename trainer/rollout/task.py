@@ -59,7 +59,9 @@ class GRPORunTask:
 
     def __init__(
         self,
-        max_new_tokens: int,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
         num_generations: int = 8,
         loss_type: str = "dapo",
         epsilon: float = 0.2,
@@ -79,6 +81,10 @@ class GRPORunTask:
         if reference is not None and reference not in REFERENCES:
             raise ValueError(f"reference must be copy, adapter or null, got {reference!r}")
         reward_scale(scale_rewards)  # its own one-line refusal
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         self.loss = GRPOTask(
             max_new_tokens,
             num_generations=num_generations,
@@ -90,6 +96,7 @@ class GRPORunTask:
             chunk_size=chunk_size,
             chunked_vocab_threshold=chunked_vocab_threshold,
         )
+        self.temperature, self.top_p = float(temperature), float(top_p)
         self.num_iterations = num_iterations
         self.reference = reference
         self.scale_rewards = scale_rewards
@@ -102,6 +109,10 @@ class GRPORunTask:
     @property
     def num_generations(self) -> int:
         return self.loss.num_generations
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.loss.max_new_tokens
 
     @property
     def beta(self) -> float:

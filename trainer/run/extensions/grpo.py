@@ -26,15 +26,23 @@ from trainer.run.parts import Parts
 
 
 def rollout_plan(cfg: Config, task: GRPORunTask, end_ids: tuple[int, ...]) -> RolloutPlan:
-    """How each rollout batch is made: `rollout.*` and the task's group settings."""
-    r = cfg.rollout
-    micro = r.micro_batch_size
+    """How each rollout batch is made: what is drawn is the task's (`task.max_new_tokens`,
+    `task.temperature`, `task.top_p`), how it is batched `rollout.micro_batch_size`."""
+    micro = cfg.rollout.micro_batch_size
     if micro is None:  # each prompt micro-batch's completions
         micro = int(cfg.train.micro_batch_size) * task.num_generations
+    data_limit = cfg.data.get("max_new_tokens")
+    if data_limit is not None and data_limit != task.max_new_tokens:
+        raise ConfigError(
+            "data.max_new_tokens",
+            f"is {data_limit} and task.max_new_tokens is {task.max_new_tokens}: the data checks "
+            "that each prompt leaves room for the completions the task generates, and reads "
+            "task.max_new_tokens by default; set task.max_new_tokens alone",
+        )
     try:
-        sampling = Sampling(r.max_new_tokens, end_ids, r.temperature, r.top_p)
+        sampling = Sampling(task.max_new_tokens, end_ids, task.temperature, task.top_p)
     except ValueError as exc:
-        raise ConfigError(f"rollout.{str(exc).split(' ', 1)[0]}", str(exc)) from None
+        raise ConfigError(f"task.{str(exc).split(' ', 1)[0]}", str(exc)) from None
     return RolloutPlan(
         task.num_generations, sampling, micro, task.scale_rewards, task.mask_truncated
     )
