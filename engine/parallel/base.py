@@ -106,6 +106,7 @@ class WindowContext(Protocol):
     sync_every_micro_batch: bool
     grad_sync_divisor: int
     clock: Any  # engine/timing.py's PhaseClock: the window's phases and profiler spans
+    step: int  # optimizer steps completed (the window makes step + 1)
 
     def trainable_parameters(self) -> list[nn.Parameter]: ...
 
@@ -188,6 +189,11 @@ class Parallelism(Protocol):
         ...
 
     # ---- the window ----
+    def global_item_count(self, local: torch.Tensor) -> torch.Tensor:
+        """The window's loss items over every data-parallel rank (`local`: this rank's): the
+        one all-reduce before any forward."""
+        ...
+
     def local_batch(self, batch: Batch) -> Batch:
         """This rank's part of a micro-batch (all of it unless the sequence is split)."""
         ...
@@ -380,6 +386,11 @@ class ParallelBase:
         return model
 
     # ---- the window ----
+    def global_item_count(self, local: torch.Tensor) -> torch.Tensor:
+        from engine.distributed import all_reduce_sum
+
+        return all_reduce_sum(local, self.info, self.dp_group)
+
     def local_batch(self, batch: Batch) -> Batch:
         return batch
 

@@ -38,6 +38,7 @@ from trainer.run.assemble import Assembly, assemble, check_layout
 from trainer.run.auto_batch import setup_auto
 from trainer.run.batch_plan import AUTO, BatchPlan
 from trainer.run.fit import Run, RunSettings, plain_step_window
+from trainer.run.ft import FaultTolerance, job_plan
 from trainer.run.moe import balanced_task, check_moe_step
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.preemption import StopRequest
@@ -112,11 +113,22 @@ def attach_privacy(
     ctx.callbacks.named["privacy"] = PrivacySpent(step_fn)
 
 
-def build_context(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDims) -> StepContext:
+def build_context(
+    cfg: Config,
+    parts: Assembly,
+    info: DistInfo,
+    dims: ParallelDims,
+    ft: FaultTolerance | None = None,
+) -> StepContext:
     """The step's runtime objects: the optimizer (after wrapping: FSDP shards the
     parameters), its schedule, the precision and the callbacks; a mixture of experts' task
-    balances its routers (trainer/run/moe.py)."""
+    balances its routers (trainer/run/moe.py). Under `ft` the step's deal and sums span the
+    live replica groups (its parallelism over the group's), and its records join the
+    callbacks."""
     optimizer = build_optimizer(cfg.optim, parts.model)
+    callbacks = build_callbacks(cfg.callbacks, cfg.train)
+    if ft is not None:
+        callbacks.named["ft"] = ft.records
     return StepContext(
         model=parts.wrapped,
         optimizer=optimizer,
@@ -124,9 +136,9 @@ def build_context(cfg: Config, parts: Assembly, info: DistInfo, dims: ParallelDi
         task=balanced_task(cfg, parts, info, dims),
         precision=Precision(cfg.train.precision, info.device.type),
         dist=info,
-        parallel=parts.parallel,
+        parallel=parts.parallel if ft is None else ft.parallel(parts.parallel),
         clip_grad_norm=cfg.train.clip_grad_norm,
-        callbacks=build_callbacks(cfg.callbacks, cfg.train),
+        callbacks=callbacks,
         sync_every_micro_batch=cfg.dist.fsdp_sync_every_micro_batch,
     )
 
@@ -203,15 +215,16 @@ def build_run(
     resolved config a checkpoint saves; `derived`: its keys that other keys give
     (trainer/config/trust.py:derived_keys), saved beside it."""
     dims = cfg.dist.dims(info.world_size)  # the layout and the batch arithmetic first
-    plan = BatchPlan.from_config(cfg.train, dims.dp)
+    ft = FaultTolerance(cfg.ft, info, cfg.seed) if cfg.ft.enabled else None
+    plan = job_plan(cfg.train, cfg.ft, dims.dp) if ft else BatchPlan.from_config(cfg.train, dims.dp)
     parts = assemble(cfg, info, dims, static_shapes=True)  # (CUDA graphs' refusals first)
-    parallel = parts.parallel
-    ctx = build_context(cfg, parts, info, dims)
+    parallel = parts.parallel  # (under ft: this group's; evaluation stays within it)
+    ctx = build_context(cfg, parts, info, dims, ft)
     step_fn = step_for_task(build_step(cfg.step), ctx, cfg, plan)
     check_moe_step(ctx.task, step_fn, ctx.callbacks)
     check_layout(parallel, run_shape(cfg, step_fn, ctx, plan))
     step_fn, plan, auto_window = setup_auto(cfg, ctx, parts.data, step_fn, plan)
-    batches = build_train_batches(parts.data, parts.data_extras, cfg.seed, info, plan, parallel)
+    batches = build_train_batches(parts.data, parts.data_extras, cfg.seed, info, plan, ctx.parallel)
     val_batches = build_val_batches(
         parts.data,
         parts.data_extras,
@@ -230,35 +243,28 @@ def build_run(
         cfg, config, ctx, parts, derived, progress=progress, meter=meter, step=step_fn
     )
     checkpointer = build_checkpointer(
-        cfg.checkpoint, run_dir / "checkpoints", info, state.sharded, cfg.dist.timeout_s
+        cfg.checkpoint,
+        run_dir / "checkpoints",
+        info,
+        state.sharded,
+        cfg.dist.timeout_s,
+        shared_dir=ft is not None,
     )
     settings = RunSettings.from_config(cfg)
-    resumed = resume(state, progress, run_dir, resume_settings(cfg, plan, settings), info)
+    resuming = resume_settings(cfg, plan, settings)
+    resumed = (
+        ft.fresh(state, progress, run_dir)  # the first quorum decides: a peer or the disk
+        if ft is not None
+        else resume(state, progress, run_dir, resuming, info)
+    )
     checkpointer.committed = resumed.path
+    banner = build_banner(cfg, parts, run_dir, plan, ctx, resumed) if info.is_main else None
     sinks: list[Any] = []
-    if info.is_main:
-        banner = Banner(
-            run_dir=run_dir,
-            run_id=resumed.run_id,
-            model=type(parts.model).__name__,
-            n_params=parts.n_params,
-            n_trainable=parts.n_trainable,
-            data=parts.data.description or str(cfg.data.get("_target_")),
-            n_train=len(parts.data.train),
-            n_val=len(parts.data.val),
-            plan=plan,
-            layout=parallel.describe(),
-            precision=parts.precision(cfg.train.precision),
-            device=str(info.device),
-            resumed=resumed,
-            export=export_line(parts.model)
-            if parts.adapter is None
-            else adapter_line(parts.adapter),
-        )
+    if banner is not None and ft is None:  # (ft: the writer's sinks open at its first record)
         sinks = build_sinks(cfg, config, banner, unit=unit)
     if cfg.train.detect_anomaly:
         torch.autograd.set_detect_anomaly(True)  # slow: for debugging NaNs only
-    return Run(
+    run = Run(
         settings=settings,
         dist=info,
         run_dir=run_dir,
@@ -277,6 +283,31 @@ def build_run(
         decode=parts.data.decode,
         data_description=parts.data.description or str(cfg.data.get("_target_")),
         profiler=build_profiler(cfg.profile, run_dir, info, ctx.clock, cfg.train.max_steps),
+    )
+    if ft is not None:
+        ft.attach(run, resuming, cfg, config, banner, unit)
+    return run
+
+
+def build_banner(
+    cfg: Config, parts: Assembly, run_dir: Path, plan: BatchPlan, ctx: StepContext, resumed: Any
+) -> Banner:
+    """What the first lines of the run say (rank 0)."""
+    return Banner(
+        run_dir=run_dir,
+        run_id=resumed.run_id,
+        model=type(parts.model).__name__,
+        n_params=parts.n_params,
+        n_trainable=parts.n_trainable,
+        data=parts.data.description or str(cfg.data.get("_target_")),
+        n_train=len(parts.data.train),
+        n_val=len(parts.data.val),
+        plan=plan,
+        layout=ctx.parallel.describe(),
+        precision=parts.precision(cfg.train.precision),
+        device=str(ctx.dist.device),
+        resumed=resumed,
+        export=export_line(parts.model) if parts.adapter is None else adapter_line(parts.adapter),
     )
 
 
