@@ -38,6 +38,7 @@ from tests.conftest import read_metrics, stdlib_text, train_records
 from tests.ft_support import PHASES
 from tests.ranks import explain, torchrun_cmd
 
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's own log of every quorum: off
 pytest.importorskip("torchft", reason="the extra `ft` (torchft) is not installed")
 
 pytestmark = pytest.mark.multiproc
@@ -180,7 +181,6 @@ def launcher_loop(cmd: list[str], markers: Path, deadline: float, out: list, log
 
 def run_config(config: Config, root: Path, text: Path) -> Done:
     """One configuration's run: its lighthouse here, its groups in their launcher loops."""
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's log of every quorum: off
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(

@@ -360,8 +360,13 @@ def cloned(state: Any) -> Any:
 
 
 def first_line(exc: BaseException) -> str:
+    """What a torchft error says, in short: its gRPC message, or the last cause of a chain
+    ("... tcp connect error: Connection refused (os error 111)")."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    return lines[0] if lines else type(exc).__name__
+    text = lines[0] if lines else type(exc).__name__
+    if 'message: "' in text:
+        return text.split('message: "', 1)[1].split('"', 1)[0]
+    return text.rsplit(": ", 1)[-1]
 
 
 class KeyedRandomness:

@@ -49,6 +49,7 @@ from trainer.config.schema import FtCfg, TrainCfg
 from trainer.data.checks import next_window
 from trainer.plurals import counted
 from trainer.run.batch_plan import BatchPlan
+from trainer.run.fit import RunEnded
 from trainer.tracking.records import RecordSink, supersede
 from trainer.tracking.sinks import announce, open_sinks
 
@@ -58,11 +59,10 @@ RING = 64
 MAX_ATTEMPTS = 10
 
 
-class LighthouseLost(UserError):
+class LighthouseLost(RunEnded):
     """The quorum stopped coming: every group stops (the writer saved the last committed
     step)."""
 
-    all_ranks = True
     outcome = "stopped: no quorum"
 
 
@@ -74,21 +74,22 @@ def job_plan(train: TrainCfg, ft: FtCfg, group_dp: int) -> BatchPlan:
     """The batch plan of the whole job (`ft.groups` groups of `group_dp` data-parallel ranks),
     refused unless every number of live groups from `ft.min_groups` on can split the global
     batch into whole micro-batches."""
-    plan = BatchPlan.from_config(train, group_dp * ft.groups)
-    micro_batches = plan.global_batch // plan.micro
-    bad = [n for n in range(ft.min_groups, ft.groups + 1) if micro_batches % (n * group_dp)]
-    if bad:
-        need = lcm(*(n * group_dp for n in range(ft.min_groups, ft.groups + 1)))
-        raise ConfigError(
-            "train.global_batch_size",
-            f"{plan.global_batch} samples are {micro_batches} micro-batches of "
-            f"{plan.micro}, which {counted(bad[0], 'live group')} of {group_dp} "
-            f"data-parallel rank(s) cannot share evenly: under ft every number of live "
-            f"groups from ft.min_groups={ft.min_groups} to ft.groups={ft.groups} must split "
-            f"the step's micro-batches; valid global batches are multiples of "
-            f"{need * plan.micro} (micro-batch {plan.micro} x {need}), or raise ft.min_groups",
-        )
-    return plan
+    counts = [n * group_dp for n in range(ft.min_groups, ft.groups + 1)]
+    if train.global_batch_size is not None and isinstance(train.micro_batch_size, int):
+        micro, total = train.micro_batch_size, train.global_batch_size
+        bad = [n for n in counts if total % micro or (total // micro) % n]
+        if bad:
+            need = lcm(*counts) * micro
+            raise ConfigError(
+                "train.global_batch_size",
+                f"{total} samples cannot be dealt in whole micro-batches of {micro} over "
+                f"{counts.index(bad[0]) + ft.min_groups} live replica group(s) of {group_dp} "
+                f"data-parallel rank(s): under ft every number of live groups from "
+                f"ft.min_groups={ft.min_groups} to ft.groups={ft.groups} must split the step's "
+                f"micro-batches evenly; valid global batches are multiples of {need} "
+                f"(micro-batch {micro} x {need // micro}), or raise ft.min_groups",
+            )
+    return BatchPlan.from_config(train, group_dp * ft.groups)
 
 
 def lcm(*values: int) -> int:
