@@ -14,8 +14,15 @@ peak RSS of the largest process:
 - `cumulus cached`: the same run again (the shards are memory-mapped, nothing re-read), and a
   bare `hf_data(...)` call on the cached corpus (what a cached start adds);
 - `2 ranks`: `torchrun --nproc_per_node=2` from an empty cache: the job tokenizes once;
-- with `--baseline-tree DIR` (an older checkout: `git archive REV | tar -x -C DIR`), the same
-  1-rank run on that tree's code, e.g. the in-memory `data=hf` before the shards.
+- with `--baseline-tree DIR` (an older checkout: `git archive REV | tar -x -C DIR`; may be
+  given several times), the same 1-rank run on that tree's code, e.g. the in-memory `data=hf`
+  before the shards.
+
+With `--rounds N` the loop, the 1-rank JSONL run and each baseline tree's run each go N times,
+interleaved (loop, this tree, baselines, loop, ...), every run from an empty cache, and the
+table gives the median (min-max) of each, and the median of the per-round ratios to the loop
+(a loaded machine drifts between rounds; a ratio within one round compares like with like).
+`--interleaved-only` measures only those rows (not the cached, Parquet and 2-rank ones).
 
 Prints a Markdown table (and writes it to `--report`).
 """
@@ -26,11 +33,13 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -113,13 +122,50 @@ def make_corpus(out: Path, mb: int) -> tuple[Path, Path]:
     return jsonl, parquet
 
 
+def _cell(values: list[float], digits: int = 1, unit: str = "") -> str:
+    """The median, with the range when there are several values."""
+    med = f"{statistics.median(values):.{digits}f}{unit}"
+    if len(values) == 1:
+        return med
+    return f"{med} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def _ratio(runs: list[dict[str, float]], loop: list[dict[str, float]], key: str) -> str:
+    """Against the loop: per round when each round has one of both, else of the medians."""
+    if runs is loop:
+        return "1.00x"
+    if len(runs) == len(loop):
+        return _cell([r[key] / b[key] for r, b in zip(runs, loop)], 2, "x")
+    med = statistics.median(r[key] for r in runs) / statistics.median(b[key] for b in loop)
+    return f"{med:.2f}x"
+
+
+def _table(rows: dict[str, list[dict[str, float]]], loop: str) -> list[str]:
+    lines = [
+        "| run | wall s | CPU s (all processes) | peak RSS of one process, MB | wall vs loop "
+        "| CPU vs loop |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, runs in rows.items():
+        lines.append(
+            f"| {name} | {_cell([r['wall'] for r in runs])} | {_cell([r['cpu'] for r in runs])} | "
+            f"{statistics.median(r['rss_mb'] for r in runs):.0f} | "
+            f"{_ratio(runs, rows[loop], 'wall')} | {_ratio(runs, rows[loop], 'cpu')} |"
+        )
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=300)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--report", type=Path, default=None)
-    ap.add_argument("--baseline-tree", type=Path, default=None, help="an older checkout")
+    ap.add_argument(
+        "--baseline-tree", type=Path, action="append", default=[], help="an older checkout"
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved repeats")
+    ap.add_argument("--interleaved-only", action="store_true")
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-corpus-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -136,24 +182,52 @@ def main() -> None:
         "train.micro_batch_size=8", "train.grad_accum_steps=1", "eval.every_steps=0",
         "checkpoint.every_steps=0",
     ]  # fmt: skip
-    rows: list[tuple[str, dict[str, float]]] = []
+    rows: dict[str, list[dict[str, float]]] = {}
 
     def fresh() -> None:
         shutil.rmtree(out / ".cumulus-cache", ignore_errors=True)
 
     def run(name: str, cmd: list[str], cwd: Path = REPO) -> None:
-        rows.append((name, measure(cmd, cwd)))
-        r = rows[-1][1]
+        rows.setdefault(name, []).append(measure(cmd, cwd))
+        r = rows[name][-1]
         print(
             f"{name}: {r['wall']:.1f} s wall, {r['cpu']:.1f} s CPU, {r['rss_mb']:.0f} MB",
             flush=True,
         )
 
-    run("plain streaming loop (JSONL)", [sys.executable, "-c", LOOP, str(tok), str(jsonl),
-                                          str(out / "loop.bin")])  # fmt: skip
-    fresh()
-    run("cumulus data=hf JSONL, 1 rank, first step", [sys.executable, *train,
-        f"data.path={jsonl}", f"hydra.run.dir={out / 'r1'}"])  # fmt: skip
+    loop = "plain streaming loop (JSONL)"
+    one_rank = "cumulus data=hf JSONL, 1 rank, first step"
+    for _ in range(args.rounds):
+        run(loop, [sys.executable, "-c", LOOP, str(tok), str(jsonl), str(out / "loop.bin")])
+        fresh()
+        run(one_rank, [sys.executable, *train, f"data.path={jsonl}", f"hydra.run.dir={out / 'r1'}"])
+        for tree in args.baseline_tree:
+            fresh()
+            run(f"baseline tree {tree.name}, JSONL, 1 rank, first step",
+                [sys.executable, *train, f"data.path={jsonl}", f"hydra.run.dir={out / 'r5'}"],
+                tree.resolve())  # fmt: skip
+    notes: list[str] = []
+    if not args.interleaved_only:
+        notes = _other_rows(run, fresh, train, out, jsonl, parquet, tok)
+    lines = [
+        f"Corpus: {jsonl.stat().st_size / 1e6:.0f} MB JSONL / {parquet.stat().st_size / 1e6:.0f}"
+        f" MB Parquet, BPE vocabulary {args.vocab}, {os.cpu_count()} cores"
+        + (f", {args.rounds} interleaved rounds (median, min-max)." if args.rounds > 1 else "."),
+        "",
+        *_table(rows, loop),
+        *(["", *notes] if notes else []),
+    ]
+    report = "\n".join(lines)
+    print(report)
+    if args.report:
+        args.report.write_text(report + "\n")
+
+
+def _other_rows(
+    run: Any, fresh: Any, train: list[str], out: Path, jsonl: Path, parquet: Path, tok: Path
+) -> list[str]:
+    """The cached start, Parquet and 2 ranks (after the interleaved rows; the 1-rank run's
+    shards are the cache): the table's other rows, and the notes under it."""
     run("cumulus data=hf JSONL, cached, first step", [sys.executable, *train,
         f"data.path={jsonl}", f"hydra.run.dir={out / 'r2'}"])  # fmt: skip
     e = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -171,34 +245,11 @@ def main() -> None:
         *train, f"data.path={jsonl}", f"hydra.run.dir={out / 'r4'}"])  # fmt: skip
     logs = list((out / ".cumulus-cache").glob("*/builds.log"))
     builds = sum(len(p.read_text().splitlines()) for p in logs)
-    if args.baseline_tree:
-        fresh()
-        run(f"baseline tree {args.baseline_tree.name}, JSONL, 1 rank, first step",
-            [sys.executable, *train, f"data.path={jsonl}", f"hydra.run.dir={out / 'r5'}"],
-            args.baseline_tree.resolve())  # fmt: skip
-    loop = rows[0][1]
-    lines = [
-        f"Corpus: {jsonl.stat().st_size / 1e6:.0f} MB JSONL / {parquet.stat().st_size / 1e6:.0f}"
-        f" MB Parquet, BPE vocabulary {args.vocab}, {os.cpu_count()} cores.",
-        "",
-        "| run | wall s | CPU s (all processes) | peak RSS of one process, MB | wall vs loop |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for name, r in rows:
-        lines.append(
-            f"| {name} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['rss_mb']:.0f} | "
-            f"{r['wall'] / loop['wall']:.2f}x |"
-        )
-    lines += [
-        "",
+    return [
         f"Cached start: `hf_data(...)` on the tokenized corpus takes {cached_s:.2f} s "
         "(index check and memory maps; the corpus is not re-read).",
         f"2 ranks: tokenizer builds recorded in builds.log: {builds} (the job tokenized once).",
     ]
-    report = "\n".join(lines)
-    print(report)
-    if args.report:
-        args.report.write_text(report + "\n")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ expert compute against a per-expert masked loop.
    step, rounds interleaving the modes, the first 2 rounds dropped; median over rounds,
    min-max in brackets, and each mode's ratio to `micro`.
 2. Expert compute, forward and backward of one mixture layer on 2048 tokens: the sort by
-   expert (engine/moe/routing.py: one gather, each expert on its contiguous slice, one
-   scatter-add) against Hugging Face Mixtral's loop (each expert finds its tokens with a mask,
-   gathers and scatters them itself). Tokens per CPU second, the same rounds.
+   expert (engine/moe/routing.py: one gather, every expert on its contiguous slice in one
+   grouped product per weight, engine/moe/grouped.py, one scatter-add) against Hugging Face
+   Mixtral's loop (each expert finds its tokens with a mask, gathers and scatters them
+   itself). Tokens per CPU second, the same rounds.
 
 Prints a Markdown section for docs/benchmarks.md.
 
@@ -26,13 +27,30 @@ Prints a Markdown section for docs/benchmarks.md.
    and the bytes each rank sends and receives in the all-to-alls (the rows for another
    rank's experts; `torch.distributed.all_to_all_single` counted), beside the planner's
    formula under uniform routing (trainer/planning/, docs/plan.md).
+
+    python scripts/bench_moe.py --compile [--rounds 8] [--threads 1]
+
+4. torch.compile (issue #65): gpt_tiny's shapes (2 layers, width 32, block 64) with 4 experts
+   of 64 units, top-2, the default `moe.balance=global` (its routing pass runs the whole
+   forward without a graph, as the trainer's does under compile), a window of 2 micro-batches
+   of 8 rows, SGD, fp32. The same weights eager and compiled (inductor, torch.compile's
+   default mode, in place as `train.compile=true` does). The compiled model's first step and
+   a no-grad forward (an evaluation's) are its warm-up (wall and CPU seconds, inductor
+   compiling in this process, its C++ compiler's included); then rounds interleave an eager
+   and a compiled step, each on a new window (new routing: other counts per expert), each
+   followed by an evaluation forward. Tokens per CPU second, median [min-max] over the
+   rounds after the first 2.
+   Dynamo's own counters say what compiled: graphs during and after the warm-up, graph
+   breaks, and its recompile-limit warnings.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -264,11 +282,138 @@ def launch_ep(rounds: int, threads: int) -> None:
     subprocess.run([*torchrun, "--nproc_per_node=2", *worker], check=True, env=env)
 
 
+# ---- 4. torch.compile
+
+TINY_MOE = {"experts": 4, "top_k": 2, "hidden": 64}  # issue #65's run, on gpt_tiny
+TINY_ROWS, TINY_BLOCK = 8, 64
+
+
+def tiny_context() -> StepContext:
+    """gpt_tiny with TINY_MOE, `moe.balance=global`, SGD: the same weights every call."""
+    torch.manual_seed(0)
+    model = GPT(block_size=TINY_BLOCK, n_layer=2, n_head=2, n_embd=32, moe=TINY_MOE)
+    # Under compile the routing pass runs the whole forward (trainer/run/moe.py).
+    balance = BalanceCfg("global", stop_early=False)
+    task = BalancedTask(CausalLMTask(), model.routers(), balance, DistInfo())
+    return StepContext(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
+        scheduler=None,
+        task=task,  # type: ignore[arg-type]
+        precision=Precision("fp32", "cpu"),
+        dist=DistInfo(),
+        clip_grad_norm=None,
+    )
+
+
+def cpu_with_children() -> float:
+    """CPU seconds of this process and of its children waited for (inductor's C++ compiler)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+class RecompileWarnings(logging.Handler):
+    """Within: dynamo's warnings that a frame hit its recompile limit (it then runs the frame
+    eagerly)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "recompile_limit" in record.getMessage():
+            self.messages.append(record.getMessage().splitlines()[0])
+
+    def __enter__(self) -> RecompileWarnings:
+        logging.getLogger("torch._dynamo").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("torch._dynamo").removeHandler(self)
+
+
+def compile_figures(rounds: int) -> dict[str, Any]:
+    """Section 4's figures: tokens per CPU second eager and compiled, the warm-up, dynamo's
+    counts of graphs and breaks, and the recompile warnings."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    g = torch.Generator().manual_seed(0)
+
+    def window() -> list[tuple[torch.Tensor, torch.Tensor]]:  # a new routing each time
+        shape = (TINY_ROWS, TINY_BLOCK)
+        return [
+            (torch.randint(0, 256, shape, generator=g), torch.randint(0, 256, shape, generator=g))
+            for _ in range(2)
+        ]
+
+    def step(ctx: StepContext, w: list[Any]) -> None:
+        AccumulateStep()(ctx, w)
+        with torch.no_grad():  # an evaluation's forward
+            ctx.model(w[0][0])
+
+    torch._dynamo.reset()
+    # Inductor compiles in this process, so that the warm-up's CPU seconds are all counted
+    # (its worker processes would hide them); the wall time suffers on a shared machine.
+    torch._inductor.config.compile_threads = 1
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    eager, compiled = tiny_context(), tiny_context()
+    compiled.model.compile()
+    tokens = 2 * TINY_ROWS * TINY_BLOCK
+    rates: dict[str, list[float]] = {"eager": [], "compiled": []}
+    with RecompileWarnings() as warned:
+        start, start_cpu = time.perf_counter(), cpu_with_children()
+        step(compiled, window())
+        warm_up = (time.perf_counter() - start, cpu_with_children() - start_cpu)
+        warm_graphs = counters["stats"]["unique_graphs"]
+        for _ in range(rounds):
+            w = window()
+            for name, ctx in (("eager", eager), ("compiled", compiled)):
+                rates[name].append(tokens / cpu_seconds(lambda c=ctx, w=w: step(c, w)))
+    return {
+        "rates": {name: r[DROPPED:] for name, r in rates.items()},
+        "warm_up": warm_up,
+        "warm_graphs": warm_graphs,
+        "later_graphs": counters["stats"]["unique_graphs"] - warm_graphs,
+        "breaks": sum(counters["graph_break"].values()),
+        "warnings": warned.messages,
+    }
+
+
+def print_compile(figures: dict[str, Any], rounds: int, threads: int) -> None:
+    rates = figures["rates"]
+    ratio = statistics.median(rates["compiled"]) / statistics.median(rates["eager"])
+    today = datetime.date.today().isoformat()
+    print(f"### Mixture of experts under torch.compile (CPU, {today})\n")
+    print(
+        f"torch {torch.__version__}, {platform.machine()}, {threads} thread(s), "
+        f"{rounds - DROPPED} rounds after {DROPPED} warm-up, eager and compiled interleaved; "
+        "gpt_tiny shapes, 4 experts x 64 units, top-2, moe.balance=global, fp32; 2 "
+        f"micro-batches of {TINY_ROWS} x {TINY_BLOCK} tokens per step and an evaluation "
+        "forward, a new window (routing) every step. Tokens per CPU second, median "
+        "[min-max].\n"
+    )
+    print("| model | tokens / CPU s | ratio to eager |\n| --- | --- | --- |")
+    for name in ("eager", "compiled"):
+        r = 1.0 if name == "eager" else ratio
+        print(f"| {name} | {spread(rates[name], 0)} | {r:.2f} |")
+    warnings = "; ".join(figures["warnings"]) or "none"
+    print(
+        f"\nCompile warm-up (the first step and evaluation forward): "
+        f"{figures['warm_up'][0]:.1f} s wall, {figures['warm_up'][1]:.1f} s CPU, "
+        f"{figures['warm_graphs']} graphs. After it: "
+        f"{figures['later_graphs']} graphs compiled, {figures['breaks']} graph breaks in "
+        f"all, recompile-limit warnings: {warnings}."
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ep", action="store_true", help="expert parallelism on 2 ranks")
+    parser.add_argument("--compile", action="store_true", help="eager against torch.compile")
     parser.add_argument("--ep-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ep_worker:
@@ -278,6 +423,9 @@ def main() -> None:
         launch_ep(args.rounds, args.threads)
         return
     torch.set_num_threads(args.threads)
+    if args.compile:
+        print_compile(compile_figures(args.rounds), args.rounds, args.threads)
+        return
     times = step_times(args.rounds)
     rates = compute_rates(args.rounds)
     micro = statistics.median(times["micro"])

@@ -83,6 +83,17 @@ def compose_config(overrides: list[str]) -> DictConfig:
         return compose("train", overrides=overrides)
 
 
+def in_tree_model(name: str) -> dict[str, Any]:
+    """configs/model/NAME.yaml as a plain mapping, its `${random_init:V}` defaults read as V
+    (what the model is built with at random init)."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.load(CONFIG_DIR / "model" / f"{name}.yaml")
+    node = OmegaConf.to_container(raw, resolve=True)
+    assert isinstance(node, dict)
+    return node  # type: ignore[return-value]
+
+
 def train_in_process(overrides: list[str], run_dir: Path) -> list[dict[str, Any]]:
     """Run the real trainer in this process (one rank) and return its metrics records."""
     from trainer.run.lifecycle import train

@@ -22,7 +22,13 @@ import torch
 
 from engine.contrastive import ContrastiveTask
 from tests.cached_support import TINY_BERT, pairs, tiny_bert, write_pairs, write_tokenizer
-from tests.conftest import read_metrics, stdlib_text, train_in_process, train_records
+from tests.conftest import (
+    read_metrics,
+    rewrite_state,
+    stdlib_text,
+    train_in_process,
+    train_records,
+)
 from tests.ranks import explain, launch_all, python_cmd, run_cli, torchrun
 from trainer.config.errors import ConfigError, UserError
 
@@ -44,9 +50,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def contrastive(files: dict[str, Path], dropout: float = 0.0) -> list[str]:
+def contrastive(
+    files: dict[str, Path], dropout: float = 0.0, model: list[str] | None = None
+) -> list[str]:
+    """task=contrastive on the pairs; the model at TINY_BERT's shapes, or `model`."""
     return [
-        *tiny_bert(dropout),
+        *(tiny_bert(dropout) if model is None else model),
         "task=contrastive",
         "task.learn_temperature=true",
         "task.symmetric=true",
@@ -59,11 +68,16 @@ def contrastive(files: dict[str, Path], dropout: float = 0.0) -> list[str]:
 
 
 def one_sgd_step(
-    files: dict[str, Path], run_dir: Path, micro: int, accum: int, cached: bool = True
+    files: dict[str, Path],
+    run_dir: Path,
+    micro: int,
+    accum: int,
+    cached: bool = True,
+    model: list[str] | None = None,
 ) -> list[str]:
     """One plain SGD step over the whole training set, saved whole at step 1."""
     return [
-        *contrastive(files),
+        *contrastive(files, model=model),
         *(["step=cached", "step.chunk_size=5"] if cached else []),
         "optim=sgd",
         "optim.momentum=0.0",
@@ -86,18 +100,33 @@ def one_sgd_step(
     ]
 
 
+NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+
+
 @pytest.fixture(scope="module")
-def reference(files: dict[str, Path]) -> dict[str, Any]:
-    """The initial weights (float32, as the trainer builds them), and the whole batch's loss
-    and its gradient in float64."""
-    from trainer.data.pairs import pairs_data
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A save_pretrained BERT at TINY_BERT's shapes whose config.json says dropout 0.0 (the
+    in-tree model=hf_encoder's random init has 0.1)."""
     from trainer.models.encoder import encoder
 
-    torch.manual_seed(SEED)  # what the trainer seeds before it builds the model
-    no_dropout = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-    model = encoder(config={**TINY_BERT, **no_dropout})
+    folder = tmp_path_factory.mktemp("pretrained") / "bert"
+    torch.manual_seed(7)
+    encoder(config={**TINY_BERT, **NO_DROPOUT}).save_pretrained(folder)
+    return folder
+
+
+def from_directory(folder: Path) -> list[str]:
+    """model=hf_encoder loading `folder`, naming no model.config field."""
+    return ["model=hf_encoder", f"model.pretrained={folder}"]
+
+
+def whole_batch(model: torch.nn.Module, files: dict[str, Path]) -> dict[str, Any]:
+    """`model`'s weights (float32) and the whole batch's loss and its gradient in float64,
+    without dropout (eval mode)."""
+    from trainer.data.pairs import pairs_data
+
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    model = model.double()
+    model = model.double().eval()
     task = ContrastiveTask(temperature=0.05, learn_temperature=True, symmetric=True)
     assert task.scale is not None
     task.scale.double()
@@ -114,29 +143,65 @@ def reference(files: dict[str, Path]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def one_process(files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+def reference(files: dict[str, Path]) -> dict[str, Any]:
+    """The initial weights as the trainer builds them at random init, and the whole batch's
+    loss and gradient in float64."""
+    from trainer.models.encoder import encoder
+
+    torch.manual_seed(SEED)  # what the trainer seeds before it builds the model
+    return whole_batch(encoder(config={**TINY_BERT, **NO_DROPOUT}), files)
+
+
+@pytest.fixture(scope="module")
+def pretrained_reference(files: dict[str, Path], pretrained: Path) -> dict[str, Any]:
+    """The same of the pretrained directory's weights, read by transformers itself."""
+    from transformers import BertModel
+
+    from trainer.models.encoder import MeanPooling
+
+    class Pooled(MeanPooling, BertModel):  # mean pooling over the mask, as the task needs
+        pass
+
+    model = Pooled.from_pretrained(pretrained, add_pooling_layer=False, dtype=torch.float32)
+    return whole_batch(model, files)
+
+
+@pytest.fixture(scope="module")
+def one_process(
+    files: dict[str, Path], pretrained: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict:
     """24x1, 4x6 and 3x8 with step=cached; 24x1 with the step chosen by itself (one
-    micro-batch on one process: the default step, its loss at once)."""
+    micro-batch on one process: the default step, its loss at once); 4x6 of the pretrained
+    directory."""
     root = tmp_path_factory.mktemp("one_process")
     splits = {"24x1": (24, 1, True), "4x6": (4, 6, True), "3x8": (3, 8, True)}
     splits["24x1_default"] = (24, 1, False)
+    models: dict[str, list[str] | None] = {"pretrained_4x6": from_directory(pretrained)}
+    splits["pretrained_4x6"] = (4, 6, True)
     for name, (micro, accum, cached) in splits.items():
-        args = one_sgd_step(files, root / name, micro, accum, cached)[:-1]
+        args = one_sgd_step(files, root / name, micro, accum, cached, models.get(name))[:-1]
         train_in_process(args, root / name)
     return {name: root / name for name in splits}
 
 
 @pytest.fixture(scope="module")
-def two_ranks(files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """DDP 2 ranks x micro 3 x accum 4, FSDP2 2 ranks x micro 4 x accum 3, launched together."""
+def two_ranks(
+    files: dict[str, Path], pretrained: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict:
+    """DDP 2 ranks x micro 3 x accum 4, FSDP2 2 ranks x micro 4 x accum 3, and DDP 3x4 of the
+    pretrained directory, launched together (rank 0's console kept as `console.txt`)."""
     root = tmp_path_factory.mktemp("two_ranks")
     runs = {
         "ddp_3x4": one_sgd_step(files, root / "ddp_3x4", 3, 4),
         "fsdp_4x3": [*one_sgd_step(files, root / "fsdp_4x3", 4, 3), "dist.strategy=fsdp"],
+        "pretrained_ddp_3x4": one_sgd_step(
+            files, root / "pretrained_ddp_3x4", 3, 4, model=from_directory(pretrained)
+        ),
     }
     results = launch_all({name: torchrun(2, args) for name, args in runs.items()}, TIMEOUT)
     for name, proc in results.items():
         assert proc.returncode == 0, f"{name}\n{explain(proc)}"
+        (root / name / "console.txt").write_text(proc.stdout)
     return {name: root / name for name in runs}
 
 
@@ -186,6 +251,45 @@ def test_two_ranks_step_is_the_whole_batch_gradient(
     for phase in ("data", "compute", "sync", "optimizer"):
         assert record[f"time/{phase}_s"] >= 0 and record[f"time/{phase}_rank"] in (0, 1), record
     assert record["time/sync_s"] > 0, record
+
+
+def test_a_pretrained_directory_trains_with_its_own_dropout(
+    one_process: dict[str, Path], pretrained_reference: dict[str, Any]
+) -> None:
+    """model=hf_encoder model.pretrained=DIR, naming no model.config field: DIR's config.json
+    says dropout 0.0, so one SGD step (4x6) is the dropout-free whole-batch gradient. The
+    in-tree yaml's random-init 0.1 was applied over it before (0.54 relative off); the saved
+    config holds none of the yaml's defaults."""
+    run = one_process["pretrained_4x6"]
+    encoder, temperature = relative_errors(run, pretrained_reference)
+    assert encoder <= 1e-5, f"encoder update off by {encoder:.2e} (relative)"
+    assert temperature <= 1e-5, f"temperature update off by {temperature:.2e}"
+    want = pretrained_reference["loss"]
+    assert abs(first_loss(run) - want) <= 1e-5 * want
+    saved = torch.load(run / "checkpoints" / "step_00000001" / "state.pt", weights_only=True)
+    assert saved["config"]["model"]["config"] == {}, saved["config"]["model"]
+
+
+@pytest.mark.multiproc
+def test_a_pretrained_directory_trains_alike_on_two_ranks(
+    one_process: dict[str, Path],
+    two_ranks: dict[str, Path],
+    pretrained_reference: dict[str, Any],
+    pretrained: Path,
+) -> None:
+    """The same directory on 2 ranks (DDP 3x4): the same dropout-free step, and the same
+    validation loss as one process (5.5e-4 apart before: each split drew other dropout masks
+    of the yaml's 0.1). The start-up line says the dropout in force and whose it is."""
+    run = two_ranks["pretrained_ddp_3x4"]
+    encoder, temperature = relative_errors(run, pretrained_reference)
+    assert encoder <= 1e-5, f"encoder update off by {encoder:.2e} (relative)"
+    assert temperature <= 1e-5, f"temperature update off by {temperature:.2e}"
+    one, two = validation(one_process["pretrained_4x6"]), validation(run)
+    assert two["val/loss"] == pytest.approx(one["val/loss"], rel=1e-6), (one, two)
+    console = (run / "console.txt").read_text()
+    assert f"(from {pretrained}, dropout 0.0: the directory's)" in console, console
+    random_init = (two_ranks["ddp_3x4"] / "console.txt").read_text()
+    assert "(random init, dropout 0.0)" in random_init, random_init
 
 
 def test_throughput_is_named_by_the_tasks_items(one_process: dict[str, Path]) -> None:
@@ -531,12 +635,10 @@ def test_max_length_is_the_models_own_limit(
         return write_tokenizer(folder)
 
     short = bert("short", 64)
-    overrides = [o for o in contrastive(files) if "max_position_embeddings" not in o]
+    overrides = contrastive(files, model=from_directory(short))
     overrides = [o for o in overrides if not o.startswith("data.tokenizer=")]
     steps = ["train.max_steps=1", "train.micro_batch_size=4", "train.grad_accum_steps=1"]
-    records = train_in_process(
-        [*overrides, *steps, f"model.pretrained={short}", "eval.every_steps=0"], tmp_path / "run"
-    )
+    records = train_in_process([*overrides, *steps, "eval.every_steps=0"], tmp_path / "run")
     assert train_records(records)
     out = capsys.readouterr().out
     assert f"max_length 64 from the positions of model.pretrained={short}" in out, out
@@ -630,8 +732,7 @@ def test_pretrained_directory_trains_and_exports_as_an_encoder(
     encoder(config=TINY_BERT).save_pretrained(pretrained)
     write_tokenizer(pretrained)
     overrides = [
-        *contrastive(files),
-        f"model.pretrained={pretrained}",
+        *contrastive(files, model=from_directory(pretrained)),
         "data.tokenizer=${oc.select:model.pretrained,null}",  # the config's default
         "train.micro_batch_size=4",
         "train.grad_accum_steps=2",
@@ -648,6 +749,15 @@ def test_pretrained_directory_trains_and_exports_as_an_encoder(
     (last,) = [r for r in records if "val/loss" in r]
     assert again["val/loss"] == pytest.approx(last["val/loss"], rel=1e-6), again
     assert again["val/accuracy@1"] == last["val/accuracy@1"]
+
+    # A checkpoint of an earlier version saved the yaml's whole model.config beside
+    # model.pretrained (shapes included): it still evaluates (the directory decides them).
+    def as_before(state: dict[str, Any]) -> None:
+        state["config"]["model"]["config"] = {**TINY_BERT, "hidden_dropout_prob": 0.1}
+
+    step2 = tmp_path / "run" / "checkpoints" / "step_00000002"
+    earlier = evaluate(rewrite_state(step2, tmp_path / "earlier", as_before), saved_paths=True)
+    assert earlier["val/loss"] == again["val/loss"], (earlier, again)
     out = tmp_path / "export"
     run_export(tmp_path / "run", out, f"model.pretrained={pretrained}")
     from safetensors.torch import load_file

@@ -13,8 +13,9 @@ the uninterrupted one, and exports (scripts/export_hf.py) as the trained policy.
 micro_batch_size=auto counts whole pairs and a redone window records once, trainer.certify and
 trainer.plan take DPO runs, trainer.preview shows pairs; under fp8 the copy is of the converted
 policy (step 1 cancels), and the precomputed key names the bf16 parameters FSDP2 computes with.
-Bad input: rows without a side or with content that is not text are counted, a pair whose
-prompts differ and a set with no pair are one paragraph, task.reference=adapter without an
+Bad input: rows without a side, with content that is not text or whose prompts differ are one
+paragraph naming each FILE:LINE (data.bad_rows=drop: dropped and counted by kind), a set with
+no pair is one paragraph counting every row of the file, task.reference=adapter without an
 adapter names the key, CUDA graphs on pairs are refused before any model is built.
 Memory: the runs take each token's log-probability 32 tokens at a time, from the GPT's hidden
 states (its logits never held) or, for the whole batch and ipo, from its logits; at a real
@@ -665,23 +666,63 @@ def open_data(root: Path, rows: list[Any], name: str, *extra: str) -> Any:
     return build_data(to_config(compose_config(args))[0].data)[0]
 
 
-def test_unreadable_rows_are_counted_in_one_line(bad_root: Path) -> None:
+# Rows that hold no pair, each as data=chat names its kind: (row, what the paragraph says of it).
+BAD_ROWS = [
+    ({"prompt": "what", "chosen": "yes"}, "has no 'rejected' (its fields: 'prompt', 'chosen')"),
+    (
+        {"prompt": "what", "chosen": [{"role": "assistant", "content": 3}], "rejected": "no"},
+        "message 1 of 'chosen' (assistant) has content of type int (3)",
+    ),
+    ({"prompt": 7, "chosen": "yes", "rejected": "no"}, "'prompt' is a int (7)"),
+    ({"prompt": "what", "chosen": "yes", "rejected": 3}, "'rejected' is a int (3)"),
+    ({"chosen": "yes", "rejected": "no"}, "'chosen' is a str ('yes'), expected a list of messages"),
+]
+
+
+def test_bad_rows_are_refused_naming_each_line(bad_root: Path) -> None:
+    """By default (data.bad_rows=refuse) a row that is no pair stops the run, as data=chat's
+    do: one paragraph naming each by FILE:LINE and what is wrong, then what is valid and the
+    key that drops them instead; nothing is left in the cache."""
+    rows = [*pair_rows(2, seed=1), *(row for row, _ in BAD_ROWS), *pair_rows(2, seed=3)]
+    with pytest.raises(UserError) as err:
+        open_data(bad_root, rows, "named")
+    message = str(err.value)
+    path = bad_root / "named.jsonl"
+    assert "\n" not in message, message
+    assert message.startswith(f"data.path: {len(BAD_ROWS)} rows of {path} cannot be used"), message
+    for line, (_, what) in enumerate(BAD_ROWS, start=3):
+        assert f"{path}:{line}: {what}" in message or f"{path}:{line} {what}" in message, (
+            line,
+            message,
+        )
+    assert 'data=preference reads rows of "prompt"' in message, message
+    assert "data.bad_rows=drop" in message, message
+    assert not list((bad_root / ".cumulus-cache").glob("named_jsonl-*/index.json"))
+
+
+def test_bad_rows_dropped_on_request_are_counted_in_one_line(bad_root: Path) -> None:
+    """data.bad_rows=drop: every row that holds no pair is dropped and counted by kind, beside
+    those with no answer after the prompt and the ones too long (dropped either way)."""
     rows = pair_rows(4, seed=1)
+    rows += [row for row, _ in BAD_ROWS]  # 1 without a side, 4 whose content is not text
     rows += [
-        {"prompt": "what", "chosen": "yes"},  # no rejected
-        {"prompt": "what", "chosen": 3, "rejected": "no"},  # not text
+        {
+            "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+            "rejected": [{"role": "user", "content": "ho"}, {"role": "assistant", "content": "b"}],
+        },  # prompts differ
         {
             "chosen": [{"role": "user", "content": "hi"}],
             "rejected": [{"role": "user", "content": "hi"}],
-        },
+        },  # no answer
         {"prompt": "what " * 400, "chosen": "yes", "rejected": "no"},  # longer than max_length
     ]
-    data = open_data(bad_root, rows, "mixed")
+    data = open_data(bad_root, rows, "mixed", "data.bad_rows=drop")
     assert len(data.train) == 4
     line = data.description
     assert "\n" not in line
-    assert "4 pairs dropped (1 without chosen or rejected, 1 whose content is not text" in line
-    assert "1 with no answer after the prompt, 1 with a side longer than data.max_length" in line
+    assert "8 pairs dropped (1 without chosen or rejected, 4 whose content is not text" in line
+    assert "1 whose chosen and rejected prompts differ, 1 with no answer after the prompt" in line
+    assert "1 with a side longer than data.max_length" in line
 
 
 def test_cut_keeps_the_first_tokens_of_a_long_pair(bad_root: Path) -> None:
@@ -708,13 +749,43 @@ def test_prompts_that_differ_are_one_paragraph(bad_root: Path) -> None:
     assert "do not share their prompt" in message and "\n" not in message
 
 
-def test_a_set_without_pairs_names_its_file(bad_root: Path) -> None:
-    rows = [{"prompt": "what", "chosen": "yes"}] * 3
+@pytest.mark.parametrize(
+    ("row", "extra", "said"),
+    [
+        (
+            {"prompt": "what", "chosen": "yes"},
+            ["data.bad_rows=drop"],
+            "5 without chosen or rejected",
+        ),
+        (
+            {"prompt": "what " * 400, "chosen": "yes", "rejected": "no"},
+            [],
+            "5 with a side longer than data.max_length",
+        ),
+    ],
+)
+def test_a_set_without_pairs_names_its_file_and_counts_every_row(
+    bad_root: Path, row: dict[str, Any], extra: list[str], said: str
+) -> None:
+    """5 rows, none a pair to train on, with no data.val_path: the count is of the file's
+    every row, the one held out for validation too (it said 4)."""
+    path = write_jsonl(bad_root / f"empty{len(extra)}.jsonl", [row] * 5)
+    args = [*data_args(bad_root, path), *extra]
     with pytest.raises(UserError) as err:
-        open_data(bad_root, rows, "empty")
+        build_data(to_config(compose_config(args))[0].data)
     message = str(err.value)
-    assert "empty.jsonl holds no pair to train on" in message, message
-    assert "3 pairs dropped (3 without chosen or rejected)" in message
+    assert f"empty{len(extra)}.jsonl holds no pair to train on" in message, message
+    assert f"5 pairs dropped ({said})" in message, message
+
+
+def test_bad_rows_takes_refuse_or_drop(bad_root: Path) -> None:
+    path = write_jsonl(bad_root / "ok_rows.jsonl", pair_rows(4, seed=2))
+    with pytest.raises(UserError) as err:
+        build_data(
+            to_config(compose_config([*data_args(bad_root, path), "data.bad_rows=skip"]))[0].data
+        )
+    message = str(err.value)
+    assert "data.bad_rows" in message and "refuse" in message and "drop" in message, message
 
 
 def test_reference_adapter_without_an_adapter_names_the_key(bad_root: Path) -> None:

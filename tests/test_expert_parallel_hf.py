@@ -32,7 +32,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import read_metrics, stdlib_text, train_in_process, train_records
+from tests.conftest import (
+    in_tree_model,
+    read_metrics,
+    stdlib_text,
+    train_in_process,
+    train_records,
+)
 from tests.ep_support import assert_split_update, dump, run_args
 from tests.ranks import REPO, explain, launch_all, torchrun
 
@@ -207,7 +213,7 @@ def test_export_of_an_ep_run_writes_whole_experts(runs: Runs, tmp_path: Path) ->
         assert torch.equal(exported[name], w), name
 
     info = DistInfo()
-    cfg = OmegaConf.to_container(compose_config(common(runs.text, "qwen3_moe")).model)
+    cfg = OmegaConf.to_container(compose_config(common(runs.text, "qwen3_moe")).model, resolve=True)
     assert isinstance(cfg, dict)
     ref = causal_lm(cfg["family"], cfg["config"]).eval()
     want = load_checkpoint(runs.root / "ref-qwen3_moe" / STEP4, info, checksums=False)
@@ -255,13 +261,12 @@ def test_splitting_keeps_a_frozen_base_frozen() -> None:
     group of 2 (rank 1 keeps experts 4..7)."""
     pytest.importorskip("peft")
     import peft
-    import yaml
 
     from engine.parallel.expert import ExpertGroup, SplitsExperts
     from trainer.models.hf import causal_lm
     from trainer.models.moe import MoE, MoEConfig
 
-    node = yaml.safe_load((REPO / "configs/model/hf_qwen3_moe.yaml").read_text())
+    node = in_tree_model("hf_qwen3_moe")
     model = causal_lm(node["family"], node["config"])
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     model = peft.get_peft_model(model, lora)

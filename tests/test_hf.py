@@ -308,3 +308,148 @@ def test_a_pretrained_model_is_built_in_training_mode(kind: str, tmp_path: Path)
     ids = torch.arange(16).view(2, 8) % 64
     with torch.no_grad():
         assert not torch.equal(run(ids), run(ids)), "dropout is off: the model is in eval mode"
+
+
+def build_from(overrides: list[str]) -> torch.nn.Module:
+    """The model the trainer builds from `overrides` (the config layer's rules included)."""
+    from engine.distributed import DistInfo
+    from tests.conftest import compose_config
+    from trainer.config.cli import to_config
+    from trainer.run.assemble import build_model
+
+    cfg, _ = to_config(compose_config(overrides))
+    return build_model(cfg.model, DistInfo())[0]
+
+
+def test_a_pretrained_gpt2_keeps_its_runtime_fields(tmp_path: Path) -> None:
+    """model=hf_gpt2 model.pretrained=DIR: DIR's dropout (0.1, GPT-2's) and use_cache (true)
+    stand; the yaml's random-init 0.0 was applied over them before. A field the user names is
+    applied, also one equal to the yaml's default (model.config.resid_pdrop=0.0), on the
+    command line or in a config file of their own (hydra.searchpath)."""
+    folder = tmp_path / "gpt2"
+    dropout = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "use_cache": True}
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**GPT2, **dropout})).save_pretrained(
+        folder
+    )
+
+    def rates(model: Any) -> dict[str, Any]:
+        block = model.transformer.h[0]
+        return {
+            "embd": model.transformer.drop.p,
+            "resid": block.attn.resid_dropout.p,
+            "attn": block.attn.attn_dropout.p,
+            "use_cache": model.config.use_cache,
+        }
+
+    own = build_from(["model=hf_gpt2", f"model.pretrained={folder}"])
+    assert own.training
+    assert rates(own) == {"embd": 0.1, "resid": 0.1, "attn": 0.1, "use_cache": True}
+    named = build_from(
+        ["model=hf_gpt2", f"model.pretrained={folder}", "model.config.resid_pdrop=0.0"]
+    )
+    assert rates(named) == {"embd": 0.1, "resid": 0.0, "attn": 0.1, "use_cache": True}
+    mine = tmp_path / "configs"
+    (mine / "model").mkdir(parents=True)
+    (mine / "model" / "my_gpt2.yaml").write_text(
+        "_target_: trainer.models.hf.causal_lm\nfamily: gpt2\n"
+        f"pretrained: {folder}\nconfig:\n  attn_pdrop: 0.0\n  use_cache: false\n"
+    )
+    theirs = build_from(["model=my_gpt2", f"hydra.searchpath=[file://{mine}]"])
+    assert rates(theirs) == {"embd": 0.1, "resid": 0.1, "attn": 0.0, "use_cache": False}
+    # At random init the yaml's values are the model's.
+    assert rates(build_from(["model=hf_gpt2"]))["resid"] == 0.0
+
+
+def qwen3_moe_directory(folder: Path, experts: int = 4) -> Path:
+    """A save_pretrained Qwen3-MoE of `experts` experts (the in-tree yaml's random init: 8).
+    Built by cumulus's own class: one of transformers' MoE classes built first in a process
+    would hand its cached experts implementation (grouped_mm, no float64 on a CPU) down to
+    cumulus's subclass, which the float64 references of tests/test_moe.py then fail on."""
+    from trainer.models.hf import causal_lm
+
+    config = {
+        "vocab_size": 256,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "num_experts": experts,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "max_position_embeddings": 64,
+    }
+    causal_lm("qwen3_moe", config).save_pretrained(folder)
+    return folder
+
+
+def test_architecture_beside_a_pretrained_directory_is_refused(tmp_path: Path) -> None:
+    """model.config.num_experts=8 beside a 4-expert directory was silently ignored: refused
+    in one paragraph naming the key and the directory (and its value where config.json says
+    one), given on the command line, in a config file of the user's, or to causal_lm from
+    Python. The yaml's own num_experts: 8 is not the user's (the directory's 4 experts are
+    built), and a runtime field applies."""
+    from trainer.config.errors import ConfigError
+    from trainer.models.hf import causal_lm
+
+    folder = qwen3_moe_directory(tmp_path / "moe")
+    base = ["model=hf_qwen3_moe", f"model.pretrained={folder}"]
+    with pytest.raises(ConfigError) as info:
+        build_from([*base, "model.config.num_experts=8"])
+    text = str(info.value)
+    assert info.value.key == "model.config.num_experts" and "\n" not in text, text
+    with pytest.raises(ConfigError) as info:  # a field config.json holds: its value is said
+        build_from([*base, "model.config.hidden_size=64"])
+    assert "(hidden_size: 32 there)" in str(info.value), info.value
+    assert f"model.pretrained={folder} decides it" in text, text
+    mine = tmp_path / "configs"
+    (mine / "model").mkdir(parents=True)
+    (mine / "model" / "my_moe.yaml").write_text(
+        "_target_: trainer.models.hf.causal_lm\nfamily: qwen3_moe\n"
+        f"pretrained: {folder}\nconfig:\n  num_experts: 8\n"
+    )
+    with pytest.raises(ConfigError, match=r"model\.config\.num_experts"):
+        build_from(["model=my_moe", f"hydra.searchpath=[file://{mine}]"])
+    with pytest.raises(ConfigError, match=r"model\.config\.num_experts"):
+        causal_lm("qwen3_moe", {"num_experts": 8}, pretrained=str(folder))
+    model = build_from([*base, "model.config.router_aux_loss_coef=0.02"])
+    assert model.config.num_experts == 4 and model.config.router_aux_loss_coef == 0.02
+    assert [r.num_experts for r in model.routers()] == [4]
+
+
+@pytest.mark.launches
+def test_architecture_beside_a_pretrained_directory_exits_2(tmp_path: Path) -> None:
+    folder = qwen3_moe_directory(tmp_path / "moe")
+    args = ["model=hf_qwen3_moe", f"model.pretrained={folder}", "model.config.num_experts=8"]
+    proc = run_cli([*args, *COMMON, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2, explain(proc)
+    assert "Traceback" not in proc.stderr, explain(proc)
+    (error,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    assert "model.config.num_experts" in error and "architecture" in error, error
+    assert not (tmp_path / "run").exists()  # refused before anything was made
+
+
+def test_export_keeps_the_sources_use_cache(tmp_path: Path) -> None:
+    """A Qwen3-MoE directory saved with use_cache true, trained a step and exported: the
+    exported config.json says true, as the source did (the yaml's use_cache: false was applied
+    and written before). Training builds no cache whatever the config says (its forwards pass
+    use_cache=False: tests/test_chat.py packs rows through models whose config says true)."""
+    import importlib.util
+
+    from tests.conftest import REPO
+
+    folder = qwen3_moe_directory(tmp_path / "moe")
+    assert json.loads((folder / "config.json").read_text())["use_cache"] is True
+    text = stdlib_text(tmp_path / "text.py", 20_000)
+    args = ["model=hf_qwen3_moe", f"model.pretrained={folder}", *COMMON, f"data.path={text}"]
+    args += [*ONE, "train.max_steps=1", "checkpoint.every_steps=1"]
+    train_in_process(args, tmp_path / "run")
+    spec = importlib.util.spec_from_file_location("export_hf", REPO / "scripts" / "export_hf.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main([f"checkpoint={tmp_path / 'run'}", f"out={tmp_path / 'out'}"])
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["use_cache"] is True, exported
+    assert exported["num_local_experts"] == 4, exported

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.conftest import TINY, stdlib_text, train_in_process, train_records
+from tests.conftest import TINY, in_tree_model, stdlib_text, train_in_process, train_records
 from tests.ranks import explain, launch_all, torchrun
 from trainer.data.text import TextCfg, load_splits
 from trainer.models.gpt import GPT
@@ -605,13 +605,9 @@ def test_seq_aux_on_two_ranks_is_the_whole_batch_gradient(runs: Runs) -> None:
 def hf_float64(family: str, weights: dict[str, torch.Tensor]) -> Any:
     """transformers' model of `family` (configs/model/hf_<family>.yaml, router_aux_loss_coef
     HF_AUX) in float64 with the run's first weights."""
-    import yaml
-
     from trainer.models.hf import causal_lm
 
-    node = yaml.safe_load(
-        (Path(__file__).parent.parent / f"configs/model/hf_{family}.yaml").read_text()
-    )
+    node = in_tree_model(f"hf_{family}")
     config = {**node["config"], "router_aux_loss_coef": HF_AUX}
     model = causal_lm(node["family"], config).double()
     model.load_state_dict({n: w.double() for n, w in weights.items()})

@@ -244,6 +244,30 @@ def test_report_of_a_run_being_written(runs: Runs, tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.launches
+def test_report_without_o_goes_into_the_run_directory(
+    runs: Runs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`trainer.report RUN` with no -o writes RUN/report.html (it wrote ./report.html into
+    whatever directory the shell was in and printed only its name); several runs without -o
+    write ./report.html. Either way the full path is printed."""
+    from trainer.report import main
+
+    run_dir = tmp_path / "runs" / "a"
+    shutil.copytree(runs.dirs["a"], run_dir, ignore=shutil.ignore_patterns("checkpoints"))
+    (run_dir / "report.html").unlink()
+    elsewhere = tmp_path / "shell"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main([str(run_dir)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {run_dir / 'report.html'}"
+    check_page((run_dir / "report.html").read_text(), [run_dir])
+    assert not list(elsewhere.iterdir())
+    assert main(["../runs/a/metrics.jsonl", str(runs.dirs["b"])]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {elsewhere / 'report.html'}"
+    check_page((elsewhere / "report.html").read_text(), [run_dir, runs.dirs["b"]])
+
+
 def test_a_report_error_never_fails_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -22,6 +22,7 @@ import pytest
 from tests.conftest import (
     REPO,
     TINY,
+    in_tree_model,
     read_metrics,
     received,
     rewrite_state,
@@ -420,7 +421,7 @@ def test_paths_in_a_received_config_are_data(world: dict[str, Any], tmp_path: Pa
     data.update(path=str(docs), cache_dir=str(outside), block_size=64, pretrained=None)
     ckpt = world["run"] / "checkpoints" / "step_00000004"
     crafted = craft(ckpt, tmp_path / "ckpt", place("data", data))
-    llama = yaml.safe_load((REPO / "configs" / "model" / "hf_llama.yaml").read_text())
+    llama = in_tree_model("hf_llama")
     llama["pretrained"] = str(tmp_path / "somewhere")
     foreign = craft(ckpt, tmp_path / "ckpt_llama", place("model", llama))
 

@@ -41,10 +41,12 @@ import sys
 
 from trainer.checks.certify import EXIT_BAD_INPUT, certify, parse
 from trainer.config.errors import UserError
+from trainer.version import answer_version
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    answer_version(argv, "trainer.certify")
     if any(a in ("-h", "--help") for a in argv):
         try:
             print(__doc__, flush=True)

@@ -16,6 +16,7 @@ from trainer.checks.compare import (
     metrics_file,
     report,
 )
+from trainer.version import answer_version
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -43,7 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    answer_version(argv, "trainer.compare")
+    args = parse_args(argv)
     try:
         diffs, only = compare(
             args.run_a,

@@ -32,6 +32,7 @@ from trainer.config.trust import parse_saved_paths, parse_trust
 from trainer.run.assemble import CONFIG_DIR
 from trainer.run.evaluation import checkpoint_config, evaluate_checkpoint, resolve_checkpoint
 from trainer.run.identity import register_resolvers
+from trainer.version import answer_version
 
 USAGE = (
     "usage: python -m trainer.evaluate checkpoint=PATH|RUN_DIR [weights=model|NAME] "
@@ -58,6 +59,7 @@ def parse_args(argv: list[str]) -> tuple[Path, str, list[str], bool, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    answer_version(argv, "trainer.evaluate")
     register_configs()
     register_resolvers()
     try:

@@ -12,10 +12,12 @@ from typing import Any
 
 from trainer.config.errors import ConfigError, UserError
 from trainer.planning.progress import Progress
+from trainer.version import answer_version
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    answer_version(argv, "trainer.plan")
     # Progress first: torch, transformers and the config take seconds before any simulation.
     error: UserError | ConfigError | None = None
     with Progress() as progress:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from trainer.config.errors import ConfigError, UserError
+from trainer.version import answer_version
 
 USAGE = "usage: python -m trainer.preview [training overrides] [preview.samples=N]"
 
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     from trainer.run.assemble import build_data
 
     argv = sys.argv[1:] if argv is None else argv
+    answer_version(argv, "trainer.preview")
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__ + "\n" + USAGE, flush=True)
         return

@@ -17,6 +17,7 @@ from trainer.config.trust import derived_keys
 from trainer.run.identity import register_resolvers
 from trainer.run.lifecycle import remove_if_unused, train
 from trainer.run.preemption import watch_launcher
+from trainer.version import answer_version
 
 register_configs()
 register_resolvers()
@@ -39,6 +40,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    answer_version(sys.argv[1:], "trainer.train")
     try:
         check_overrides(sys.argv[1:], Path(__file__).resolve().parent.parent / "configs")
     except UserError as exc:

@@ -9,14 +9,16 @@ declaring its routers (`HasRouters`); not what a block recomputed in backward ro
 (`recomputing`).
 
 The dispatch sorts the (token, slot) assignments by expert so that each expert runs one
-matmul on a contiguous slice (`dispatch` -> expert compute -> `combine`). Expert parallelism
-slots in between: an all-to-all sends each expert's slice to the rank holding it, and back
-before `combine`; nothing else changes.
+matmul on a contiguous slice (`dispatch` -> expert compute, engine/moe/grouped.py's
+`grouped_mm` -> `combine`), the counts per expert staying on the device: the shapes do not
+depend on the routing, so torch.compile traces it once. Expert parallelism slots in between:
+an all-to-all sends each expert's slice to the rank holding it, and back before `combine`;
+only it reads the counts on the host (its split sizes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -147,35 +149,26 @@ HALF = (torch.float16, torch.bfloat16)  # routed in fp32 from these
 @dataclass(frozen=True)
 class Dispatch:
     """The (token, slot) assignments sorted by expert: `order` (N*k,) the flat assignment
-    indices in expert order, `tokens` (N*k,) the token of each, `counts` the assignments per
-    expert (a list: the slices' lengths)."""
+    indices in expert order, `tokens` (N*k,) the token of each, `counts` (E,) int64 the
+    assignments per expert (the slices' lengths), on the device."""
 
     order: torch.Tensor
     tokens: torch.Tensor
-    counts: list[int]
+    counts: torch.Tensor
 
 
 def dispatch(
     x: torch.Tensor, experts: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, Dispatch]:
     """Tokens `x` (N, C) copied once per assignment, grouped by expert: (N*k, C) with expert
-    0's rows first; the stable sort keeps each expert's tokens in their original order."""
+    0's rows first; the stable sort keeps each expert's tokens in their original order. The
+    counts are summed on the device, never read: a bincount's length would depend on the
+    values, and a host read would cut torch.compile's graph."""
     flat = experts.reshape(-1)  # (N*k,)
     order = torch.argsort(flat, stable=True)
     tokens = order // experts.shape[-1]
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    counts = flat.new_zeros(num_experts).scatter_add(0, flat, torch.ones_like(flat))
     return x[tokens], Dispatch(order, tokens, counts)
-
-
-def expert_compute(
-    xs: torch.Tensor,
-    counts: Sequence[int],
-    experts: Sequence[Callable[[torch.Tensor], torch.Tensor]],
-) -> torch.Tensor:
-    """Each expert on its contiguous slice of `xs` (N*k, C), one matmul chain per expert.
-    Every expert runs, on an empty slice too: its parameters stay in the graph (zero
-    gradient), as data parallelism's gradient sync expects."""
-    return torch.cat([fn(part) for fn, part in zip(experts, torch.split(xs, list(counts)))])
 
 
 def combine(ys: torch.Tensor, weights: torch.Tensor, d: Dispatch, n_tokens: int) -> torch.Tensor:

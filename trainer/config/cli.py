@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.config.errors import ConfigError, UserError
+from trainer.config.pretrained import keep_directory_values, register_random_init
 from trainer.config.schema import OFF_AT_ZERO, Config, off_at_zero
 
 if TYPE_CHECKING:
@@ -207,9 +208,13 @@ def _check_composed(cfg: DictConfig, schema: type = Config, parts: tuple[str, ..
 
 
 def to_config(cfg: DictConfig) -> tuple[Config, dict[str, Any]]:
-    """Validated dataclasses (runs every `__post_init__`) and the resolved plain dict."""
+    """Validated dataclasses (runs every `__post_init__`) and the resolved plain dict. Beside
+    `model.pretrained`, the in-tree defaults of `model.config` are left out: the directory's
+    own values stand (trainer/config/pretrained.py)."""
     _check_composed(cfg)
+    register_random_init()
     try:
+        cfg = keep_directory_values(cfg)
         obj = OmegaConf.to_object(cfg)
         plain = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as exc:

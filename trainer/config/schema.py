@@ -48,21 +48,25 @@ def _positive(value: int | float | None, key: str) -> None:
 
 @dataclass
 class TrainCfg:
-    max_steps: int = 600
+    max_steps: int = 600  # optimizer steps to run (a larger value extends a finished run)
     # A number, or `auto` (with global_batch_size): the largest that fits
     # (trainer/run/auto_batch.py).
     micro_batch_size: Any = 16
-    grad_accum_steps: int = 2
+    grad_accum_steps: int = 2  # micro-batches per optimizer step per rank
     # When set, grad_accum_steps is derived as global / (micro * world size).
     global_batch_size: int | None = None
+    # Max total gradient norm (of the unscaled gradients, before clipping); null: no clipping.
     clip_grad_norm: float | None = 1.0
+    # fp32, bf16 (autocast), fp16 (autocast and GradScaler) or fp8 (float8 Linear layers, torchao).
     precision: str = "fp32"
     # fp8 on a device without float8 matmuls (a CPU, a GPU before Ada/Hopper): emulate their
     # casts in higher precision. Slow: for checking fp8's numerics only, never for speed.
     fp8_emulate: bool = False
+    # Optimizer steps between records (console, metrics.jsonl, trackers); the last step has one.
     log_every: int = 10
+    # Stop after this many consecutive steps skipped for non-finite gradients.
     max_consecutive_skips: int = 10
-    compile: bool = False
+    compile: bool = False  # torch.compile the model
     # torch.compile's mode (with compile=true); null: its default. reduce-overhead: CUDA
     # graphs (static shapes only), max-autotune: autotuned kernels and CUDA graphs.
     compile_mode: str | None = None
@@ -70,7 +74,7 @@ class TrainCfg:
     detect_anomaly: bool = False
     # total: one global norm per record. per_layer: also grad_norm/<layer> for every block.
     grad_norms: str = "total"
-    device: str = "auto"
+    device: str = "auto"  # auto (each rank's GPU with CUDA, else the CPU), cpu or cuda
     # Measure each rank's tensor memory over the first steps (trainer/run/memory.py, the planner's
     # tracker on real tensors) and write memory_report.json in the run directory.
     memory_report: bool = False
@@ -197,8 +201,8 @@ class MlflowCfg:
     # null: a local store in the run directory (`mlruns/`); or a server (`http://HOST:5000`),
     # `databricks`, or any URI MLflow accepts.
     tracking_uri: str | None = None
-    experiment: str = "cumulus"
-    run_name: str | None = None
+    experiment: str = "cumulus"  # the MLflow experiment's name
+    run_name: str | None = None  # the MLflow run's name; null: the run directory's
     # At the end of the run: its small files (config, metrics.jsonl, report.html, summary) as
     # the MLflow run's artifacts (never checkpoints).
     log_artifacts: bool = True
@@ -210,12 +214,13 @@ class LoggerCfg:
     files of configs/logger/, each adding its name to `trackers` (Hydra merges mappings, so
     any number compose); the W&B keys stay at the top (`logger.project`, `logger.mode`...)."""
 
+    # The selected trackers (set by selecting logger=NAME, not by hand).
     trackers: dict[str, bool] = field(default_factory=dict)
     # W&B (logger=wandb).
     project: str = "cumulus"
-    entity: str | None = None
-    run_name: str | None = None
-    tags: list[str] = field(default_factory=list)
+    entity: str | None = None  # the W&B team or user; null: the credentials' default
+    run_name: str | None = None  # the W&B run's name; null: W&B makes one up
+    tags: list[str] = field(default_factory=list)  # W&B tags of the run
     # null: online when credentials exist, offline otherwise. Or online / offline / disabled.
     mode: str | None = None
     tensorboard: TensorboardCfg = field(default_factory=TensorboardCfg)
@@ -250,9 +255,9 @@ class LoggerCfg:
 
 @dataclass
 class EvalCfg:
-    every_steps: int = 100
-    max_batches: int | None = 20
-    batch_size: int = 16
+    every_steps: int = 100  # optimizer steps between evaluations; 0 disables
+    max_batches: int | None = 20  # validation batches per evaluation; null: the whole split
+    batch_size: int = 16  # validation samples per batch per rank
     # Bytes of text the GPT writes at each evaluation (console and W&B); 0 disables.
     sample_tokens: int = 200
 
@@ -273,8 +278,8 @@ class EvalCfg:
 
 @dataclass
 class CheckpointCfg:
-    every_steps: int = 100
-    keep_last: int = 2
+    every_steps: int = 100  # optimizer steps between checkpoints; 0 disables
+    keep_last: int = 2  # how many checkpoints to keep (older ones are deleted)
     resume: str = "auto"  # auto | never | a checkpoint or run directory
     # Write on a background thread from a CPU snapshot (training stalls only for the copy).
     async_save: bool = False
@@ -321,9 +326,9 @@ class DistCfg:
     # `pp_virtual` per rank with interleaved_1f1b), balanced by parameter count or starting
     # at the block indices `pp_split`; the world is pp x data-parallel ranks.
     pp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_virtual: int = 1
-    pp_split: list[int] | None = None
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    pp_virtual: int = 1  # stages per rank (interleaved_1f1b)
+    pp_split: list[int] | None = None  # the block indices where stages 2.. begin
     # Tensor parallelism (engine/parallel/tensor.py): the model's linear layers split over
     # `tp` ranks by its plan; the world is pp x data-parallel x tp ranks.
     tp: int = 1
@@ -334,7 +339,7 @@ class DistCfg:
     # the world is pp x data-parallel x cp x tp ranks. `allgather`: keys and values gathered
     # along the sequence (any backend); `ring`: torch's ring attention (CUDA kernels only).
     cp: int = 1
-    cp_impl: str = "allgather"
+    cp_impl: str = "allgather"  # allgather | ring
     # Expert parallelism (engine/parallel/expert.py): a mixture's experts split over `ep`
     # ranks carved from the data-parallel ranks (ep divides dp), tokens sent all-to-all.
     ep: int = 1
@@ -377,7 +382,7 @@ class AdapterCfg:
     (trainer/models/lora.py); `adapter=none` trains every weight. The LoRA keys are null under
     `adapter=none`, so setting one without selecting `adapter=lora` is an error, not a no-op."""
 
-    kind: str = "none"
+    kind: str = "none"  # none | lora: what the selected file of configs/adapter/ sets
     r: int | None = None  # the adapters' rank
     alpha: float | None = None  # their scale is alpha / r
     dropout: float | None = None  # on the adapters' input
@@ -440,12 +445,12 @@ class ProfileCfg:
     `profile=none` (the default) profiles nothing; phase times are recorded either way."""
 
     kind: str = "none"  # none | torch: what the selected file of configs/profile/ sets
-    steps: list[int] = field(default_factory=lambda: [3, 4])
-    ranks: list[int] | None = None
+    steps: list[int] = field(default_factory=lambda: [3, 4])  # [FIRST, LAST] optimizer steps
+    ranks: list[int] | None = None  # the ranks that trace; null: every rank
     # CUDA: record the allocator's history (Python stacks, the last `memory_entries` events)
     # and dump a snapshot on out-of-memory (and after the profiled steps) to RUN_DIR/profile/.
     memory: bool = False
-    memory_entries: int = 100_000
+    memory_entries: int = 100_000  # allocator events kept in the history
 
     def __post_init__(self) -> None:
         require(
@@ -475,10 +480,10 @@ class PlanCfg:
     gpu: str = "h100"  # trainer/planning/gpus.py: memory, peak FLOP/s, links
     memory_bytes: int | None = None  # the GPU's memory, if not the data sheet's
     search: bool = False  # also rank the valid layouts of `world` by predicted step time
-    out: str = "plan.json"
+    out: str = "plan.json"  # where the plan is written
     # Memory kept free for what no tensor tracker sees (CUDA context, NCCL, fragmentation).
     headroom: float = 0.1
-    gpus_per_node: int = 8
+    gpus_per_node: int = 8  # which links are fast (within a node) and which are not
     # Simulate every block; by default a stage of more than 3 alike blocks is simulated with
     # 2 and 3 and extrapolated (trainer/planning/extrapolate.py: within 1% of the full run).
     full: bool = False
@@ -509,7 +514,7 @@ class MoECfg:
     # The load-balancing loss's weight; null: the model's own (transformers' mixtures: their
     # config's router_aux_loss_coef; the in-tree GPT: 0.01, Switch's).
     aux_coef: float | None = None
-    z_coef: float = 0.0
+    z_coef: float = 0.0  # the router z-loss's weight
     # bias: how far each expert's routing bias moves per step (DeepSeek-V3's gamma).
     bias_rate: float = 0.001
 
@@ -629,7 +634,7 @@ def _component(**defaults: Any) -> Any:
 
 @dataclass
 class Config:
-    seed: int = 1337
+    seed: int = 1337  # one seed for everything (weights, data order, dropout)
     train: TrainCfg = field(default_factory=TrainCfg)
     # Components: `_target_` + keyword arguments (configs/<group>/*.yaml, or a user's own).
     model: Any = field(default_factory=_component)

@@ -5,16 +5,20 @@ Rows in TRL's two preference layouts, from JSON Lines, Parquet or a `save_to_dis
 - `prompt` (a string or messages) with `chosen` and `rejected` (a string: one assistant
   message; or the assistant's messages);
 - `chosen` and `rejected` as whole conversations sharing their prompt: each side's prompt is
-  its messages up to its last non-assistant one, and the two must be equal (else one
-  paragraph naming the file and line).
+  its messages up to its last non-assistant one, and the two must be equal.
 
-Each side is rendered with the chat template exactly as `data=chat` renders a prompt and its
-completion (trainer/data/chat_render.py): the scored tokens are the answer after the prompt's
+Rows are checked by data=chat's checks (trainer/data/chat_rows.py): a row that holds no pair
+(no `chosen` or `rejected`, a prompt, answer or content that is not text, prompts that
+differ, messages the template rejects) is refused as data=chat refuses its rows, with every
+other bad row of the file in one paragraph naming each `FILE:LINE` (`bad_rows=refuse`), or
+stored empty with its `status` and counted (`bad_rows=drop`). Each side is rendered with the
+chat template exactly as `data=chat` renders a prompt and its completion
+(trainer/data/chat_render.py): the scored tokens are the answer after the prompt's
 generation prompt, through its end-of-turn token. The encoder stores one document per row,
-the chosen tokens then the rejected ones, with the supervision mask beside them; rows it
-cannot read (no `chosen` or `rejected`, content that is not text, no answer after the prompt)
-are stored empty and counted, and opening the data counts the pairs a side of which is longer
-than `data.max_length` (`truncation=drop`; `cut` keeps each side's first tokens).
+the chosen tokens then the rejected ones, with the supervision mask beside them; a row with
+no answer after its prompt is stored empty and counted, and opening the data counts the
+pairs a side of which is longer than `data.max_length` (`truncation=drop`; `cut` keeps each
+side's first tokens), of the whole file.
 
 A sample is one pair: `input_ids` and `shift_labels` of shape (2, L), the chosen row then the
 rejected one, each side its own sequence from position 0, -100 where no answer token is
@@ -39,8 +43,8 @@ from trainer.config.errors import UserError
 from trainer.data import DataSplits
 from trainer.data.chat import model_context
 from trainer.data.chat_encode import target_mask
-from trainer.data.chat_render import Renderer, TemplateRefused, chat_template
-from trainer.data.chat_rows import Conversation, conversation
+from trainer.data.chat_render import Renderer, chat_template
+from trainer.data.chat_rows import Conversation, message_list
 from trainer.data.collate import PadCollate
 from trainer.data.encoding import BadRecord, Encoded, text_identity, tokenizer_files_identity
 from trainer.data.hf import sources
@@ -48,28 +52,33 @@ from trainer.data.sequence import TextSequence
 from trainer.data.shards import Source, TokenStore, open_shards
 from trainer.data.tokenize import load_hf_tokenizer, tokenizer_source
 
-VERSION = "preference/1"
+VERSION = "preference/2"
 COLUMNS = ("prompt", "chosen", "rejected")
 TRUNCATION = ("drop", "cut")
-# Why a row holds no pair (the per-row `status`): counted, not refused.
-OK, MISSING, NOT_TEXT, NO_ANSWER = 0, 1, 2, 3
+BAD_ROWS = ("refuse", "drop")
+# What a stored row holds (its `status`): a pair, or why it holds none (data.bad_rows=drop; a
+# row with no answer after its prompt is dropped either way, as data=chat drops a
+# conversation with no supervised token).
+OK, MISSING, NOT_TEXT, NO_ANSWER, DIFFERS = 0, 1, 2, 3, 4
 EXPECTED = (
     'data=preference reads rows of "prompt" (a string or messages) with "chosen" and '
     '"rejected" (strings or assistant messages), or of "chosen" and "rejected" as whole '
     "conversations sharing their prompt"
 )
+# Said once after the bad rows of a file.
+HINT = f"{EXPECTED}; data.bad_rows=drop trains on the other rows (the dropped ones counted)."
+
+
+class SideMissing(BadRecord):
+    """A row without its chosen or its rejected answer."""
 
 
 class PromptsDiffer(BadRecord):
     """The chosen and rejected conversations of a row do not share their prompt."""
 
 
-class RowSkipped(ValueError):
-    """A row that holds no pair; `status` says why."""
-
-    def __init__(self, status: int) -> None:
-        super().__init__(status)
-        self.status = status
+class NoAnswer(ValueError):
+    """A row whose sides hold no answer after the prompt: dropped and counted, not refused."""
 
 
 def _prompt_len(messages: list[dict[str, Any]]) -> int:
@@ -81,22 +90,23 @@ def _prompt_len(messages: list[dict[str, Any]]) -> int:
 
 
 def pair(record: dict[str, Any], where: str) -> tuple[Conversation, Conversation]:
-    """The chosen and rejected conversations of a row, each with its prompt's length."""
+    """The chosen and rejected conversations of a row (`where`: FILE:LINE), each with its
+    prompt's length; a row that is no pair raises `BadRecord` naming `where` (the checks of
+    data=chat's rows), one with no answer after its prompt `NoAnswer`."""
     record = {k: v for k, v in record.items() if v is not None}
-    if "chosen" not in record or "rejected" not in record:
-        raise RowSkipped(MISSING)
-    try:
-        if "prompt" in record:
-            sides = [
-                conversation({"prompt": record["prompt"], "completion": record[s]}, where)
-                for s in ("chosen", "rejected")
-            ]
-            return sides[0], sides[1]
-        chosen, rejected = (
-            conversation({"messages": record[s]}, where).messages for s in ("chosen", "rejected")
+    absent = [side for side in ("chosen", "rejected") if side not in record]
+    if absent:
+        raise SideMissing(
+            f"data.path: {where} has no {' and no '.join(map(repr, absent))} (its fields: "
+            f"{', '.join(map(repr, record)) or 'none'}).",
+            HINT,
         )
-    except BadRecord:
-        raise RowSkipped(NOT_TEXT) from None
+    if "prompt" in record:
+        prompt = message_list(record["prompt"], where, "prompt", "user", HINT)
+        answers = [message_list(record[s], where, s, "assistant", HINT) for s in COLUMNS[1:]]
+        sides = [Conversation(prompt + answer, len(prompt)) for answer in answers]
+        return sides[0], sides[1]
+    chosen, rejected = (message_list(record[s], where, s, None, HINT) for s in COLUMNS[1:])
     kc, kr = _prompt_len(chosen), _prompt_len(rejected)
     if chosen[:kc] != rejected[:kr]:
         at = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(kc, kr))
@@ -104,22 +114,27 @@ def pair(record: dict[str, Any], where: str) -> tuple[Conversation, Conversation
             f"data.path: {where}: the chosen and rejected conversations do not share their "
             f"prompt (the messages before each one's final assistant answer): they differ at "
             f"message {at + 1} ({repr(chosen[at] if at < kc else None)[:60]} vs "
-            f"{repr(rejected[at] if at < kr else None)[:60]}). {EXPECTED}; or give the prompt "
-            'apart in "prompt".'
+            f"{repr(rejected[at] if at < kr else None)[:60]}); or put the shared prompt in "
+            '"prompt" and only the answers in "chosen" and "rejected".',
+            HINT,
         )
     if kc == 0 or kc == len(chosen) or kr == len(rejected):
-        raise RowSkipped(NO_ANSWER)
+        raise NoAnswer(where)
     return Conversation(chosen, kc), Conversation(rejected, kr)
 
 
 @dataclass
 class PreferenceEncoder:
     """The corpus machinery's encoder of preference rows (trainer/data/encoding.py's
-    `Encoder`): per row one document, the chosen side's tokens then the rejected side's."""
+    `Encoder`): per row one document, the chosen side's tokens then the rejected side's.
+    `bad_rows`: refuse (a row that is no pair raises its `BadRecord`, which the machinery
+    reports with every other bad row of the file) or drop (stored empty, its `status` says
+    why)."""
 
     tokenizer: str
     template: str
     origin: str
+    bad_rows: str = "refuse"
     extras: dict[str, tuple[str, str]] = field(
         default_factory=lambda: {
             "mask": ("token", "|u1"),
@@ -139,6 +154,7 @@ class PreferenceEncoder:
             "encoder": VERSION,
             "tokenizer": tokenizer_files_identity(self.tokenizer),
             "template": text_identity(self.template),
+            "bad_rows": self.bad_rows,  # a refusing run never reads a store that dropped rows
         }
 
     def vocab_size(self) -> int:
@@ -154,18 +170,15 @@ class PreferenceEncoder:
     def _render(self, record: Any, where: str) -> tuple[list[tuple[str, list]], int]:
         """Both sides' (rendering, scored character spans), and the row's status."""
         assert self._renderer is not None, "start() first"
-        if not isinstance(record, dict):
-            return [], NOT_TEXT
         try:
             sides = pair(record, where)
-        except RowSkipped as skipped:
-            return [], skipped.status
-        try:
             return [self._renderer.supervised(s, "completion", where) for s in sides], OK
-        except TemplateRefused:
-            raise
-        except BadRecord:  # the template rejects this row's messages
-            return [], NOT_TEXT
+        except NoAnswer:
+            return [], NO_ANSWER
+        except BadRecord as exc:  # not a pair, or messages the template rejects
+            if self.bad_rows == "refuse" or not exc.of_row:
+                raise
+            return [], {SideMissing: MISSING, PromptsDiffer: DIFFERS}.get(type(exc), NOT_TEXT)
 
     def encode(self, values: list[Any], where: list[str], ends: list[bool] | None) -> Encoded:
         del ends
@@ -214,13 +227,14 @@ class PairSelection:
     lengths: np.ndarray
     missing: int = 0
     not_text: int = 0
+    differs: int = 0
     no_answer: int = 0
     too_long: int = 0
     packed: bool = False  # too long: the two sides together
 
     @property
     def dropped(self) -> int:
-        return self.missing + self.not_text + self.no_answer + self.too_long
+        return self.missing + self.not_text + self.differs + self.no_answer + self.too_long
 
 
 def select_pairs(
@@ -252,6 +266,7 @@ def select_pairs(
         lengths=np.minimum(sides[keep], max_length),
         missing=int((status == MISSING).sum()),
         not_text=int((status == NOT_TEXT).sum()),
+        differs=int((status == DIFFERS).sum()),
         no_answer=int((status == NO_ANSWER).sum() + no_answer.sum()),
         too_long=int((ok & ~fits).sum()),
         packed=packed,
@@ -329,8 +344,15 @@ def _source(path: str) -> tuple[Source, Source | None]:
     return fix(train), (fix(val) if val is not None else None)
 
 
-def _check(truncation: str, max_length: int | None, val_every_nth: int, packed: bool) -> None:
+def _check(
+    truncation: str, max_length: int | None, val_every_nth: int, packed: bool, bad_rows: str
+) -> None:
     # Messages start with the argument's name: the trainer names the config key from it.
+    if bad_rows not in BAD_ROWS:
+        raise ValueError(
+            f"bad_rows must be refuse (a row that is no pair stops the run, named by file and "
+            f"line) or drop (such rows are dropped and counted), got {bad_rows!r}"
+        )
     if truncation not in TRUNCATION:
         raise ValueError(f"truncation must be drop or cut, got {truncation!r}")
     if max_length is not None and max_length < 2:
@@ -353,6 +375,7 @@ def preference_data(
     truncation: str = "drop",
     packed: bool = False,
     val_every_nth: int = 10,
+    bad_rows: str = "refuse",
     pretrained: str | None = None,
     context: int | None = None,
     cache: bool = True,
@@ -361,7 +384,7 @@ def preference_data(
 ) -> DataSplits:
     """The `data._target_` of `data=preference` (configs/data/preference.yaml says what each
     key does). `pretrained`, `context`: the model's directory and context."""
-    _check(truncation, max_length, val_every_nth, packed)
+    _check(truncation, max_length, val_every_nth, packed, bad_rows)
     if not path or path == "required":
         raise ValueError(
             "path: data=preference needs data.path= a .jsonl, .parquet or save_to_disk dir"
@@ -371,7 +394,7 @@ def preference_data(
         raise ValueError("max_length: the model names no context; set data.max_length=TOKENS")
     if not cache:
         cache_dir = tempfile.mkdtemp(prefix="cumulus-shards-")
-    tok, encoder = _encoder(tokenizer, chat_template, pretrained)
+    tok, encoder = _encoder(tokenizer, chat_template, pretrained, bad_rows)
     train_src, own_val = _source(path)
     val_src = _source(val_path)[0] if val_path else own_val
 
@@ -385,12 +408,14 @@ def preference_data(
         parts = [(store, every[~held]), (store, every[held])]
     else:
         parts = [(store, every), (val_store, np.arange(len(val_store.doc_offsets) - 1))]
-    train, val = (
+    # Drops are said of whole files: data.path's every row, the held-out ones too.
+    whole = [(store, every)] + ([parts[1]] if val_store is not None else [])
+    train, val, *files = (
         PreferenceSamples(s, select_pairs(s, c, length, truncation == "cut", packed), packed)
-        for s, c in parts
+        for s, c in [*parts, *whole]
     )
     if not len(train):
-        raise UserError(_nothing(path, train.selection, length))
+        raise UserError(_nothing(path, files[0].selection, length))
     if not len(val):
         where = val_path or path
         raise UserError(
@@ -405,12 +430,12 @@ def preference_data(
         vocab_size=max(len(tok), store.max_id + 1),
         seq_len=length,
         decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
-        description=_description(path, store, train, val, length),
+        description=_description(path, store, (train, val), files, length),
     )
 
 
 def _encoder(
-    tokenizer: str | None, template_file: str | None, pretrained: str | None
+    tokenizer: str | None, template_file: str | None, pretrained: str | None, bad_rows: str
 ) -> tuple[Any, PreferenceEncoder]:
     tok_path = tokenizer_source(tokenizer, pretrained)
     if tok_path is None:
@@ -423,13 +448,14 @@ def _encoder(
     tok = load_hf_tokenizer(tok_path, "data.tokenizer" if tokenizer else "model.pretrained")
     template = chat_template(tok, template_file, tok_path)
     origin = "data.chat_template" + ("" if template_file else f" (the template of {tok_path})")
-    return tok, PreferenceEncoder(str(tok_path), template, origin)
+    return tok, PreferenceEncoder(str(tok_path), template, origin, bad_rows)
 
 
 def _dropped(sel: PairSelection) -> str:
     parts = [
         (sel.missing, "without chosen or rejected"),
         (sel.not_text, "whose content is not text messages"),
+        (sel.differs, "whose chosen and rejected prompts differ"),
         (sel.no_answer, "with no answer after the prompt"),
         (
             sel.too_long,
@@ -451,13 +477,21 @@ def _nothing(path: str, sel: PairSelection, length: int) -> str:
 
 
 def _description(
-    path: str, store: TokenStore, train: PreferenceSamples, val: PreferenceSamples, length: int
+    path: str,
+    store: TokenStore,
+    splits: tuple[PreferenceSamples, PreferenceSamples],
+    files: list[PreferenceSamples],
+    length: int,
 ) -> str:
-    dropped = _dropped(train.selection)
+    """`files`: data.path's rows, and data.val_path's if given (their drops are said)."""
+    train, val = splits
+    said = [_dropped(f.selection) for f in files]
+    dropped = "".join(
+        f"; {'data.val_path: ' if k else ''}{text}" for k, text in enumerate(said) if text
+    )
     cache = "token cache reused: " if store.reused else "tokenized into "
     return (
-        f"{len(train)} train / {len(val)} val pairs from {path}"
-        f"{'; ' + dropped if dropped else ''}, "
+        f"{len(train)} train / {len(val)} val pairs from {path}{dropped}, "
         f"{'each pair one row' if train.packed else 'each side'} of at most {length} tokens "
         f"({cache}{store.root})"
     )

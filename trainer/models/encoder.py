@@ -3,7 +3,8 @@ each row as the mean of its last hidden states over the attention mask.
 
 Built at random init from `config` (fields of the family's config: `hidden_size`,
 `num_hidden_layers`, ...; no download), or loaded from a local `save_pretrained` directory
-with `pretrained=DIR` (its architecture; of `config` only dropout fields apply). The model is
+with `pretrained=DIR` (its architecture and values; of `config` only runtime fields, such as
+dropout, apply over the directory's: trainer/config/pretrained.py). The model is
 the family's base model class (`BertModel`...) subclassed only to pool in `forward`: its
 parameter names are transformers' own, so `scripts/export_hf.py` writes a directory that
 `AutoModel.from_pretrained` (and sentence-transformers, with mean pooling) loads. No pooler
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.config.pretrained import refuse_architecture
 from trainer.models.hf import load_config, no_progress_bars, require_transformers
 
 EXTRA = "hf"
@@ -90,11 +92,6 @@ def _pooling(cls: type) -> type:
     return sub
 
 
-def _runtime(config: dict[str, Any]) -> dict[str, Any]:
-    """Config fields that do not change the architecture: applied to a pretrained model."""
-    return {k: v for k, v in config.items() if k.endswith("dropout_prob") or "dropout" in k}
-
-
 def encoder(
     family: str = "bert",
     config: dict[str, Any] | None = None,
@@ -102,12 +99,14 @@ def encoder(
 ) -> nn.Module:
     """A transformers encoder with mean pooling: `family` a `model_type` (bert, roberta,
     ...) with `config` its config fields (random init), or `pretrained` a local
-    `save_pretrained` directory."""
+    `save_pretrained` directory (of `config`, runtime fields apply over its values)."""
     require_transformers()
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
     config = dict(config or {})
-    hf_config = load_config(family, _runtime(config) if pretrained else config, pretrained)
+    if pretrained is not None:  # the architecture is the directory's
+        refuse_architecture(config, pretrained)
+    hf_config = load_config(family, config, pretrained)
     try:
         cls = MODEL_MAPPING[type(hf_config)]
     except KeyError:

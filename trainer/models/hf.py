@@ -22,9 +22,9 @@ import copy
 import functools
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from engine.moe.routing import HookedRouter
 from engine.numerics.chunked_ce import HeadLoss
 from engine.parallel.pipeline import NotSplittable
 from trainer.config.errors import UserError
+from trainer.config.pretrained import dropout_note, refuse_architecture
 from trainer.models.hf_experts import make_experts_splittable
 
 if TYPE_CHECKING:
@@ -41,8 +42,6 @@ if TYPE_CHECKING:
 
 EXTRA = "hf"
 CONTEXT_PARALLEL = "cumulus_context_parallel"  # an attention function registered for dist.cp
-# Config fields that do not change the architecture: applied to a pretrained model too.
-RUNTIME = {"use_cache", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"}
 # model_types whose causal LM computes `logits = lm_head(last_hidden_state)` and nothing more
 # (no logit scaling or soft-capping): the chunked loss equals theirs (tests/test_chunked_ce.py).
 HEAD_FAMILIES = frozenset({"gpt2", "llama", "mistral", "qwen2"})
@@ -54,6 +53,17 @@ def is_transformers_model(model: object) -> bool:
     transformers' modeling module was never imported, no such model exists."""
     modeling = sys.modules.get("transformers.modeling_utils")
     return modeling is not None and isinstance(model, modeling.PreTrainedModel)
+
+
+def origin_note(model: nn.Module, node: Mapping[str, Any]) -> str:
+    """The start-up line's words after a transformers model's name (`node`: its `model`
+    config): ' (from DIR, dropout 0.0: the directory's)', ' (random init, dropout 0.1)'; ''
+    for any other model."""
+    if not is_transformers_model(model):
+        return ""
+    fields = cast(Any, model).config.to_dict()
+    given = node.get("config") if isinstance(node.get("config"), Mapping) else {}
+    return " " + dropout_note(fields, list(given or {}), node.get("pretrained"))
 
 
 def require_transformers() -> Any:
@@ -366,8 +376,9 @@ def _no_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
 
 def load_config(family: str, config: dict[str, Any], pretrained: str | None) -> Any:
     """The transformers config of `family` with `config`'s fields, or of a local
-    `save_pretrained` directory (its own code refused; `config` then holds only runtime
-    fields). One paragraph for a directory that is not one and a family transformers lacks."""
+    `save_pretrained` directory (its own code refused; `config`'s runtime fields applied over
+    its values). One paragraph for a directory that is not one and a family transformers
+    lacks."""
     transformers = require_transformers()
     if pretrained is None:
         try:
@@ -454,14 +465,14 @@ def causal_lm(
 ) -> nn.Module:
     """A transformers causal LM: `family` is a `model_type` (gpt2, llama, ...) and `config`
     its config fields (random init), or `pretrained` a local `save_pretrained` directory
-    (its architecture; of `config` only runtime fields such as dropout and use_cache)."""
+    (its architecture and its values; of `config`, runtime fields such as dropout and
+    use_cache apply over the directory's, and an architectural one is refused)."""
     require_transformers()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = dict(config or {})
-    if pretrained is not None:
-        # The architecture is the directory's; only runtime settings come from `config`.
-        config = {k: v for k, v in config.items() if k in RUNTIME or k.endswith("dropout")}
+    if pretrained is not None:  # the architecture is the directory's
+        refuse_architecture(config, pretrained)
     hf_config = load_config(family, config, pretrained)
     try:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]

@@ -27,14 +27,13 @@ scripts/export_hf.py writes transformers' own class with every expert.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.moe.routing import dispatch, expert_compute
+from engine.moe.grouped import group_offsets, grouped_mm
+from engine.moe.routing import dispatch
 from engine.parallel import LayoutError
 from engine.parallel.expert import ExpertGroup
 
@@ -67,23 +66,20 @@ class SplitExperts(nn.Module):
         self.expert_group = group
         return [self.gate_up_proj, self.down_proj]
 
-    def expert(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def local_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's experts on `rows` sorted by local expert, `counts` rows each:
+        transformers' math (gate and up in one product, act(gate) * up, down), every expert
+        in one grouped product each (engine/moe/grouped.py)."""
+        gate_up, down = self.gate_up_proj, self.down_proj  # (local, 2I, C), (local, C, I)
         # Under FSDP2's bf16 (ExpertGroup.param_dtype) the experts compute with their weights
         # cast as FSDP2 casts the weights it shards.
         dtype = self.expert_group.param_dtype if self.expert_group is not None else None
-
-        def run(x: torch.Tensor) -> torch.Tensor:  # (n_i, C) -> (n_i, C), transformers' math
-            gate_up, down = self.gate_up_proj[i], self.down_proj[i]
-            if dtype is not None:
-                gate_up, down, x = gate_up.to(dtype), down.to(dtype), x.to(dtype)
-            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # (n_i, I) each
-            return F.linear(self.act_fn(gate) * up, down)
-
-        return run
-
-    def local_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """This rank's experts on `rows` sorted by local expert, `counts` rows each."""
-        return expert_compute(rows, counts, [self.expert(i) for i in range(len(counts))])
+        if dtype is not None:
+            gate_up, down, rows = gate_up.to(dtype), down.to(dtype), rows.to(dtype)
+        offsets = group_offsets(counts, rows.device)
+        # F.linear(x, W) is x @ W^T: the weights transposed in their last two dims.
+        gate, up = grouped_mm(rows, gate_up.transpose(-2, -1), offsets).chunk(2, dim=-1)
+        return grouped_mm(self.act_fn(gate) * up, down.transpose(-2, -1), offsets)
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -91,7 +87,7 @@ class SplitExperts(nn.Module):
         if self.expert_group is None:  # not split: transformers' own forward
             return super().forward(hidden_states, top_k_index, top_k_weights)
         xs, d = dispatch(hidden_states, top_k_index, self.num_experts)  # (N*k, C) by expert
-        ys = self.expert_group.run(xs, d.counts, self.local_experts)  # (N*k, C)
+        ys = self.expert_group.run(xs, d.counts.tolist(), self.local_experts)  # (N*k, C)
         # transformers' combine: output x weight (their promoted dtype), into the token's row.
         w = top_k_weights.reshape(-1)[d.order].unsqueeze(-1)  # (N*k, 1)
         out = torch.zeros_like(hidden_states)  # (N, C)

@@ -8,21 +8,15 @@ loss of the whole step is engine/moe/balance.py's, fed by the routers these bloc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.moe.routing import (
-    Routing,
-    combine,
-    dispatch,
-    expert_compute,
-    recomputing,
-    top_k_route,
-)
+from engine.moe.grouped import group_offsets, grouped_mm, row_groups
+from engine.moe.routing import Routing, combine, dispatch, recomputing, top_k_route
 from engine.parallel.expert import ExpertGroup
 
 
@@ -128,28 +122,21 @@ class Experts(nn.Module):
         # the parameters stay the full-precision copy the optimizer updates.
         self.compute_dtype: torch.dtype | None = None
 
-    def expert(
-        self, i: int, weights: Sequence[torch.Tensor | None]
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        fc, proj, fc_bias, proj_bias = weights
-
-        def run(x: torch.Tensor) -> torch.Tensor:  # (n_i, C) -> (n_i, C)
-            h = x @ fc[i]
-            h = h + fc_bias[i] if fc_bias is not None else h
-            y = F.gelu(h) @ proj[i]
-            return y + proj_bias[i] if proj_bias is not None else y
-
-        return run
-
-    def forward(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """`xs` (N*k, C) sorted by expert, `counts` rows per expert -> (N*k, C)."""
+    def forward(self, xs: torch.Tensor, counts: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """`xs` (N*k, C) sorted by expert, `counts` rows per expert (E,) on the device (a
+        list under expert parallelism) -> (N*k, C): each expert's MLP on its rows, every
+        expert in one grouped product per layer (engine/moe/grouped.py)."""
         dtype = self.compute_dtype
-        weights = [
+        fc, proj, fc_bias, proj_bias = (
             p.to(dtype) if p is not None and dtype is not None else p
             for p in (self.fc, self.proj, self.fc_bias, self.proj_bias)
-        ]
-        n = self.fc.shape[0]
-        return expert_compute(xs, counts, [self.expert(i, weights) for i in range(n)])
+        )
+        offsets = group_offsets(counts, xs.device)  # (E,) each expert's end row
+        owner = row_groups(offsets, xs.shape[0]) if fc_bias is not None else None  # (N*k,)
+        h = grouped_mm(xs, fc, offsets)  # (N*k, H)
+        h = h + fc_bias[owner] if fc_bias is not None else h
+        y = grouped_mm(F.gelu(h), proj, offsets)  # (N*k, C)
+        return y + proj_bias[owner] if proj_bias is not None else y
 
     def keep(self, group: ExpertGroup) -> list[nn.Parameter]:
         """Keep the group rank's experts only (expert parallelism); the kept parameters."""
@@ -198,7 +185,7 @@ class MoE(nn.Module):
         if self.expert_group is None:
             ys = self.experts(xs, d.counts)  # (N*k, C)
         else:  # to the ranks holding the experts and back
-            ys = self.expert_group.run(xs, d.counts, self.experts)
+            ys = self.expert_group.run(xs, d.counts.tolist(), self.experts)  # host split sizes
         y = combine(ys, weights, d, B * T)  # (N, C)
         if self.shared is not None:
             y = y + self.shared(flat)

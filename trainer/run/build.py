@@ -33,6 +33,7 @@ from trainer.config.signing import sign
 from trainer.data.batches import build_train_batches, build_val_batches
 from trainer.data.loader import TrainBatches
 from trainer.models.export import export_line
+from trainer.models.hf import origin_note
 from trainer.models.lora import export_line as adapter_line
 from trainer.run.assemble import Assembly, assemble, check_layout
 from trainer.run.auto_batch import setup_auto
@@ -296,7 +297,7 @@ def build_banner(
     return Banner(
         run_dir=run_dir,
         run_id=resumed.run_id,
-        model=type(parts.model).__name__,
+        model=type(parts.model).__name__ + origin_note(parts.model, cfg.model),
         n_params=parts.n_params,
         n_trainable=parts.n_trainable,
         data=parts.data.description or str(cfg.data.get("_target_")),

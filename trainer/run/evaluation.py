@@ -28,6 +28,7 @@ from engine.parallel.dims import ParallelDims
 from engine.window_task import WindowTask
 from trainer.config.components import current_targets
 from trainer.config.errors import UserError
+from trainer.config.pretrained import drop_saved_architecture
 from trainer.config.schema import Config
 from trainer.config.signing import is_own
 from trainer.config.trust import (
@@ -154,6 +155,7 @@ def checkpoint_config(
             f"checkpoint: the config saved in {path} does not fit this version's schema "
             f"({first}); it was written by another version of cumulus or altered"
         ) from None
+    drop_saved_architecture(cfg, overrides)
     if own:
         return cfg
     composed = OmegaConf.to_container(cfg, resolve=False)

@@ -15,6 +15,8 @@ import secrets
 
 from omegaconf import OmegaConf
 
+from trainer.config.pretrained import register_random_init
+
 STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
 _STAMP_KEY = "cumulus/run_stamp"
 
@@ -50,3 +52,4 @@ def new_run_id() -> str:
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("run_stamp"):
         OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)
+    register_random_init()  # configs/model/hf_*.yaml's in-tree defaults
