@@ -296,3 +296,39 @@ def test_user_error_is_what_the_lighthouse_loss_raises() -> None:
     from trainer.run.ft import LighthouseLost
 
     assert issubclass(LighthouseLost, UserError) and issubclass(LighthouseLost, RunEnded)
+
+
+class Payload:
+    """What a hostile peer could send: unpickling it would run a command."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_a_peers_state_is_read_as_tensors_and_plain_values_only() -> None:
+    """The state a group behind takes from a peer is read with weights_only=True (torchft's
+    own HTTP transport unpickles anything): a state of tensors, RNG and plain values arrives
+    bitwise; one holding any other object is refused before anything in it runs."""
+    pytest.importorskip("torchft")
+    import pickle
+    from datetime import timedelta
+
+    import torch
+
+    from engine.parallel.replicas import weights_only_transport
+    from engine.rng import rng_state
+
+    timeout = timedelta(seconds=10)
+    peer, behind = weights_only_transport(timeout), weights_only_transport(timeout)
+    try:
+        state = {"w": torch.randn(3, 2), "rng": rng_state(), "step": 7, "lr": [0.1, (0.9, 0.95)]}
+        peer.send_checkpoint([1], step=7, state_dict=state, timeout=timeout)
+        got = behind.recv_checkpoint(0, peer.metadata(), step=7, timeout=timeout)
+        assert torch.equal(got["w"], state["w"]) and got["step"] == 7 and got["lr"] == state["lr"]
+        peer.disallow_checkpoint()
+        peer.send_checkpoint([1], step=8, state_dict={"payload": Payload()}, timeout=timeout)
+        with pytest.raises(pickle.UnpicklingError, match=r"GLOBAL posix\.system"):
+            behind.recv_checkpoint(0, peer.metadata(), step=8, timeout=timeout)
+    finally:
+        peer.shutdown(wait=False)
+        behind.shutdown(wait=False)

@@ -145,15 +145,12 @@ class ReplicaGroups:
         the others' quorums back (the lighthouse waits for every healthy group)."""
         quiet_torchft()
         import torchft
-        from torchft.checkpointing import HTTPTransport
         from torchft.manager import Manager
 
         s = self.settings
         timeout = timedelta(seconds=s.timeout_s)
         host, port = self._fresh_store()
-        transport = HTTPTransport(timeout, num_chunks=0)
-        # Its HTTP server logs every request on stderr: the trainer says what was received.
-        transport._server.RequestHandlerClass.log_message = lambda *args: None
+        transport = weights_only_transport(timeout)
         pg = (
             torchft.ProcessGroupNCCL(timeout=timeout)
             if self.info.device.type == "cuda"
@@ -324,6 +321,28 @@ class ReplicaGroups:
         """torchft's load callback, in the main thread inside `start_quorum`."""
         self._load(cloned(state))
         self.healed = True
+
+
+def weights_only_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (each rank serves its state; a rank behind fetches
+    it from the same rank of a peer), its receiver reading tensors and plain containers only
+    (`torch.load(weights_only=True)`, as checkpoints are read): torchft's own reads any pickle
+    a peer sends. What travels is what a checkpoint holds, so nothing else is needed."""
+    import urllib.request
+
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing import HTTPTransport
+
+    class WeightsOnlyTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    transport = WeightsOnlyTransport(timeout, num_chunks=0)
+    # Its HTTP server logs every request on stderr: the trainer says what was received.
+    transport._server.RequestHandlerClass.log_message = lambda *args: None
+    return transport
 
 
 def quiet_torchft() -> None:
