@@ -17,6 +17,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from trainer.version import answer_version
+
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -81,7 +83,9 @@ def address(served: str, bind: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    answer_version(argv, "trainer.lighthouse")
+    args = parse_args(argv)
     if importlib.util.find_spec("torchft") is None:
         from trainer.config.schema import FT_INSTALL
 
