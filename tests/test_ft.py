@@ -429,3 +429,19 @@ def test_torchfts_stock_path_ends_elsewhere(runs: Runs) -> None:
         f"{kept:.2g} without the kill"
     )
     assert kept < 1e-5 and lost > 1e-3, (kept, lost)
+
+
+def test_the_report_marks_the_failed_steps(runs: Runs) -> None:
+    """The run's report.html (written by the writer at the end) marks each step whose first
+    attempt failed on the loss curve, and its run line counts them; the summary says so."""
+    done = run_of(runs, "two_groups")
+    records = train_records(done.records)
+    before = [{"ft/failures": 0}, *records]
+    failed = [b["step"] for a, b in zip(before, records) if b["ft/failures"] > a["ft/failures"]]
+    assert failed, records[-1]
+    page = (done.run_dir / "report.html").read_text()
+    for step in failed:
+        assert f"failed step, redone by the live replica groups at step {step}<" in page
+    assert f"{len(failed)} failed step(s) redone" in page
+    summary = (done.run_dir / "summary.txt").read_text()
+    assert "fault tolerance: " in summary and "redone by the live groups" in summary, summary
