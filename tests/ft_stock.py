@@ -43,6 +43,19 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_args(ours.split()), overrides.split()
 
 
+def ready(folder: Path, group: int, groups: int, timeout_s: float = 120.0) -> None:
+    """Wait until every group's Manager is up (heartbeating) before the first quorum: torchft
+    has no start barrier, and a group whose imports are seconds late would otherwise find its
+    peer training alone (its share of those steps dropped), a difference from the
+    uninterrupted run that is start-up timing, not a loss. A group launched again finds them
+    all there."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"ready_g{group}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(folder.glob("ready_g*"))) < groups and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main(argv: list[str]) -> None:
     os.environ.setdefault("RUST_LOG", "warn")
     import torch
@@ -113,6 +126,7 @@ def main(argv: list[str]) -> None:
         replica_id=f"stock_{args.group:05d}",
         init_sync=False,
     )
+    ready(args.out, args.group, args.groups)
     ft_optimizer = torchft.Optimizer(manager, optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
     marker = args.markers / f"{args.kill}-forward" if args.markers is not None else None
