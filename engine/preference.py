@@ -10,17 +10,14 @@ loss needs the summed log-probabilities of both answers under the policy and (bu
 `count_items` the number of pairs. The accumulation step divides by the pairs of the whole
 global batch, which makes the step exact under accumulation and data parallelism.
 
-Losses, with h = (pi_c - ref_c) - (pi_r - ref_r) on summed log-probabilities:
+Losses (`loss_type`, engine/preference_losses.py: one small class each): `sigmoid` (DPO),
+`ipo` (on length-normalized log-probabilities, as TRL's DPOTrainer), `simpo` (reference-free,
+length-normalized, TRL's CPOTrainer), `hinge` (SLiC) and `robust` (robust DPO), each of the
+pair's margin h = (pi_c - ref_c) - (pi_r - ref_r) (simpo: d = pi_c - pi_r).
 
-- `sigmoid` (DPO): -(1 - eps) logsigmoid(beta h) - eps logsigmoid(-beta h), eps the label
-  smoothing;
-- `ipo`: (h - 1 / (2 beta))^2, on log-probabilities divided by the answer's length (as TRL's
-  DPOTrainer computes them for ipo);
-- `simpo`: -(1 - eps) logsigmoid(beta d - gamma) - eps logsigmoid(-(beta d - gamma)), d the
-  difference of the length-normalized log-probabilities (reference-free, TRL's CPOTrainer).
-
-Rewards (records `train/reward_*`, `val/reward_*`): beta (pi - ref) per side (simpo: beta
-times the length-normalized log-probability), their margin, and whether chosen beats rejected.
+Rewards (records `train/reward_*`, `val/reward_*`): beta (pi - ref) per side, on the
+log-probabilities the loss reads (length-normalized for ipo and simpo; simpo has no ref),
+their margin, and whether chosen beats rejected.
 
 Memory: the log-probabilities are log p(label) = logit(label) - logsumexp(logits) per token,
 `chunk_size` tokens at a time in fp32 (engine/numerics/chunked_ce.py). A model that declares
@@ -37,28 +34,38 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.moe.routing import routing_not_counted
 from engine.numerics.chunked_ce import IGNORE_INDEX
+from engine.preference_losses import PreferenceLoss, preference_loss
 from engine.tasks import ChunkSize, TaskOutputError, TokenLogProbs
 
-LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 REFERENCES = ("adapter", "copy", "precomputed", "none")
 # `task.reference=precomputed`: the batch field holding each pair's reference log-probabilities,
-# (pairs, 2), written before training (trainer/run/preference.py) and read by the data.
+# (pairs, 2), written before training (trainer/run/extensions/preference.py) and read by the data.
 PRECOMPUTED = "reference_log_probs"
 REWARDS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
-# Yields the module that scores a batch as the reference, given the policy as the step calls it.
-Reference = Callable[[nn.Module], contextlib.AbstractContextManager[nn.Module]]
+
+
+@runtime_checkable
+class Reference(Protocol):
+    """A reference model to score with: called with the policy as the step calls it, it
+    yields the module that scores a batch as the reference; `mode` is its `task.reference`."""
+
+    mode: str
+
+    def __call__(self, policy: nn.Module) -> contextlib.AbstractContextManager[nn.Module]: ...
 
 
 class FrozenCopy:
     """`task.reference=copy`: the policy's module now, copied once, frozen and in eval mode.
     `module` may be replaced by the same copy laid out over the ranks (`lay_out`)."""
+
+    mode = "copy"
 
     def __init__(self, model: nn.Module) -> None:
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
@@ -77,19 +84,26 @@ def frozen_copy(model: nn.Module) -> FrozenCopy:
     return FrozenCopy(model)
 
 
-def adapters_disabled(peft_model: Any, inner: nn.Module) -> Reference:
+class DisabledAdapters:
     """`task.reference=adapter`: the policy's base with its adapters off (peft's
     `disable_adapter()`): no second copy of the weights. `inner` is the module that runs: the
     user's model with peft's layers in it, outside any data-parallel wrapper (the reference
     takes no gradient, so no wrapper's hooks are needed)."""
 
-    @contextlib.contextmanager
-    def scoring(policy: nn.Module) -> Iterator[nn.Module]:
-        del policy
-        with peft_model.disable_adapter():
-            yield inner
+    mode = "adapter"
 
-    return scoring
+    def __init__(self, peft_model: Any, inner: nn.Module) -> None:
+        self.peft_model, self.inner = peft_model, inner
+
+    @contextlib.contextmanager
+    def __call__(self, policy: nn.Module) -> Iterator[nn.Module]:
+        del policy
+        with self.peft_model.disable_adapter():
+            yield self.inner
+
+
+def adapters_disabled(peft_model: Any, inner: nn.Module) -> DisabledAdapters:
+    return DisabledAdapters(peft_model, inner)
 
 
 class DPOTask:
@@ -97,14 +111,17 @@ class DPOTask:
 
     Args:
         beta: the inverse temperature of the rewards (TRL's default 0.1).
-        loss_type: `sigmoid`, `ipo` or `simpo`.
+        loss_type: a name of engine/preference_losses.py's `LOSSES`: `sigmoid`, `ipo`,
+            `simpo`, `hinge` or `robust`.
         gamma: simpo's target margin (applied as -gamma inside the sigmoid).
-        label_smoothing: eps, the assumed share of flipped preferences (sigmoid, simpo).
+        label_smoothing: eps, the assumed share of flipped preferences (sigmoid, simpo,
+            robust).
         reference: `copy`, `adapter`, `precomputed` (each pair's reference log-probabilities
             come with the batch, field `reference_log_probs`, written by one pass of the
             initial model before training) or `none` (simpo); null: chosen by the trainer
-            (none for simpo, adapter under adapter=lora, else copy). The trainer attaches it
-            (`attach_reference`) before the first step.
+            (none for simpo, adapter under adapter=lora, else copy), which builds the
+            reference model and gives it to the task (`attach_reference`) before the first
+            step; `reference_mode` says which the task scores with.
         chunk_size: tokens whose log-probabilities are computed at a time (`auto`: from the
             vocabulary and the device, as task=causal_lm's chunked loss); None: the whole
             fp32 log-softmax of the logits.
@@ -127,8 +144,7 @@ class DPOTask:
         chunked_vocab_threshold: int = 32768,
     ) -> None:
         self._token_log_probs = TokenLogProbs(chunk_size, chunked_vocab_threshold, self.name)
-        if loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+        loss = preference_loss(loss_type, float(beta), float(gamma), float(label_smoothing))
         if not (isinstance(beta, int | float) and beta > 0):
             raise ValueError(f"beta must be a positive number, got {beta!r}")
         if not 0.0 <= label_smoothing < 0.5:
@@ -137,17 +153,17 @@ class DPOTask:
             raise ValueError(
                 f"reference must be one of {', '.join(REFERENCES)} or null, got {reference!r}"
             )
-        if loss_type == "simpo" and reference not in (None, "none"):
-            raise ValueError(f"reference: simpo is reference-free; got reference={reference}")
-        if loss_type != "simpo" and reference == "none":
+        if not loss.needs_reference and reference not in (None, "none"):
+            raise ValueError(f"reference: {loss_type} is reference-free; got reference={reference}")
+        if loss.needs_reference and reference == "none":
             raise ValueError(
                 f"reference: loss_type={loss_type} needs a reference (copy, adapter, precomputed)"
             )
         self.beta, self.loss_type = float(beta), loss_type
         self.gamma, self.label_smoothing = float(gamma), float(label_smoothing)
-        self.reference = "none" if loss_type == "simpo" else reference
-        self._reference: Reference | FrozenCopy | None = None
-        self._pending: dict[str, torch.Tensor] = {}
+        self.loss: PreferenceLoss = loss
+        self.reference = "none" if not loss.needs_reference else reference
+        self._reference: Reference | None = None
         self.chunk_size, self.chunked_vocab_threshold = chunk_size, chunked_vocab_threshold
 
     @property
@@ -155,31 +171,39 @@ class DPOTask:
         """The reference when it is a frozen copy (to lay out like the policy)."""
         return self._reference if isinstance(self._reference, FrozenCopy) else None
 
-    def attach_reference(self, reference: Reference | FrozenCopy | None) -> None:
-        """The reference the task scores with (None for `none`)."""
+    def attach_reference(self, reference: Reference) -> None:
+        """The reference model the task scores with (`copy`, `adapter`; `precomputed` and
+        `none` have none)."""
         self._reference = reference
+
+    @property
+    def reference_mode(self) -> str | None:
+        """The `task.reference` the task scores with: its own when given, else the attached
+        model's (None: nothing attached yet)."""
+        if self.reference in ("none", "precomputed") or self._reference is None:
+            return self.reference
+        return self._reference.mode
 
     # ---- the loss contract ----
     def count_items(self, batch: Any) -> torch.Tensor:
         return torch.tensor(self._fields(batch)[0].shape[0], dtype=torch.int64)  # pairs
 
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self._pair_losses(model, batch)[0].sum()
+
+    def loss_and_sums(
+        self, model: nn.Module, batch: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss sum and the rewards' sums over the batch's pairs, with `items`: its
+        pairs (engine/item_sums.py's `ItemSums`: the step adds them up)."""
         losses, rewards = self._pair_losses(model, batch)
-        # The step's forwards, not the no-grad check of the sum (a transformers model loaded
-        # with from_pretrained trains in eval mode: `model.training` cannot tell them apart).
-        if torch.is_grad_enabled():
-            self._accumulate(rewards, len(losses))
-        return losses.sum()
+        sums = {k: v.sum().double() for k, v in rewards.items()}
+        sums["items"] = torch.tensor(float(len(losses)), dtype=torch.float64, device=losses.device)
+        return losses.sum(), sums
 
     def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         losses, rewards = self._pair_losses(model, batch)
         return {"loss": losses.sum(), **{k: v.sum() for k, v in rewards.items()}}
-
-    def take_item_sums(self) -> dict[str, torch.Tensor]:
-        """The reward sums of the training forwards since the last call, and `items`: their
-        pairs (engine/step.py's `ItemSums`)."""
-        out, self._pending = self._pending, {}
-        return out
 
     # ---- the arithmetic ----
     def _fields(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -224,31 +248,38 @@ class DPOTask:
         of_side = torch.stack([side == 0, side == 1], 1)  # (P, 2, T)
         return (per_token.unsqueeze(1) * of_side).sum(-1), (mask.unsqueeze(1) & of_side).sum(-1)
 
+    def routed_positions(self, batch: Any) -> torch.Tensor:
+        """(rows * T,) bool, in the order the model's forward routes them: the positions a
+        mixture's balancing counts (engine/moe/sums.py's `MarksRoutedPositions`), each side's
+        up to its last answer token's. Those are the positions the pair's loss depends on;
+        the padding after them, added per micro-batch, is left out, so the balancing does not
+        depend on how the pairs are split into micro-batches."""
+        _, labels, rest = self._fields(batch)
+        side = rest.get("pair_side")
+        if side is None:  # (P, 2, T) -> (2P, T), as `log_probs` runs them
+            return _up_to_last(labels.flatten(0, 1) != IGNORE_INDEX).reshape(-1)
+        scored = labels != IGNORE_INDEX  # packed (P, T): each side a document of the row
+        keep = [(side == s) & _up_to_last(scored & (side == s)) for s in (0, 1)]
+        return (keep[0] | keep[1]).reshape(-1)
+
     def _pair_losses(
         self, model: nn.Module, batch: Any
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-pair losses (P,) and per-pair rewards (detached)."""
         # The reference's no-grad forward first: what it holds (a model's logits) is freed
         # before the policy's forward keeps its own for backward.
-        ref = None if self.loss_type == "simpo" else self._reference_log_probs(model, batch)
+        loss = self.loss
+        ref = self._reference_log_probs(model, batch) if loss.needs_reference else None
         policy, lengths = self.log_probs(model, batch)  # (P, 2)
-        if self.loss_type in ("ipo", "simpo"):
+        if loss.length_normalized:
             policy = policy / lengths.clamp(min=1)
-        if ref is None:  # simpo
-            scores = policy
-            logits = self.beta * (policy[:, 0] - policy[:, 1]) - self.gamma
-        else:
+        scores = policy
+        if ref is not None:
             ref = ref.to(policy)
-            if self.loss_type == "ipo":
+            if loss.length_normalized:
                 ref = ref / lengths.clamp(min=1)
             scores = policy - ref
-            logits = scores[:, 0] - scores[:, 1]
-        if self.loss_type == "ipo":
-            losses = (logits - 1.0 / (2.0 * self.beta)) ** 2
-        else:
-            x = logits if self.loss_type == "simpo" else self.beta * logits
-            eps = self.label_smoothing
-            losses = -(1.0 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
+        losses = loss(scores[:, 0] - scores[:, 1])  # of the pairs' margins
         rewards = self.beta * scores.detach()  # (P, 2)
         return losses, {
             "reward_chosen": rewards[:, 0],
@@ -276,13 +307,11 @@ class DPOTask:
                 "none is attached (the trainer attaches task.reference before training; "
                 "elsewhere call attach_reference(frozen_copy(model)))"
             )
-        with torch.no_grad(), self._reference(model) as ref:
+        # A mixture's balancing counts the policy's routing alone (engine/moe/routing.py).
+        with torch.no_grad(), routing_not_counted(), self._reference(model) as ref:
             return self.log_probs(ref, batch)[0].detach()
 
-    def _accumulate(self, rewards: dict[str, torch.Tensor], pairs: int) -> None:
-        sums = {k: v.sum().double() for k, v in rewards.items()}
-        sums["items"] = torch.tensor(
-            float(pairs), dtype=torch.float64, device=rewards[REWARDS[0]].device
-        )
-        for k, v in sums.items():
-            self._pending[k] = self._pending[k] + v if k in self._pending else v
+
+def _up_to_last(marked: torch.Tensor) -> torch.Tensor:
+    """(rows, T) bool: the positions at or before each row's last marked one."""
+    return marked.flip(-1).cumsum(-1).flip(-1) > 0

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from engine.distributed import DistInfo
+from engine.item_sums import ItemTotals
 from engine.numerics.precision import Precision
 from engine.parallel.base import Parallelism, WindowGuard
 from engine.parallel.dims import parallelism_of
@@ -96,42 +97,6 @@ class EvalTask(Task, Protocol):
     """
 
     def eval_sums(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]: ...
-
-
-@runtime_checkable
-class ItemSums(Protocol):
-    """A task that reports, beside its loss, sums of other per-item values (optional): DPO's
-    rewards. `take_item_sums` returns the sums over the training forwards since its last call
-    and `items`, their number of loss items; the trainer takes them after every optimizer
-    step and records each as `train/NAME` = its sum over every micro-batch and rank divided
-    by the items' (engine/callbacks/item_means.py): an exact mean over the step's items.
-    `item_sum_names`: the names it reports (a rank with no items reports zeros).
-
-    Example (a classifier that also records the mean confidence of its predictions)::
-
-        class ConfidentTask(ClassificationTask):
-            item_sum_names = ("confidence",)
-
-            def __init__(self):
-                self.pending = {}
-
-            def loss_sum(self, model, batch):
-                logits, labels = self._logits(model, batch)
-                if torch.is_grad_enabled():  # a training forward (not the sum's check)
-                    top = logits.detach().softmax(-1).amax(-1).sum().double()
-                    items = torch.tensor(float(len(labels)), dtype=torch.float64)
-                    for name, value in {"confidence": top, "items": items}.items():
-                        self.pending[name] = self.pending.get(name, 0) + value
-                return F.cross_entropy(logits, labels, reduction="sum")
-
-            def take_item_sums(self):
-                out, self.pending = self.pending, {}
-                return out
-    """
-
-    item_sum_names: tuple[str, ...]
-
-    def take_item_sums(self) -> dict[str, torch.Tensor]: ...
 
 
 @runtime_checkable
@@ -235,6 +200,9 @@ class StepContext:
     parallel: Parallelism = None  # type: ignore[assignment]
     # Where this rank's time goes (engine/timing.py): the step switches its phases.
     clock: PhaseClock = None  # type: ignore[assignment]
+    # The item sums a task returns beside its loss (ItemSums: DPO's rewards), of the step's
+    # forwards since the last step's records took them.
+    item_sums: ItemTotals = field(default_factory=ItemTotals)
     # What the data-parallel wrapper divides synchronized gradients by (DDP averages).
     grad_sync_divisor: int = field(init=False)
 

@@ -292,7 +292,7 @@ def tiny_context() -> StepContext:
     """gpt_tiny with TINY_MOE, `moe.balance=global`, SGD: the same weights every call."""
     torch.manual_seed(0)
     model = GPT(block_size=TINY_BLOCK, n_layer=2, n_head=2, n_embd=32, moe=TINY_MOE)
-    # Under compile the routing pass runs the whole forward (trainer/run/moe.py).
+    # Under compile the routing pass runs the whole forward (trainer/run/extensions/moe.py).
     balance = BalanceCfg("global", stop_early=False)
     task = BalancedTask(CausalLMTask(), model.routers(), balance, DistInfo())
     return StepContext(

@@ -76,6 +76,10 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
+RANDOM_INIT_MARK = "${random_init:"
+RANDOM_INIT_NOTE = "(random init only: beside `model.pretrained`, the directory's own value)"
+
+
 def yaml_text(value: Any) -> str:
     """A value as a user writes it on the command line (`null`, `true`, `[3, 4]`)."""
     if value is None:
@@ -87,6 +91,14 @@ def yaml_text(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {yaml_text(v)}" for k, v in value.items()) + "}"
     return str(value)
+
+
+def random_init_value(text: str) -> str | None:
+    """`${random_init:V}` (trainer/config/pretrained.py) written in a config file: V, a default
+    for random init only; None for any other value."""
+    if text.startswith(RANDOM_INIT_MARK) and text.endswith("}"):
+        return text[len(RANDOM_INIT_MARK) : -1]
+    return None
 
 
 def cell(text: str) -> str:
@@ -242,6 +254,9 @@ def read_option(path: Path, prefix: str) -> Option:
         dotted = ".".join([*(k for _, k in stack), key])
         if value:
             meaning = " ".join(p for p in (" ".join(above), trailing) if p)
+            if (plain := random_init_value(value)) is not None:
+                value = plain
+                meaning = " ".join([meaning, RANDOM_INIT_NOTE]).strip()
             keys.append((prefix + dotted, value, meaning))
         else:
             stack.append((indent, key))

@@ -58,8 +58,9 @@ from trainer.models.export import (  # noqa: E402
 )
 from trainer.models.hf import is_transformers_model, no_progress_bars  # noqa: E402
 from trainer.models.lora import export_adapter  # noqa: E402
-from trainer.run.assemble import CONFIG_DIR, build_adapter, build_model  # noqa: E402
+from trainer.run.assemble import CONFIG_DIR, build_model  # noqa: E402
 from trainer.run.evaluation import checkpoint_config, resolve_checkpoint  # noqa: E402
+from trainer.run.extensions.adapter import build_adapter  # noqa: E402
 from trainer.run.identity import register_resolvers  # noqa: E402
 from trainer.run.state import RunState  # noqa: E402
 

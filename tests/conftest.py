@@ -96,10 +96,11 @@ def in_tree_model(name: str) -> dict[str, Any]:
 
 def train_in_process(overrides: list[str], run_dir: Path) -> list[dict[str, Any]]:
     """Run the real trainer in this process (one rank) and return its metrics records."""
-    from trainer.run.lifecycle import train
+    from trainer.run.lifecycle import check_choices, train
 
     composed = compose_config(overrides)
     cfg, plain = to_config(composed)
+    check_choices(cfg)  # as the entry points do, before they join a process group
     train(cfg, plain, DistInfo(), run_dir, derived_keys(composed))
     return read_metrics(run_dir)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.parallel.expert import ExpertGroup
+from engine.parallel.expert import ExpertGroup, distribute_experts
 from trainer.models.moe import MoE, MoEConfig
 
 
@@ -96,7 +96,7 @@ def main() -> int:
         whole.router.bias[:2] = 10.0  # experts 0 and 1 win every token: rank 1 gets none
     split = copy.deepcopy(whole)
     group = ExpertGroup(dist.group.WORLD, 2, rank, 4)
-    kept = split.split_experts(group)
+    kept = distribute_experts(split.experts.expert_layer(), group)
     torch.manual_seed(1 + rank)
     x = torch.randn(2, 5, 16, dtype=torch.float32)  # (B, T, C), this rank's own tokens
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()

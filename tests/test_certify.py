@@ -2,7 +2,8 @@
 own package and config folder): the layouts it can host train as the one-process reference
 (exit 0, its table), a layout the model cannot take is skipped with the trainer's reason, and
 a task that returns a mean instead of a sum (with `task.check_sum=false`, so the start-up
-check does not stop it first) is caught: exit 1, naming the layout that differs.
+check does not stop it first) is caught: exit 1, naming the layout that differs. A mixture of
+experts is compared over the steps before its routing first differs from the reference's.
 
 The table's figures are checked against `trainer.compare` run here on the same run
 directories, and each layout's own banner says it ran as the layout it names.
@@ -21,6 +22,7 @@ import pytest
 from tests.conftest import REPO
 from tests.ranks import explain, launch, run_cli
 from tests.user_project import select, write_project
+from trainer.checks.certify import MIXTURE_HORIZON, Outcome, judge, table
 from trainer.checks.compare import compare
 
 TIMEOUT = 150.0
@@ -104,7 +106,9 @@ def test_mixture_of_experts_is_certified(tmp_path: Path) -> None:
     weighing): accumulation, FSDP2 and expert parallelism (ep2: 2 experts on each of 2 ranks,
     tokens sent all-to-all, DDP for the rest) train as the reference. (DDP and the automatic
     micro-batch of a mixture are shown exact in tests/test_moe.py and
-    tests/test_auto_micro_batch.py; certify's own layouts for them in the dense tests here.)"""
+    tests/test_auto_micro_batch.py; certify's own layouts for them in the dense tests here.)
+    The table says that a mixture is compared up to the step its routing first differs from
+    the reference's, and why; here every layout routes every step alike."""
     split = ["train.micro_batch_size=8", "train.grad_accum_steps=2", "certify.steps=3"]
     layouts = "certify.layouts=[accum,fsdp2,ep2]"
     cmd = [sys.executable, "-m", "trainer.certify", *MOE, *split, layouts]
@@ -115,15 +119,69 @@ def test_mixture_of_experts_is_certified(tmp_path: Path) -> None:
     for layout in ("accum", "fsdp2", "ep2"):
         assert row(proc.stdout, layout).endswith("same"), explain(proc)
     assert "ep2: 2 ranks, train.micro_batch_size=8 dist.ep=2" in proc.stdout, proc.stdout
+    # The horizon of a mixture, and why: every layout routed every step as the reference did.
+    assert f"({MIXTURE_HORIZON})" in proc.stdout, proc.stdout
+    report = json.loads((work / "certify.json").read_text())
+    for outcome in report["layouts"][1:]:
+        assert outcome["routing_differs_at"] is None, outcome
     log = (work / "ep2.log").read_text()
     assert "experts split over 2 ranks (dist.ep=2)" in log, log
     assert "world 2 x micro 8 x accum 1 = global batch 16" in log, log
 
 
+def write_records(run_dir: Path, losses: list[float], digests: list[int] | None) -> Path:
+    """A run's metrics.jsonl: train/loss and train/grad_norm per step (and the routing
+    digest of a mixture)."""
+    run_dir.mkdir(parents=True)
+    with (run_dir / "metrics.jsonl").open("w") as out:
+        for step, loss in enumerate(losses, 1):
+            record = {"step": step, "train/loss": loss, "train/grad_norm": 2 * loss}
+            if digests is not None:
+                record["train/moe_routing_digest"] = float(digests[step - 1])
+            out.write(json.dumps(record) + "\n")
+    return run_dir
+
+
+def test_a_mixture_is_compared_until_its_routing_differs(tmp_path: Path) -> None:
+    """Records written here: a layout whose routing differs from step 4 (its loss too, by a
+    token's worth) is `same` over steps 1-3, saying so; one routed alike whose loss differs at
+    step 5 is `different`; one routed unlike the reference at step 1 (the same weights) is
+    `different`; without digests (a dense model) a loss differing at step 5 is `different`."""
+    losses, digests = [5.0, 4.0, 3.5, 3.0, 2.8, 2.6], [11, 12, 13, 14, 15, 16]
+    later = [*losses[:4], 2.81, 2.6]  # off at step 5
+    runs = {
+        "flipped": ([*losses[:3], 3.01, 2.9, 2.5], [11, 12, 13, 99, 98, 97]),
+        "alike": (later, digests),
+        "first": (losses, [10, 12, 13, 14, 15, 16]),
+        "dense": (later, None),
+    }
+    mixture = write_records(tmp_path / "single", losses, digests)
+    dense = write_records(tmp_path / "single-dense", losses, None)
+    outcomes = {}
+    for name, (values, digest) in runs.items():
+        run_dir = write_records(tmp_path / name, values, digest)
+        outcome = outcomes[name] = Outcome(name, 1, [], "ran", run_dir=str(run_dir))
+        judge(outcome, dense if digest is None else mixture, 6, 1e-5, 1e-5)
+    flipped = outcomes["flipped"]
+    assert (flipped.status, flipped.routing_differs_at) == ("same", 4), flipped
+    assert flipped.reason == "over steps 1-3: routing differs from step 4"
+    assert flipped.max_diff == {"train/loss": 0.0, "train/grad_norm": 0.0}
+    for name in ("alike", "dense"):
+        outcome = outcomes[name]
+        assert (outcome.status, outcome.routing_differs_at) == ("different", None), outcome
+        assert outcome.at_step == {"train/loss": 5, "train/grad_norm": 5}
+    assert outcomes["first"].status == "different"
+    assert outcomes["first"].reason.startswith("routes step 1 unlike the reference")
+    text = table([Outcome("single", 1, [], "reference"), flipped], 1e-5, 1e-5, mixture=True)
+    assert text.splitlines()[2].endswith("same over steps 1-3: routing differs from step 4")
+    assert text.splitlines()[-1] == f"({MIXTURE_HORIZON})"
+    assert MIXTURE_HORIZON not in table([Outcome("single", 1, [], "reference")], 1e-5, 1e-5)
+
+
 def test_ep2_is_a_default_layout_of_a_mixture_dist_ep_splits() -> None:
     """Without certify.layouts, a model whose mixture dist.ep can split (the in-tree GPT's
-    model.moe, transformers' Qwen3-MoE) is also certified under ep2; a dense model, or a
-    transformers mixture whose experts the split refuses (OLMoE), is not offered it."""
+    model.moe, transformers' Qwen3-MoE and OLMoE, whose experts transformers declares) is
+    also certified under ep2; a dense model is not offered it."""
     from tests.conftest import compose_config
     from trainer.checks.certify import DEFAULT_LAYOUTS, default_layouts
     from trainer.config.cli import to_config
@@ -134,7 +192,7 @@ def test_ep2_is_a_default_layout_of_a_mixture_dist_ep_splits() -> None:
     assert layouts(MOE) == [*DEFAULT_LAYOUTS, "ep2"]
     assert layouts(["model=gpt_tiny"]) == list(DEFAULT_LAYOUTS)
     assert layouts(["model=hf_qwen3_moe"]) == [*DEFAULT_LAYOUTS, "ep2"]
-    assert layouts(["model=hf_qwen3_moe", "model.family=olmoe"]) == list(DEFAULT_LAYOUTS)
+    assert layouts(["model=hf_qwen3_moe", "model.family=olmoe"]) == [*DEFAULT_LAYOUTS, "ep2"]
 
 
 @pytest.mark.launches

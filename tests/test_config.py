@@ -32,10 +32,11 @@ from trainer.config.cli import to_config
 from trainer.config.errors import ConfigError, UserError
 from trainer.config.schema import Config
 from trainer.data import DataSplits
-from trainer.run.assemble import build_adapter, build_data, build_model, build_task, check_fits
+from trainer.run.assemble import build_data, build_model, build_task, check_fits
 from trainer.run.build import build_callbacks, build_step
+from trainer.run.extensions.adapter import build_adapter
+from trainer.run.extensions.preference import attach_reference
 from trainer.run.optim import build_optimizer, build_scheduler
-from trainer.run.preference import attach_reference
 
 CPU = torch.device("cpu")
 SMALL_MODEL = "model=gpt_tiny"

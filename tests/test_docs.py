@@ -1,6 +1,7 @@
 """The code in docs/extending.md and docs/your-model.md runs as documented: in plain Python,
-from Python through the trainer, and from the command line; the README's table of common
-overrides names every `train.*` key."""
+from Python through the trainer, and from the command line; docs/architecture.md's example
+extension runs as a doctest; the README's table of common overrides names every `train.*`
+key."""
 
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ def test_readme_overrides_table_names_every_train_key() -> None:
     named = set(re.findall(r"`train\.(\w+)", overrides_table()))
     missing = [f"train.{f.name}" for f in dataclasses.fields(TrainCfg) if f.name not in named]
     assert not missing, f"README's table of common overrides lacks {missing}"
+
+
+def test_architecture_example_extension_runs() -> None:
+    """docs/architecture.md's example extension, as a doctest: a run assembled with it."""
+    import doctest
+
+    doc = REPO / "docs" / "architecture.md"
+    result = doctest.testfile(str(doc), module_relative=False, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 10 and result.failed == 0, result
 
 
 def python_blocks() -> list[str]:

@@ -6,7 +6,8 @@ on 2 DDP and 2 FSDP2 ranks (also under LoRA), on 2 FSDP2 ranks with task.referen
 (the initial model's log-probabilities written before training, scored by the sharded model,
 each rank its share: one process writes the same bits; a second start reads them, another base
 writes its own; a run killed with -9 reruns bit for bit reading them back; on 2 tensor-parallel
-ranks each chunk scored by both, its own key), and for ipo and simpo against their own
+ranks each chunk scored by both, its own key), and for ipo, simpo, hinge and robust (TRL's
+definitions, one class each in engine/preference_losses.py) against their own
 references; the records `train/reward_*` and `val/*` equal the reference's means over the
 pairs. Under LoRA the reference is the base with the adapters disabled; a resumed run repeats
 the uninterrupted one, and exports (scripts/export_hf.py) as the trained policy. Composition:
@@ -71,6 +72,8 @@ SHARDED_ONLY = "tests.preference_support.ShardedOnlyGPT"
 # (loss_type, beta, label_smoothing, gamma) of each run's task.
 LOSSES = {"sigmoid": ("sigmoid", 0.5, 0.1, 0.0), "ipo": ("ipo", 0.5, 0.0, 0.0)}
 LOSSES["simpo"] = ("simpo", 2.0, 0.0, 0.5)
+LOSSES["hinge"] = ("hinge", 0.5, 0.0, 0.0)  # TRL's hinge
+LOSSES["robust"] = ("robust", 0.5, 0.2, 0.0)  # TRL's robust
 
 
 def data_args(root: Path, train_file: Path, val_file: Path | None = None) -> list[str]:
@@ -187,6 +190,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "fsdp": two_steps("fsdp", "sigmoid", batch(2, 2), 2, "dist.strategy=fsdp"),
         "ipo": two_steps("ipo", "ipo", batch(2), route="logits"),
         "simpo": two_steps("simpo", "simpo", batch(2), 1, "train.memory_report=true"),
+        "hinge": two_steps("hinge", "hinge", batch(2)),
+        "robust": two_steps("robust", "robust", batch(2)),
         "packed": two_steps("packed", "sigmoid", batch(2), 1, "data.packed=true"),
         # LoRA: the base with its adapters disabled (the default), and a frozen copy.
         "lora_adapter": two_steps(
@@ -295,6 +300,12 @@ def losses(
         h = (pi[:, 0] - r[:, 0]) - (pi[:, 1] - r[:, 1])
         if loss_type == "ipo":
             out = (h - 1 / (2 * beta)) ** 2
+        elif loss_type == "hinge":  # TRL: relu(1 - beta * logits)
+            out = torch.relu(1 - beta * h)
+        elif loss_type == "robust":  # TRL: (-ls(b h)(1 - eps) + ls(-b h) eps) / (1 - 2 eps)
+            out = (-F.logsigmoid(beta * h) * (1 - eps) + F.logsigmoid(-beta * h) * eps) / (
+                1 - 2 * eps
+            )
         else:
             out = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
         rewards = beta * (pi - r).detach()
@@ -360,6 +371,7 @@ def references(runs: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 LOSS_OF = {"whole": "sigmoid", "accum": "sigmoid", "ddp": "sigmoid", "ipo": "ipo", "simpo": "simpo"}
+LOSS_OF |= {"hinge": "hinge", "robust": "robust"}  # TRL's, one class each
 LOSS_OF["packed"] = "sigmoid"  # each pair one row, its sides two documents
 LOSS_OF["fsdp"] = "sigmoid"
 LOSS_OF["precomputed"] = "sigmoid"  # the reference's log-probabilities written before step 1
@@ -799,21 +811,6 @@ def test_reference_adapter_without_an_adapter_names_the_key(bad_root: Path) -> N
     assert "adapter=lora" in message and "task.reference=copy" in message
 
 
-def test_a_mixture_of_experts_is_refused(bad_root: Path) -> None:
-    """task=dpo on a mixture of experts: one paragraph naming `task` (the reference's forward
-    would be counted by the load balancing; with adapter=lora it runs the policy's own
-    routers, and the routing pass recorded the reference's routing, not the policy's)."""
-    path = write_jsonl(bad_root / "moe.jsonl", pair_rows(4, seed=2))
-    val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))
-    args = [*data_args(bad_root, path, val), *task_args("sigmoid")]
-    moe = ["+model.moe.experts=4", "+model.moe.top_k=2"]
-    with pytest.raises(UserError) as err:
-        train_in_process([*args, *moe, "logger=none", "train.max_steps=1"], bad_root / "moe")
-    message = str(err.value)
-    assert message.startswith("invalid config `task`: task=dpo on a mixture"), message
-    assert "task=causal_lm" in message, message
-
-
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", ["whole", "precomputed"])
 def test_evaluation_reports_the_val_means(
@@ -1017,7 +1014,9 @@ def test_precomputed_key_follows_the_parameters_the_layout_computes_with(bad_roo
     the fp32 parameters, one process's key (it had its own); dist.tp=2 splits the matmuls, a
     key of its own, and another with dist.tp_sequence_parallel=true."""
     from engine.distributed import DistInfo
-    from trainer.run.assemble import build_model, build_task, layout_reference_file, parameter_dtype
+    from trainer.run.assemble import build_model, build_task
+    from trainer.run.extensions.preference import layout_reference_file
+    from trainer.run.layout import parameter_dtype
 
     path = write_jsonl(bad_root / "keys.jsonl", pair_rows(4, seed=2))
     val = write_jsonl(bad_root / "val.jsonl", pair_rows(2, seed=6))

@@ -34,7 +34,6 @@ from torch import nn
 from engine.distributed import DistInfo
 from engine.numerics.float8 import convert, plan
 from engine.numerics.precision import Precision
-from engine.parallel.dims import ParallelDims
 from tests.conftest import (
     TINY,
     compile_and_record,
@@ -47,9 +46,8 @@ from trainer.checks.certify import TOLERANCE
 from trainer.config.cli import to_config
 from trainer.config.errors import ConfigError
 from trainer.config.schema import COMPILE_MODES
-from trainer.data import DataSplits, pad_collate
-from trainer.run.assemble import assemble, build_task, check_static_shapes
-from trainer.run.float8 import check_float8
+from trainer.run.assemble import assemble, build_task
+from trainer.run.compatibility import Choices
 
 needs_torchao = pytest.mark.skipif(
     importlib.util.find_spec("torchao") is None, reason="torchao (the extra fp8) not installed"
@@ -271,11 +269,9 @@ def test_fp8_refusals_of_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.undo()
     with pytest.raises(ConfigError, match=r"`train.fp8_emulate`: emulates float8 matmuls for"):
         to_config(compose_config([*TINY, "train.precision=bf16", "train.fp8_emulate=true"]))
-    cfg, _ = to_config(compose_config([*TINY, "train.precision=bf16"]))
-    train = cfg.train
-    train.fp8_emulate = True
+    tp = to_config(compose_config([*TINY, *FP8, "dist.tp=2"]))[0]
     with pytest.raises(ConfigError, match=r"fp8 is not available with dist.tp=2"):
-        check_float8(train, DistInfo(), ParallelDims(tp=2))
+        Choices.of(tp).checked()  # the compatibility table, from the config
 
 
 # ---- train.compile_mode
@@ -354,12 +350,12 @@ def test_bench_variants_compose(tmp_path: Path) -> None:
         True,
         "reduce-overhead",
     )
-    check_static_shapes(cfg, DataSplits([], [], seq_len=1024))  # packed tokens: not refused
+    training = Choices.of(cfg, training=True)
+    training.knowing(pads_batches=False).checked()  # packed tokens: not refused
     # data=chat (packed conversations too), data=preference: rows padded to the micro-batch's
-    # longest by trainer.data's PadCollate
-    padded = DataSplits([], [], collate_fn=pad_collate({"input_ids": 0}), description="chat")
+    # longest by trainer.data's PadCollate (the assembly tells the table so)
     with pytest.raises(ConfigError, match=r"`data`: .*chat pads each micro-batch to its long"):
-        check_static_shapes(cfg, padded)
+        training.knowing(pads_batches=True, data_description="chat").checked()
 
 
 # ---- on a GPU (skipped here; docs/benchmarks.md's GPU session runs them)

@@ -399,9 +399,9 @@ def test_rollouts_from_prompts_train_as_the_float64_reference(tmp_path: Any) -> 
     from tests.chat_support import make_tokenizer, write_jsonl
     from tests.prompts_support import prompt_rows
     from trainer.data.prompts import collate_prompts, prompts_data
-    from trainer.rewards import build_rewards
     from trainer.rollout.engines import RecomputeEngine
     from trainer.rollout.generate import RolloutPlan, generate_rollouts
+    from trainer.rollout.rewards import build_rewards
     from trainer.rollout.sampling import Sampling
 
     make_tokenizer(tmp_path / "tok")
@@ -417,9 +417,9 @@ def test_rollouts_from_prompts_train_as_the_float64_reference(tmp_path: Any) -> 
     prompts = data.train
     rewards = build_rewards(
         [
-            {"_target_": "trainer.rewards.exact_answer"},
+            {"_target_": "trainer.rollout.rewards.exact_answer"},
             {
-                "_target_": "trainer.rewards.format_match",
+                "_target_": "trainer.rollout.rewards.format_match",
                 "pattern": ".*e",  # random text holds an e about half the time
                 "weight": 0.5,
             },

@@ -10,7 +10,7 @@ from pathlib import Path
 from tests.conftest import REPO
 
 PACKAGES = ("engine", "trainer")
-COMMANDS = ("train", "evaluate", "plan", "report", "certify", "compare", "preview")
+COMMANDS = ("train", "evaluate", "plan", "report", "certify", "compare", "preview", "lighthouse")
 
 
 def module_name(path: Path) -> str:
@@ -124,7 +124,8 @@ def test_commands_are_thin_entry_modules() -> None:
         code = [ln for ln in body.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
         assert len(code) - len(ast.get_docstring(ast.parse(body)).splitlines()) < 90, command
     top = sorted(p.name for p in (REPO / "trainer").iterdir() if p.suffix == ".py")
-    assert top == sorted(["__init__.py", "api.py", *(f"{c}.py" for c in COMMANDS)]), top
+    package = ["__init__.py", "api.py", "version.py"]  # the package, its API and its version
+    assert top == sorted([*package, *(f"{c}.py" for c in COMMANDS)]), top
 
 
 # Calls to the builtins getattr/hasattr in engine/ and trainer/ (61 before the chat and cached

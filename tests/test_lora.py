@@ -334,8 +334,9 @@ def cumulus_model(path: Path) -> Any:
     from engine.distributed import DistInfo
     from engine.parallel.dims import build_parallelism
     from engine.rng import seed_everything
-    from trainer.run.assemble import build_adapter, build_model
+    from trainer.run.assemble import build_model
     from trainer.run.evaluation import checkpoint_config
+    from trainer.run.extensions.adapter import build_adapter
     from trainer.run.state import RunState
 
     cfg = OmegaConf.to_object(checkpoint_config(path, []))  # its own run: no flag
@@ -496,19 +497,20 @@ def test_lora_keys_without_adapter_lora_and_bad_values_are_refused() -> None:
 
 
 def test_tensor_and_pipeline_parallelism_are_refused_in_one_paragraph() -> None:
-    from engine.parallel.dims import ParallelDims
+    """From the config alone (the compatibility table, trainer/run/compatibility.py)."""
+    from tests.conftest import compose_config
+    from trainer.config.cli import to_config
     from trainer.config.errors import ConfigError
-    from trainer.models.lora import check_layout
+    from trainer.run.lifecycle import check_choices
 
-    for dims, key in (
-        (ParallelDims(tp=2, world=2), "dist.tp"),
-        (ParallelDims(pp=2, world=2), "dist.pp"),
-    ):
+    for layout, key in (("dist.tp=2", "dist.tp"), ("dist.pp=2", "dist.pp")):
+        cfg, _ = to_config(compose_config(["model=gpt_tiny", "adapter=lora", layout]))
         with pytest.raises(ConfigError) as caught:
-            check_layout(lora_cfg(), dims)
+            check_choices(cfg)
         message = str(caught.value)
         assert f"`{key}`" in message and "dist.strategy=fsdp" in message and "\n" not in message
-    check_layout(lora_cfg(), ParallelDims(strategy="fsdp", world=2))  # allowed
+    allowed = ["model=gpt_tiny", "adapter=lora", "dist.strategy=fsdp"]
+    check_choices(to_config(compose_config(allowed))[0])
 
 
 def test_missing_peft_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

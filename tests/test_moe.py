@@ -332,17 +332,30 @@ def test_two_ranks_are_the_whole_batch_gradient(runs: Runs, strategy: str) -> No
     dumped, record = runs.two_ranks()[strategy]
     assert_exact(dumped, runs)
     assert record["train/moe_aux_loss"] == pytest.approx(runs.reference()[1], rel=1e-6)
+    assert record["train/moe_routing_digest"] == routing_digest(runs.reference()[3])
+
+
+def routing_digest(counts: torch.Tensor) -> int:
+    """The routing digest of whole-batch assignments (L, E), by its definition (README, MoE
+    records): sum(count x weight) mod the prime, the weights drawn once from seed 0."""
+    prime = 16_777_213
+    weights = torch.randint(1, prime, counts.shape, generator=torch.Generator().manual_seed(0))
+    return (
+        sum(int(c) * int(w) for c, w in zip(counts.flatten().tolist(), weights.flatten())) % prime
+    )
 
 
 def test_records_are_the_whole_batch_values(runs: Runs) -> None:
     """`train/moe_aux_loss` and `train/moe_z_loss` are the whole batch's, the same for every
-    split to 1e-6; `train/moe_load_max` is at least 1 (the mean)."""
-    _, want_aux, want_z, _ = runs.reference()
+    split to 1e-6; `train/moe_load_max` is at least 1 (the mean); `train/moe_routing_digest`
+    is the digest of the whole batch's assignments, exactly."""
+    _, want_aux, want_z, counts = runs.reference()
     for split in SPLITS:
         record = runs.one(split)[1]
         assert record["train/moe_aux_loss"] == pytest.approx(want_aux, rel=1e-6), split
         assert record["train/moe_z_loss"] == pytest.approx(want_z, rel=1e-6), split
         assert record["train/moe_load_max"] >= 1.0
+        assert record["train/moe_routing_digest"] == routing_digest(counts), split
 
 
 def test_micro_balancing_is_not_the_whole_batch_gradient(runs: Runs) -> None:

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.moe.grouped import group_offsets, grouped_mm, loop_mm, loop_reason
 from engine.numerics.precision import Precision
-from tests.conftest import compile_and_record, compose_config
+from tests.conftest import compile_and_record, compose_config, in_tree_model
 from trainer.config.cli import to_config
 from trainer.models.gpt import GPT
 from trainer.run.assemble import build_task
@@ -126,5 +126,35 @@ def test_compiled_mixture_is_one_graph_whatever_the_routing(precision: str, op: 
     assert len(graphs) == 1 and frames == {"total": 1, "ok": 1}, (len(graphs), frames)
     ops = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert sum(op in target for target in ops) == 2 * spec["n_layer"], ops  # fc, proj
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-6 * abs(b), (got, want)
+
+
+def test_compiled_transformers_mixture_is_one_graph() -> None:
+    """model=hf_qwen3_moe (one decoder layer, 8 experts top-2) compiled: dynamo captures the
+    forward and the loss in one graph with no break for 4 micro-batches, each routed
+    differently; the experts run transformers' own `grouped_mm` forward (in fp32 its loop
+    operator, in the graph: up and down); the losses are eager's. Before: transformers chose
+    its eager experts for cumulus's subclass (it reads the source of the class's module), whose
+    loop over the experts hit breaks the graph at `nonzero`."""
+    pytest.importorskip("transformers")
+    from trainer.models.hf import causal_lm
+
+    node = in_tree_model("hf_qwen3_moe")
+    cfg, _ = to_config(compose_config(["model=hf_qwen3_moe", "train.compile=true"]))
+    torch.manual_seed(0)
+    model = causal_lm(node["family"], {**node["config"], "num_hidden_layers": 1})
+    task = build_task(cfg.task)
+    g = torch.Generator().manual_seed(0)
+    batches = [tuple(torch.randint(256, (4, 32), generator=g) for _ in "xy") for _ in range(4)]
+    prec = Precision("fp32", "cpu")
+    want = [task.loss_sum(model, b).item() for b in batches]  # eager
+
+    graphs, got, breaks, frames = compile_and_record(model, task, batches, prec)
+    assert not breaks, f"graph breaks: {breaks}"
+    # Two frames: the model's forward, and its pre-hook (use_cache off), which holds no graph.
+    assert len(graphs) == 1 and frames == {"total": 2, "ok": 2}, (len(graphs), frames)
+    ops = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("grouped_mm_fallback" in target for target in ops) == 2, ops  # up, down
     for a, b in zip(got, want):
         assert abs(a - b) <= 1e-6 * abs(b), (got, want)

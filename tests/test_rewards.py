@@ -1,4 +1,4 @@
-"""Rewards (trainer/rewards.py): TRL's signature fn(prompts, completions, completion_ids,
+"""Rewards (trainer/rollout/rewards.py): TRL's signature fn(prompts, completions, completion_ids,
 **row_fields) -> list[float | None], built from `{_target_, weight, name, kwargs}` entries.
 
 Built in: exact_answer (the last \\boxed{} or the last number equals the row's answer, numbers
@@ -21,7 +21,7 @@ import pytest
 
 from trainer.config.errors import ConfigError, UserError
 from trainer.config.trust import UntrustedConfigError, check_targets
-from trainer.rewards import (
+from trainer.rollout.rewards import (
     RewardFailed,
     build_rewards,
     exact_answer,
@@ -70,7 +70,11 @@ def test_a_trl_reward_function_plugs_in_with_weights() -> None:
     rewards = build_rewards(
         [
             {"_target_": f"{__name__}.trl_style", "weight": 2.0},
-            {"_target_": "trainer.rewards.format_match", "pattern": r"\d+$", "name": "digits"},
+            {
+                "_target_": "trainer.rollout.rewards.format_match",
+                "pattern": r"\d+$",
+                "name": "digits",
+            },
         ]
     )
     assert rewards.names == ("trl_style", "digits")
@@ -133,13 +137,15 @@ def test_a_raising_reward_names_its_row_and_shows_its_traceback_once() -> None:
 
 def test_bad_entries_name_their_key() -> None:
     with pytest.raises(ConfigError, match=r"reward\.functions\[0\]\.patern"):
-        build_rewards([{"_target_": "trainer.rewards.format_match", "patern": "x"}])
+        build_rewards([{"_target_": "trainer.rollout.rewards.format_match", "patern": "x"}])
     with pytest.raises(ConfigError, match=r"reward\.functions\[1\]\._target_"):
-        build_rewards([{"_target_": "trainer.rewards.exact_answer"}, {"_target_": "nopkg.fn"}])
+        build_rewards(
+            [{"_target_": "trainer.rollout.rewards.exact_answer"}, {"_target_": "nopkg.fn"}]
+        )
     with pytest.raises(ConfigError, match=r"reward\.functions\[0\]\.weight"):
-        build_rewards([{"_target_": "trainer.rewards.exact_answer", "weight": "high"}])
+        build_rewards([{"_target_": "trainer.rollout.rewards.exact_answer", "weight": "high"}])
     with pytest.raises(ConfigError, match=r"names must differ"):
-        build_rewards([{"_target_": "trainer.rewards.exact_answer"}] * 2)
+        build_rewards([{"_target_": "trainer.rollout.rewards.exact_answer"}] * 2)
 
 
 def test_a_received_checkpoints_reward_target_crosses_the_trust_boundary() -> None:

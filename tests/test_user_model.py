@@ -29,7 +29,8 @@ from tests.ranks import explain, launch, launch_all, torchrun_cmd
 from tests.user_project import select, write_project
 from trainer.config.cli import to_config
 from trainer.config.errors import ConfigError
-from trainer.run.assemble import parallelize, split_extras
+from trainer.run.assemble import split_extras
+from trainer.run.layout import parallelize
 
 SEED = 1337  # the trainer's default seed
 STEPS = 8

@@ -41,10 +41,12 @@ def train(
     from engine.distributed import init_distributed, shutdown_distributed
     from trainer.config.cli import to_config
     from trainer.config.trust import derived_keys
+    from trainer.run.lifecycle import check_choices
     from trainer.run.lifecycle import train as train_run
 
     composed = compose(overrides, config_dir)
     cfg, plain = to_config(composed)
+    check_choices(cfg)  # before the rendezvous: every rank refuses alike
     info = init_distributed(cfg.dist.backend, cfg.train.device, cfg.dist.timeout_s)
     run_dir = Path(run_dir)
     try:

@@ -8,7 +8,11 @@ task and data: it runs the real trainer (`python -m trainer.train`, or `torchrun
 layout, with the same overrides plus the layout's own and the same global batch, each in a
 run directory under `certify.dir` (as many at once as the machine's GPUs, or CPU cores,
 hold), and compares every run's `train/loss` and
-`train/grad_norm` with the one-process reference (`trainer.compare`). It prints a table,
+`train/grad_norm` with the one-process reference (`trainer.compare`); a mixture of experts
+over the steps before its routing first differs from the reference's
+(`train/moe_routing_digest`): each step is exact for the same weights, but rounding grows
+until a token's k-th and (k+1)-th experts trade places, and the runs part from there (the
+table says from which step). It prints a table,
 writes it with the overlaid curves into `certify.html` (and `certify.json`), and exits 0
 when every layout agrees within the tolerance, 1 when one does not (named), 2 on bad input,
 when the reference itself fails, or when no layout could be compared.

@@ -15,7 +15,7 @@ from trainer.config.errors import UserError
 from trainer.config.schema import register_configs
 from trainer.config.trust import derived_keys
 from trainer.run.identity import register_resolvers
-from trainer.run.lifecycle import remove_if_unused, train
+from trainer.run.lifecycle import check_choices, remove_if_unused, train
 from trainer.run.preemption import watch_launcher
 from trainer.version import answer_version
 
@@ -32,6 +32,7 @@ def main(cfg: DictConfig) -> None:
         run_command(
             cfg,
             lambda config, plain, info: train(config, plain, info, run_dir, derived_keys(cfg)),
+            before_joining=check_choices,  # before the rendezvous: every rank refuses alike
         )
     except SystemExit as exc:
         if exc.code and fresh and os.environ.get("RANK", "0") == "0":

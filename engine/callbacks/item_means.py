@@ -1,4 +1,5 @@
-"""The exact means a task reports beside its loss (engine/step.py's `ItemSums`), recorded."""
+"""The exact means a task reports beside its loss (engine/item_sums.py's `ItemSums`),
+recorded."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ from engine.callbacks.base import Callback
 from engine.distributed import all_reduce_sum
 
 if TYPE_CHECKING:
-    from engine.step import ItemSums, StepContext
+    from engine.item_sums import ItemSums
+    from engine.step import StepContext
 
 
 class ItemMeans(Callback):
-    """After every optimizer step, the task's sums of that step (this rank's micro-batches);
-    at a record, each summed over the data-parallel ranks (one all-reduce, collective: every
-    rank records) and divided by the step's items: `train/NAME`. Stateless: a record."""
+    """After every optimizer step, the task's sums of that step (this rank's micro-batches,
+    as the step added them up: `ctx.item_sums`); at a record, each summed over the
+    data-parallel ranks (one all-reduce, collective: every rank records) and divided by the
+    step's items: `train/NAME`. Stateless: a record."""
 
     state_optional = True
 
@@ -27,11 +30,10 @@ class ItemMeans(Callback):
 
     def setup(self, ctx: StepContext) -> None:
         self.ctx = ctx
-        self.task.take_item_sums()  # forwards before training (micro-batch probes) are no step's
 
     def on_after_optimizer_step(self, ctx: StepContext, step: int) -> None:
-        del ctx, step
-        self.sums = self.task.take_item_sums()
+        del step
+        self.sums = ctx.item_sums.take()
 
     def metrics(self) -> dict[str, Any]:
         ctx = self.ctx

@@ -32,7 +32,9 @@ expert's share over the mean (worst layer), in every mode.
 
 Tokens: every position of the input is routed; f, P and z count only the positions that are
 not padding - a tuple batch's positions whose target is a loss item, a dict batch's where its
-`attention_mask` is 1 (every position without one).
+`attention_mask` is 1 (every position without one), or those a task marks itself
+(engine/moe/sums.py's `MarksRoutedPositions`: task=dpo's pairs, each side's positions up to
+its last answer token).
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.distributed import DistInfo
+from engine.item_sums import ItemSums
 from engine.moe.objective import BalanceObjective, PerLayer
-from engine.moe.routing import BiasedRouter, HookedRouter, Routed, Routing
+from engine.moe.routing import BiasedRouter, HookedRouter, Routed, Routing, counted
 from engine.moe.strategies import Share, strategy
 from engine.moe.sums import LayerSums, MicroRouting, StepSums, Window, routed_mask
 from engine.parallel.base import NO_GUARD, WindowGuard
@@ -123,13 +126,25 @@ class BalancedTask:
         return self.task.count_items(batch)
 
     def loss_sum(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        return self.loss_and_sums(model, batch)[0]
+
+    @property
+    def item_sum_names(self) -> tuple[str, ...]:
+        """The task's item sums (engine/item_sums.py), if it reports any."""
+        return self.task.item_sum_names if isinstance(self.task, ItemSums) else ()
+
+    def loss_and_sums(
+        self, model: nn.Module, batch: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The task's loss sum with the balancing in its gradient, and the task's item sums
+        (none when it reports none)."""
         window = self.window
         if window is None or not any(b is batch for b in window.batches):
-            return self.task.loss_sum(model, batch)  # not a micro-batch of the window
+            return self._task_loss(model, batch)  # not a micro-batch of the window
         entry = window.replays.get(id(batch))
         if entry is not None:
             entry[0].restore()  # the routing pass's random state: the same routing
-        loss = self.task.loss_sum(model, batch)
+        loss, sums = self._task_loss(model, batch)
         micro = self.micro(batch)
         differs = None
         if entry is not None:  # compared on the device; read when records are (check_routing)
@@ -144,7 +159,14 @@ class BalancedTask:
         if extra is not None:
             extra = (extra * window.global_count.to(extra.dtype)).to(loss.dtype)
             loss = loss + (extra - extra.detach())  # the value stays the task's loss, exactly
-        return loss if differs is None else _NanGradientIf.apply(loss, differs)
+        return (loss if differs is None else _NanGradientIf.apply(loss, differs)), sums
+
+    def _task_loss(
+        self, model: nn.Module, batch: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if isinstance(self.task, ItemSums):
+            return self.task.loss_and_sums(model, batch)
+        return self.task.loss_sum(model, batch), {}
 
     # ---- the window ----
     def check_routing(self) -> None:
@@ -246,7 +268,7 @@ class BalancedTask:
             routings.append(r.routing)
             r.routing = None  # not kept alive (nor counted) past this micro-batch
         n = routings[0].logits.shape[0]
-        sums = LayerSums.of(routings, routed_mask(batch, n))
+        sums = LayerSums.of(routings, routed_mask(batch, n, self.task))
         return MicroRouting(sums, routings, batch, self.top_k)
 
     def all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
@@ -341,4 +363,5 @@ class _NanGradientIf(torch.autograd.Function):
 
 def _stop(module: nn.Module, args: Any, output: Any) -> None:
     del module, args, output
-    raise RoutingDone
+    if counted():  # not in a forward whose routing is not the model's (DPO's reference)
+        raise RoutingDone

@@ -8,6 +8,10 @@ which other tokens share its micro-batch. The router keeps what its last forward
 declaring its routers (`HasRouters`); not what a block recomputed in backward routes again
 (`recomputing`).
 
+A forward whose routing is not the balanced model's (DPO's reference: a frozen copy, or the
+policy's own routers with its adapters off) runs under `routing_not_counted()`: routers keep
+nothing of it (`keeps_routing`) and the balancing's routing pass does not stop in it.
+
 The dispatch sorts the (token, slot) assignments by expert so that each expert runs one
 matmul on a contiguous slice (`dispatch` -> expert compute, engine/moe/grouped.py's
 `grouped_mm` -> `combine`), the counts per expert staying on the device: the shapes do not
@@ -18,7 +22,8 @@ only it reads the counts on the host (its split sizes).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -110,8 +115,35 @@ class HookedRouter:
                 f"last output; a router's forward must return (logits, ..., experts (N, "
                 f"{self.top_k}) indices)"
             )
-        if not recomputing():
+        if keeps_routing():
             self.routing = Routing(logits, experts)
+
+
+_NOT_COUNTED = [0]  # how deep in `routing_not_counted` this process is
+
+
+@contextlib.contextmanager
+def routing_not_counted() -> Iterator[None]:
+    """Forwards whose routing is not the balanced model's (DPO's reference): a router keeps
+    nothing of them, and the routing pass (engine/moe/balance.py) does not stop in them.
+    (A router that keeps its routing anyway, the in-tree GPT's, has it replaced by the
+    policy's forward that follows: the balancing reads the routers after it.)"""
+    _NOT_COUNTED[0] += 1
+    try:
+        yield
+    finally:
+        _NOT_COUNTED[0] -= 1
+
+
+def counted() -> bool:
+    """Whether this forward's routing is the balanced model's (not `routing_not_counted`)."""
+    return _NOT_COUNTED[0] == 0
+
+
+def keeps_routing() -> bool:
+    """Whether a router keeps what this forward routes: not when a block is recomputed in
+    backward (`recomputing`), nor in a forward whose routing is not counted."""
+    return counted() and not recomputing()
 
 
 def recomputing() -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +18,22 @@ from engine.numerics.chunked_ce import IGNORE_INDEX
 from engine.steps.cached import RandomState
 
 
-def routed_mask(batch: Any, n: int) -> torch.Tensor:
-    """(n,) bool: which of the n routed positions count (engine/moe/balance.py's docstring)."""
+@runtime_checkable
+class MarksRoutedPositions(Protocol):
+    """A task whose batches say which positions count their own way (task=dpo's pairs, padded
+    per micro-batch without an attention mask): `routed_positions(batch)`, (n,) bool over the
+    n positions its model's forward routes, in order."""
+
+    def routed_positions(self, batch: Any) -> torch.Tensor: ...
+
+
+def routed_mask(batch: Any, n: int, task: Any = None) -> torch.Tensor:
+    """(n,) bool: which of the n routed positions count (engine/moe/balance.py's docstring);
+    `task`'s own marks when it declares them (`MarksRoutedPositions`)."""
     mask: torch.Tensor | None = None
-    if isinstance(batch, Mapping):
+    if isinstance(task, MarksRoutedPositions):
+        mask = task.routed_positions(batch)
+    elif isinstance(batch, Mapping):
         if isinstance(batch.get("attention_mask"), torch.Tensor):
             mask = batch["attention_mask"] != 0
     elif isinstance(batch, tuple | list) and len(batch) == 2:
@@ -123,7 +135,28 @@ class StepSums:
             "train/moe_aux_loss": objective.aux(self.counts, self.probs, self.tokens, self.top_k),
             "train/moe_z_loss": (self.lse2 / T).mean(),
             "train/moe_load_max": load.max(),
+            ROUTING_DIGEST: routing_digest(self.counts),
         }
+
+
+ROUTING_DIGEST = "train/moe_routing_digest"
+# The largest prime below 2**24: every digest, and every term of its sum, is an integer that
+# float64 holds exactly (and the digest float32 too), so equal counts give equal digests.
+_DIGEST_PRIME = 16_777_213
+
+
+def routing_digest(counts: torch.Tensor) -> torch.Tensor:
+    """A fingerprint of a step's assignments per layer and expert (L, E), integers: the sum of
+    each count times a weight of its own (pseudo-random, fixed) modulo a prime. Two runs whose
+    routers chose alike have the same digest whatever the split; a token sent to another
+    expert changes it (unless other changes of the same step cancel it: about 1 in 1.7e7).
+    trainer.certify compares a mixture's layouts up to the step where it first differs."""
+    p = float(_DIGEST_PRIME)
+    weights = torch.randint(
+        1, _DIGEST_PRIME, counts.shape, generator=torch.Generator().manual_seed(0)
+    ).to(counts.device, torch.float64)
+    terms = torch.remainder(torch.remainder(counts.to(torch.float64), p) * weights, p)
+    return torch.remainder(terms.sum(), p)
 
 
 @dataclass

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from engine.distributed import DistInfo
+from engine.item_sums import ItemTotals, task_loss
 from engine.parallel import LayoutError
 
 __all__ = ["LayoutError", "MeshSplit", "ParallelBase", "Parallelism", "RunShape"]
@@ -107,6 +108,7 @@ class WindowContext(Protocol):
     grad_sync_divisor: int
     clock: Any  # engine/timing.py's PhaseClock: the window's phases and profiler spans
     step: int  # optimizer steps completed (the window makes step + 1)
+    item_sums: ItemTotals  # a task's item sums of the window's forwards (engine/item_sums.py)
 
     def trainable_parameters(self) -> list[nn.Parameter]: ...
 
@@ -629,8 +631,8 @@ def micro_backward(
     """Forward + backward of one micro-batch, scaled by the window's global `count` (clamped
     to at least 1); returns its loss sum, detached (the graph goes with this frame).
     `synced`: its gradients are communicated inside backward (the wait is timed as `sync`)."""
-    with ctx.precision.autocast():
-        micro_sum = ctx.task.loss_sum(ctx.model, batch)
+    with ctx.precision.autocast():  # a task's item sums (DPO's rewards) go to the step's
+        micro_sum = task_loss(ctx.task, ctx.model, batch, ctx.item_sums)
     # Scale in the loss's own precision (at least fp32): float64 runs stay float64.
     micro_sum = micro_sum.float() if micro_sum.dtype in _HALF else micro_sum
     if synced:

@@ -85,7 +85,6 @@ class ParallelDims:
             "gathered on the last); use dist.tp without it",
         )
         self._check_pipeline()
-        self._check_experts()
         if self.world is not None:
             self._check_world()
 
@@ -149,11 +148,14 @@ class ParallelDims:
         )
 
     def check(self, shape: RunShape) -> None:
-        """Refuse (`LayoutError`) the run's other choices these degrees cannot run with, as far
-        as the choices alone decide it: no process group, mesh or world size is needed, so one
-        process reaches each refusal before any rank builds a layout. `shape` may hold only
+        """Refuse (`LayoutError`) what these degrees cannot run with, as far as the run's
+        choices alone decide it: the degrees that do not compose with expert parallelism yet,
+        and the choices beside it. No process group, mesh or world size is needed, so one
+        process reaches each refusal before any rank builds a layout (cumulus's trainer asks
+        its compatibility table first, trainer/run/compatibility.py). `shape` may hold only
         what the config fixes (its `accum` and `checkpoint_format` are read by the built
         parallelism's `check`, not here)."""
+        self._check_experts()
         if self.ep > 1:
             from engine.parallel.expert import check_beside_experts
 
@@ -193,7 +195,9 @@ class ParallelDims:
         return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
 
     def build(self, info: DistInfo, mesh: DeviceMesh | None = None) -> Parallelism:
-        """The parallelism of these degrees for this rank (builds the mesh unless given)."""
+        """The parallelism of these degrees for this rank (builds the mesh unless given);
+        degrees that do not compose (`check`) are refused before any group is built."""
+        self._check_experts()
         dims = self if self.world == info.world_size else self.for_world(info.world_size)
         if mesh is None:
             mesh = dims.mesh(info.device.type)

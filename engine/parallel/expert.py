@@ -19,17 +19,28 @@ Checkpoints hold every expert as the unsplit model names it: DCP shards by defau
 rank's experts a DTensor slice, Shard(0) over the ep ranks, of the whole expert tensors), or
 with checkpoint.format=full every expert gathered to rank 0; both resume under any dist.ep.
 
-The dispatch (`ExpertGroup.run`) slots between engine/moe/routing.py's `dispatch` (tokens
-sorted by expert) and `combine`: split sizes exchanged first, the tokens all-to-all with
-uneven splits (dropless; a rank may receive no token at all), regrouped by local expert,
-computed, and sent back the same way. Autograd runs through `AllToAll`, whose backward is the
-reverse all-to-all.
+Expert parallelism applies from outside the experts, as torch's `distribute_module` applies
+a layout: a model declares its mixtures (`HasExperts.expert_layers`: the experts' module,
+the parameters holding every expert along dim 0, how the mixture calls it), and
+`distribute_experts` keeps this rank's slice of those parameters (names unchanged) and wraps
+the module's call: the tokens go to the ranks holding their experts (`ExpertGroup.run`:
+split sizes exchanged first, the rows all-to-all with uneven splits, dropless, a rank may
+receive none; regrouped by local expert), the module's own forward runs there on this rank's
+experts, and the outputs come back the same way, the dispatch's state in the call's locals.
+The experts' forward has no parallel branch. Autograd runs through `AllToAll`, whose
+backward is the reverse all-to-all. Two calls are known (`ExpertCall`): rows sorted by
+expert with their counts (`sorted_rows`: the in-tree GPT's experts, between
+engine/moe/routing.py's `dispatch` and `combine`), and the router's choice (`top_k`:
+transformers' experts, whose own forward runs on what arrives, each row routed to its local
+expert with weight 1, and the outputs weighed and summed after they come back).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -38,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.distributed import unwrap
+from engine.moe.routing import dispatch
 from engine.parallel import LayoutError
 from engine.parallel.base import (
     ParallelBase,
@@ -112,7 +124,8 @@ class ExpertGroup:
     ) -> torch.Tensor:
         """`xs` (N*k, C) sorted by global expert, `counts` rows per global expert -> the
         experts' outputs in the same order; `compute(rows, local_counts)` runs this rank's
-        experts on rows sorted by local expert."""
+        experts on rows sorted by local expert. The dispatch's state (split sizes, the
+        regrouping) lives in this call's locals."""
         # (ep, local): rows for each rank's experts; exchanged so each rank knows what comes.
         send = torch.tensor(list(counts), dtype=torch.int64, device=xs.device)
         send = send.view(self.size, self.local)
@@ -131,6 +144,147 @@ class ExpertGroup:
         ys = compute(got[order], [sum(column) for column in zip(*received)])
         back = torch.empty_like(ys).index_copy(0, order, ys)  # by source again
         return AllToAll.apply(back, in_splits, out_splits, self.group)
+
+
+# ---- how a mixture calls its experts: the input and output functions of the split ----
+# An `ExpertCall` is given the group, the experts' own forward (on this rank's experts) and
+# the arguments of the mixture's call; it sends the tokens to the ranks holding their
+# experts, runs the forward there and brings the outputs back (torch's `distribute_module`
+# input_fn and output_fn in one function, so the dispatch's state stays in its locals).
+ExpertCall = Callable[..., torch.Tensor]
+
+
+def sorted_rows(
+    group: ExpertGroup,
+    forward: Callable[[torch.Tensor, list[int]], torch.Tensor],
+    rows: torch.Tensor,
+    counts: torch.Tensor | Sequence[int],
+) -> torch.Tensor:
+    """Experts called on `rows` (M, C) sorted by expert, `counts` (E,) rows per expert (the
+    in-tree GPT's `Experts`, engine/moe/routing.py's `dispatch`) -> their outputs (M, C) in
+    the same order; their forward runs on rows sorted by local expert, with local counts."""
+    return group.run(rows, torch.as_tensor(counts).tolist(), forward)  # host split sizes
+
+
+def top_k(
+    group: ExpertGroup,
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Experts called with the router's choice, as transformers' `ExpertsInterface` calls
+    them: `hidden_states` (N, C), `top_k_index` (N, k) global experts, `top_k_weights` (N, k)
+    -> (N, C), each token's weighted sum over its experts. Their own forward runs on what
+    this rank received, each row a token of its own routed to one local expert with weight 1
+    (x * 1.0 is exact); the outputs come back and are weighed and summed here, each token's
+    in expert order, as transformers' eager forward adds them."""
+    xs, d = dispatch(hidden_states, top_k_index, group.size * group.local)  # by expert
+    ones = functools.partial(_one_expert_each, forward, top_k_weights.dtype)
+    ys = group.run(xs, d.counts.tolist(), ones)  # (N*k, C) in the hidden states' dtype
+    w = top_k_weights.reshape(-1)[d.order].unsqueeze(-1)  # (N*k, 1)
+    # The outputs hold values of the weights' dtype (the experts' and the router's products
+    # alike): weighed in it, as transformers weighs them, then added in the hidden states'.
+    out = torch.zeros_like(hidden_states)
+    return out.index_add(0, d.tokens, (ys.to(w.dtype) * w).to(out.dtype))
+
+
+def _one_expert_each(
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    dtype: torch.dtype,
+    rows: torch.Tensor,
+    counts: list[int],
+) -> torch.Tensor:
+    """`forward` on `rows` sorted by local expert, `counts` each: each row routed to its
+    expert alone (k=1) with weight 1."""
+    experts = torch.arange(len(counts), device=rows.device)
+    index = torch.repeat_interleave(experts, torch.tensor(counts, device=rows.device))
+    if rows.shape[0] == 0:
+        # Nothing came: a zero row through expert 0 keeps the experts and both all-to-alls in
+        # the graph (every rank's backward runs the reverse exchanges; the gradient is 0).
+        one = torch.ones(1, 1, dtype=dtype, device=rows.device)
+        return forward(rows.sum(0, keepdim=True), index.new_zeros(1, 1), one)[:0]
+    weights = torch.ones(index.shape[0], 1, dtype=dtype, device=rows.device)
+    return forward(rows, index.unsqueeze(-1), weights)
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One mixture's experts as expert parallelism splits them: `module` holds every expert
+    of the `num_experts` along dim 0 of its own parameters `params` (any other parameter is
+    shared by the experts and stays whole); `call` is how the mixture calls it
+    (`sorted_rows`, `top_k`); `key` is the config key setting `num_experts`, named when
+    dist.ep does not divide it (e.g. model.moe.experts, model.config.num_local_experts)."""
+
+    module: nn.Module
+    num_experts: int
+    key: str
+    call: ExpertCall
+    params: tuple[str, ...]
+
+
+@runtime_checkable
+class HasExperts(Protocol):
+    """A model whose mixtures expert parallelism can split: `expert_layers()` lists them
+    (none in a dense model).
+
+    Example::
+
+        class MyMoE(nn.Module):
+            def expert_layers(self) -> list[ExpertLayer]:
+                return [
+                    ExpertLayer(b.experts, 8, "model.experts", sorted_rows, ("w1", "w2"))
+                    for b in self.blocks
+                ]
+    """
+
+    def expert_layers(self) -> Sequence[ExpertLayer]: ...
+
+
+def distribute_experts(layer: ExpertLayer, group: ExpertGroup) -> list[nn.Parameter]:
+    """Expert parallelism applied to one mixture from outside, as torch's `distribute_module`
+    applies a layout: each of `layer.params` replaced by this rank's experts (the names
+    unchanged), and the module's call wrapped so that the tokens go to the ranks holding
+    their experts before its own forward and come back after it (`layer.call`); its forward
+    runs on this rank's experts, with their weights in `group.param_dtype` when it is set.
+    The kept parameters."""
+    module = layer.module
+    kept = [group.keep(module.get_parameter(name)) for name in layer.params]
+    for name, p in zip(layer.params, kept):
+        module.register_parameter(name, p)
+    own = module.forward
+    dtype = group.param_dtype
+
+    def forward(*args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        def local(*inputs: torch.Tensor) -> torch.Tensor:
+            if dtype is None:
+                return own(*inputs)
+            cast = {name: module.get_parameter(name).to(dtype) for name in layer.params}
+            with computing_with(module, cast):  # as FSDP2 casts the weights it shards
+                return own(*(_cast(x, dtype) for x in inputs))
+
+        return layer.call(group, local, *args, **kwargs)
+
+    module.forward = forward
+    return kept
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    """A floating-point tensor in `dtype`; anything else (indices, counts) as it is."""
+    is_float = isinstance(x, torch.Tensor) and x.is_floating_point()
+    return x.to(dtype) if is_float else x
+
+
+@contextlib.contextmanager
+def computing_with(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Within: `module`'s own parameters of these names are `tensors` (torch.func's
+    `functional_call` swaps them so, but calls the module, whose call this wraps)."""
+    saved = {name: module._parameters[name] for name in tensors}
+    module._parameters.update(tensors)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        module._parameters.update(saved)
 
 
 def check_beside_experts(shape: RunShape) -> None:
@@ -165,19 +319,6 @@ def check_beside_experts(shape: RunShape) -> None:
     for key, (bad, why) in refused.items():
         if bad:
             raise LayoutError(key, f"not available with dist.ep > 1: {why}, or dist.ep=1")
-
-
-@runtime_checkable
-class SplitsExperts(Protocol):
-    """A mixture whose experts expert parallelism can split: `num_experts`, the config key
-    that sets it (`experts_key`, named when dist.ep does not divide it), and
-    `split_experts(group)` keeps only the group rank's experts and dispatches through it
-    (computing them in `group.param_dtype` when it is set)."""
-
-    num_experts: int
-    experts_key: str  # e.g. model.moe.experts, model.config.num_local_experts
-
-    def split_experts(self, group: ExpertGroup) -> list[nn.Parameter]: ...
 
 
 class ExpertSplit(ParallelBase):
@@ -218,7 +359,8 @@ class ExpertSplit(ParallelBase):
 
     def check(self, shape: RunShape) -> None:
         # Decided before any group too (ParallelDims.check, from the config); again here for
-        # the step the task chose (trainer/run/window.py) and for the planner's simulated run.
+        # the step the task chose (trainer/run/extensions/window.py) and for the planner's
+        # simulated run.
         check_beside_experts(shape)
         super().check(shape)
 
@@ -234,27 +376,28 @@ class ExpertSplit(ParallelBase):
     ) -> set[nn.Parameter]:
         """Keep this rank's experts of every mixture of `model` (before any wrapper sees its
         parameters), computing in `param_dtype` if given; the kept parameters."""
-        mixtures = [(n, m) for n, m in model.named_modules() if isinstance(m, SplitsExperts)]
-        if not mixtures:
+        layers = list(model.expert_layers()) if isinstance(model, HasExperts) else []
+        if not layers:
             raise LayoutError(
                 "dist.ep",
                 f"splits a mixture's experts over ranks, but {type(model).__name__} has no "
                 "mixture-of-experts layer the split knows: the in-tree GPT's (model.moe.experts "
-                "> 0), or transformers' Qwen3-MoE and Mixtral (model=hf_qwen3_moe, "
-                "model=hf_mixtral); set dist.ep=1 for a dense model",
+                "> 0), or a transformers mixture whose experts transformers declares "
+                "(`use_experts_implementation`), as Qwen3-MoE's, Mixtral's and OLMoE's are "
+                "(model=hf_qwen3_moe, model=hf_mixtral); set dist.ep=1 for a dense model",
             )
-        for _, m in mixtures:
-            if m.num_experts % self.ep:
+        for layer in layers:
+            if layer.num_experts % self.ep:
                 raise LayoutError(
                     "dist.ep",
-                    f"must divide {m.experts_key} ({m.num_experts}), got {self.ep}: each "
+                    f"must divide {layer.key} ({layer.num_experts}), got {self.ep}: each "
                     "expert-parallel rank holds the same number of experts",
                 )
         assert self.expert_group is not None
-        for _, m in mixtures:
-            local = m.num_experts // self.ep
+        for layer in layers:
+            local = layer.num_experts // self.ep
             group = ExpertGroup(self.expert_group, self.ep, self.ep_rank, local, param_dtype)
-            self.expert_params.extend(m.split_experts(group))
+            self.expert_params.extend(distribute_experts(layer, group))
         return set(self.expert_params)
 
     def _is_expert(self) -> Callable[[nn.Parameter], bool]:

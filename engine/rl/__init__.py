@@ -2,5 +2,6 @@
 
 `advantages` (each completion's reward against its group's), `rollouts` (a step's groups of
 completions and the micro-batches they become), `grpo` (the clipped policy-gradient loss and
-its records). Generating the rollouts is trainer/rollout/'s; scoring them, trainer/rewards.py.
+its records). Generating the rollouts is trainer/rollout/'s; scoring them,
+trainer/rollout/rewards.py's.
 """

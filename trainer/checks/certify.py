@@ -17,12 +17,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.checks.compare import CompareError, compare, read_series
+from trainer.checks.compare import CompareError, Series, difference, read_series
 from trainer.config.errors import ConfigError, UserError
-from trainer.plurals import counted
+from trainer.tracking.plurals import counted
 
 DEFAULT_LAYOUTS = ("accum", "ddp2", "fsdp2", "pp2", "tp2", "tpsp2", "cp2", "auto")
 COMPARED = ("train/loss", "train/grad_norm")
+# A mixture of experts records a fingerprint of each step's routing (engine/moe/sums.py).
+ROUTING = "train/moe_routing_digest"
+MIXTURE_HORIZON = (
+    "a mixture of experts is compared over the steps before its routing first differs from "
+    f"the reference's ({ROUTING}): each step is exact for the same weights, but float "
+    "rounding grows with the steps until some token's k-th and (k+1)-th experts trade places, "
+    "and from there the runs apply different gradients (README, Mixture of experts)"
+)
 # (atol, rtol) per precision. float32 layouts differ by summation order only (gpt_tiny: 5e-7
 # at most, most layouts bitwise); bf16 and fp16 round every matmul to 8 / 11 bits of mantissa
 # (gpt_tiny in bf16, 10 steps: fsdp2 4e-3 off in gradient norm, 1e-4 relative in loss). Tight
@@ -78,6 +86,7 @@ class Outcome:
     at_step: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     run_dir: str = ""
+    routing_differs_at: int | None = None  # a mixture: the first step routed unlike the reference
 
 
 def parse(argv: list[str]) -> tuple[Settings, list[str]]:
@@ -185,22 +194,19 @@ def plan(name: str, batch: int, micro: int, slots: int, unit: str) -> Layout:
 
 def default_layouts(cfg: Any) -> list[str]:
     """DEFAULT_LAYOUTS, and EXPERT_LAYOUTS for a model with mixture-of-experts layers whose
-    experts dist.ep splits (engine/parallel/expert.py's SplitsExperts: the in-tree GPT's
-    model.moe, transformers' Qwen3-MoE and Mixtral; not the mixtures whose split refuses,
-    UnsplitExperts): the model built on fake tensors (no memory, no initialization's time)."""
+    experts dist.ep splits (engine/parallel/expert.py's HasExperts: the in-tree GPT's
+    model.moe, transformers' mixtures whose experts transformers declares): the model built
+    on fake tensors (no memory, no initialization's time)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from engine.distributed import DistInfo
-    from engine.parallel.expert import SplitsExperts
-    from trainer.models.hf_experts import UnsplitExperts
+    from engine.parallel.expert import HasExperts
     from trainer.run.assemble import build_model
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model, _ = build_model(cfg.model, DistInfo(0, 1, 0, torch.device("cpu")))
-    splits = any(
-        isinstance(m, SplitsExperts) and not isinstance(m, UnsplitExperts) for m in model.modules()
-    )
+    splits = isinstance(model, HasExperts) and bool(model.expert_layers())
     return [*DEFAULT_LAYOUTS, *(EXPERT_LAYOUTS if splits else ())]
 
 
@@ -359,34 +365,58 @@ def schedule(
             print(f"  {outcome.name}: done in {outcome.seconds:.1f} s", flush=True)
 
 
+def first_routing_difference(reference: dict[str, Series], have: dict[str, Series]) -> int | None:
+    """The first step a mixture's layout routed unlike the reference (None: every step alike,
+    or not a mixture)."""
+    want, got = reference.get(ROUTING, {}), have.get(ROUTING, {})
+    return next((step for step in sorted(want) if got.get(step) != want[step]), None)
+
+
 def judge(outcome: Outcome, reference: Path, steps: int, atol: float, rtol: float) -> None:
-    """Compare a layout that ran with the reference: `same` or `different`."""
+    """Compare a layout that ran with the reference: `same` or `different`; a mixture over the
+    steps before its routing first differs (MIXTURE_HORIZON)."""
     try:
-        diffs, _ = compare(reference, outcome.run_dir, atol=atol, rtol=rtol, keys=list(COMPARED))
-        have = read_series(outcome.run_dir)
+        want, have = read_series(reference), read_series(outcome.run_dir)
     except CompareError as exc:
         outcome.status, outcome.reason = "failed", str(exc)
         return
-    for d in diffs:
-        outcome.max_diff[d.metric] = d.max_abs
-        outcome.at_step[d.metric] = d.at_step
+    cut = outcome.routing_differs_at = first_routing_difference(want, have)
+    if cut == 1:
+        outcome.status = "different"
+        outcome.reason = (
+            "routes step 1 unlike the reference from the same weights (a routing that depends "
+            "on the split, or a near-tie the forward's rounding broke)"
+        )
+        return
+    diffs = []
+    for metric in COMPARED:
+        a, b = (
+            {s: v for s, v in series.get(metric, {}).items() if cut is None or s < cut}
+            for series in (want, have)
+        )
+        if (d := difference(metric, a, b, atol, rtol)) is not None:
+            diffs.append(d)
+            outcome.max_diff[metric], outcome.at_step[metric] = d.max_abs, d.at_step
     missing = [m for m in COMPARED if len(have.get(m, {})) != steps or m not in outcome.max_diff]
     if missing:
         outcome.status = "failed"
         outcome.reason = f"recorded {', '.join(missing)} at fewer than {steps} steps"
-    elif all(d.within for d in diffs):
-        outcome.status = "same"
+        return
+    horizon = "" if cut is None else f"over steps 1-{cut - 1}: routing differs from step {cut}"
+    if all(d.within for d in diffs):
+        outcome.status, outcome.reason = "same", horizon
     else:
         outcome.status = "different"
         outcome.reason = ", ".join(
             f"{d.metric} differs by {d.max_abs:.2e} at step {d.at_step}"
             for d in diffs
             if not d.within
-        )
+        ) + (f" ({horizon})" if horizon else "")
 
 
-def table(outcomes: list[Outcome], atol: float, rtol: float) -> str:
-    """The printed table: one line per layout, the verdict last."""
+def table(outcomes: list[Outcome], atol: float, rtol: float, mixture: bool = False) -> str:
+    """The printed table: one line per layout, the verdict last; for a `mixture` (of experts)
+    the horizon it was compared over, and why."""
     head = ("layout", "ranks", "max |d loss|", "max |d grad norm|", "verdict")
     rows = []
     for o in outcomes:
@@ -394,7 +424,7 @@ def table(outcomes: list[Outcome], atol: float, rtol: float) -> str:
         norm = o.max_diff.get("train/grad_norm")
         verdict = {
             "reference": "reference",
-            "same": "same",
+            "same": f"same {o.reason}" if o.reason else "same",
             "different": f"DIFFERENT: {o.reason}",
             "failed": f"FAILED: {o.reason}",
             "skipped": f"skipped: {o.reason}",
@@ -428,6 +458,8 @@ def table(outcomes: list[Outcome], atol: float, rtol: float) -> str:
         )
     else:
         lines.append("NOTHING CERTIFIED: no layout could be compared with the reference")
+    if mixture:
+        lines.append(f"({MIXTURE_HORIZON})")
     return "\n".join(lines)
 
 
@@ -504,7 +536,9 @@ def certify(settings: Settings, user: list[str]) -> int:
     for outcome in outcomes[1:]:
         if outcome.status == "ran":
             judge(outcome, work / "single", settings.steps, atol, rtol)
-    text = table(outcomes, atol, rtol)
+    reference = work / "single" / "metrics.jsonl"
+    mixture = reference.is_file() and ROUTING in read_series(reference)
+    text = table(outcomes, atol, rtol, mixture)
     print(text, flush=True)
     write_outputs(work, outcomes, text, atol, rtol, batch)
     if any(o.status in ("different", "failed") for o in outcomes):

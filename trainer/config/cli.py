@@ -299,13 +299,22 @@ def exit_user_error(printed: bool) -> None:
     sys.exit(EXIT_USER_ERROR)
 
 
-def run_command(cfg: DictConfig, body: Callable[[Config, dict[str, Any], DistInfo], T]) -> T:
-    """Validate, join the process group, run `body`, leave cleanly; exit non-zero on error."""
+def run_command(
+    cfg: DictConfig,
+    body: Callable[[Config, dict[str, Any], DistInfo], T],
+    before_joining: Callable[[Config], None] | None = None,
+) -> T:
+    """Validate, run `before_joining` (refusals the config decides: every rank refuses alike
+    before any of them waits for the others in the process group's rendezvous, so no rank is
+    left connecting to one that has already exited), join the process group, run `body`,
+    leave cleanly; exit non-zero on error."""
     from engine.parallel import LayoutError  # nothing imported: cheap
 
     info: DistInfo | None = None
     try:
         config, plain = to_config(cfg)
+        if before_joining is not None:
+            before_joining(config)
         from engine.distributed import init_distributed  # torch: after a config that is valid
 
         info = init_distributed(config.dist.backend, config.train.device, config.dist.timeout_s)

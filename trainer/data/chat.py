@@ -44,7 +44,7 @@ from trainer.data.packing import one_per_row, pack
 from trainer.data.sequence import TextSequence
 from trainer.data.shards import Source, TokenStore, open_shards
 from trainer.data.tokenize import load_hf_tokenizer, tokenizer_source
-from trainer.plurals import counted
+from trainer.tracking.plurals import counted
 
 TRUNCATION = ("drop", "cut")
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")

@@ -278,11 +278,22 @@ class PreferenceSamples:
     from the memory-mapped store. With `reference` set ((pairs, 2) float64, task.reference=
     precomputed), each sample also carries its pair's reference log-probabilities."""
 
-    def __init__(self, store: TokenStore, selection: PairSelection, packed: bool = False) -> None:
+    def __init__(
+        self,
+        store: TokenStore,
+        selection: PairSelection,
+        packed: bool = False,
+        reference: np.ndarray | None = None,
+    ) -> None:
         self.store, self.selection, self.packed = store, selection, packed
         self.starts = store.doc_offsets[selection.docs]
         self.chosen = store.doc_extra("chosen_len")[selection.docs]
-        self.reference: np.ndarray | None = None
+        self.reference = reference
+
+    def with_reference(self, reference: np.ndarray) -> PreferenceSamples:
+        """These pairs, each sample carrying its reference log-probabilities ((pairs, 2),
+        task.reference=precomputed's pass)."""
+        return PreferenceSamples(self.store, self.selection, self.packed, reference)
 
     def identity(self) -> dict[str, Any]:
         """What the pairs' scored tokens depend on: the store (content-addressed), which of its

@@ -6,9 +6,9 @@ data=chat renders a prompt (trainer/data/chat_render.py; its generation prompt a
 model continues as the assistant) and tokenized once per job by the corpus machinery
 (trainer/data/shards.py, cached like data=chat's, keyed by the files, the tokenizer and the
 template). The row's other fields (`answer`, ...) are kept beside it for the reward functions
-(trainer/rewards.py), read from the same rows in the same order when the data is opened (they
-are not tokens). A row without a `prompt`, or whose prompt is not text messages, is refused in
-one paragraph naming the file and line.
+(trainer/rollout/rewards.py), read from the same rows in the same order when the data is
+opened (they are not tokens). A row without a `prompt`, or whose prompt is not text
+messages, is refused in one paragraph naming the file and line.
 
 A sample is `{"input_ids": (P,), "index": ()}`: the prompt's tokens and its row (its fields:
 `PromptSamples.row(index)`); a micro-batch pads the prompts on the right, with
@@ -33,7 +33,7 @@ from trainer.config.errors import UserError
 from trainer.data import DataSplits
 from trainer.data.chat import model_context
 from trainer.data.chat_render import Renderer, chat_template
-from trainer.data.chat_rows import _messages
+from trainer.data.chat_rows import message_list
 from trainer.data.encoding import Encoded, text_identity, tokenizer_files_identity
 from trainer.data.hf import sources
 from trainer.data.shards import Source, TokenStore, chunk_values, chunks, load_saved, open_shards
@@ -52,7 +52,7 @@ def prompt_messages(record: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(record, dict) or record.get(PROMPT) is None:
         fields = ", ".join(map(repr, record)) if isinstance(record, dict) else "none"
         raise BadRecord(f'data.path: {where} has no "prompt" (its fields: {fields}).', HINT)
-    return _messages(record[PROMPT], where, PROMPT, "user")
+    return message_list(record[PROMPT], where, PROMPT, "user")
 
 
 @dataclass

@@ -42,7 +42,7 @@ import numpy as np
 
 from trainer.config.errors import UserError
 from trainer.data.encoding import BadRecord, Encoded, Encoder, TextEncoder
-from trainer.plurals import counted
+from trainer.tracking.plurals import counted
 
 FORMAT = "cumulus-shards/1"
 CHUNK_BYTES = 4 << 20  # source bytes per chunk: bounds memory per worker and per shard
@@ -660,12 +660,7 @@ def build(
             try:
                 n_docs, n_tokens, max_id = fut.result()
             except BrokenProcessPool:
-                raise UserError(
-                    f"data.path: a tokenizer worker process died while tokenizing chunk {i} of "
-                    f"{source.name} (killed, or out of memory: try fewer data.tokenize_workers="
-                    f"than {workers}). Shards committed so far are kept; rerunning continues "
-                    "from them."
-                ) from None
+                raise worker_died(i, source.name, workers) from None
             except BadRows as exc:
                 bad.merge(exc.tally)
                 continue
@@ -704,6 +699,31 @@ def build(
             pool.shutdown(wait=True, cancel_futures=True)
     if bad.count:
         raise BadRows.joined(bad, source.name, stopped)
+    write_index(out, dtype, vocab, biggest, counts, encoder.extras, key)
+    if not quiet:
+        print(progress.line(time.monotonic()) + " | done", file=sys.stderr, flush=True)
+
+
+def worker_died(chunk: int, source: str, workers: int) -> UserError:
+    """A tokenizer worker process died (killed, out of memory): one paragraph."""
+    return UserError(
+        f"data.path: a tokenizer worker process died while tokenizing chunk {chunk} of "
+        f"{source} (killed, or out of memory: try fewer data.tokenize_workers= than "
+        f"{workers}). Shards committed so far are kept; rerunning continues from them."
+    )
+
+
+def write_index(
+    out: Path,
+    dtype: np.dtype,
+    vocab: int,
+    biggest: int,
+    counts: list[list[int]],
+    extras: dict[str, Any],
+    key: dict[str, Any],
+) -> None:
+    """The shards' index, written whole (atomically) once every shard is committed: the
+    cache is complete when it exists."""
     index = {
         "format": FORMAT,
         "dtype": dtype.str,
@@ -712,12 +732,10 @@ def build(
         "documents": sum(c[0] for c in counts),
         "tokens": sum(c[1] for c in counts),
         "shards": counts,
-        "extras": {name: list(spec) for name, spec in encoder.extras.items()},
+        "extras": {name: list(spec) for name, spec in extras.items()},
         "key": key,
     }
     _atomic_write(out / "index.json", json.dumps(index, indent=1).encode())
-    if not quiet:
-        print(progress.line(time.monotonic()) + " | done", file=sys.stderr, flush=True)
 
 
 # --- reading the shards back ------------------------------------------------------------------

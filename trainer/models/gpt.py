@@ -18,6 +18,7 @@ from trainer.models.moe import MoE, MoEConfig
 
 if TYPE_CHECKING:
     from engine.parallel.context import SequenceShard
+    from engine.parallel.expert import ExpertLayer
 from engine.numerics.functional import fake_quantize
 
 
@@ -207,6 +208,12 @@ class GPT(nn.Module):
         `HasRouters`); none in a dense model."""
         # (Under dist.pp a rank's pruned model holds None for other stages' blocks.)
         return [b.mlp.router for b in self.blocks if b is not None and isinstance(b.mlp, MoE)]
+
+    def expert_layers(self) -> list[ExpertLayer]:
+        """The mixture blocks' experts as dist.ep splits them (engine/parallel/expert.py's
+        `HasExperts`); none in a dense model."""
+        blocks = [b for b in self.blocks if b is not None and isinstance(b.mlp, MoE)]
+        return [b.mlp.experts.expert_layer() for b in blocks]
 
     # What the trainer reads besides forward (engine/model.py): blocks, sizes, FLOPs, sampling.
     def block_modules(self) -> Sequence[nn.Module]:

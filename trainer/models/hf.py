@@ -32,10 +32,11 @@ from torch import nn
 from engine.moe.objective import SWITCH_COEF, Pooled
 from engine.moe.routing import HookedRouter
 from engine.numerics.chunked_ce import HeadLoss
+from engine.parallel.expert import ExpertLayer  # (a runtime name: transformers reads the hints)
 from engine.parallel.pipeline import NotSplittable
 from trainer.config.errors import UserError
 from trainer.config.pretrained import dropout_note, refuse_architecture
-from trainer.models.hf_experts import make_experts_splittable
+from trainer.models.hf_experts import EXPERTS, register_experts_forward, transformers_experts
 
 if TYPE_CHECKING:
     from engine.parallel.context import SequenceShard
@@ -218,6 +219,7 @@ class CumulusHooks:
     transformers_class: type  # the transformers class this one extends (`_with_hooks`)
 
     moe_routers: list[HookedRouter]  # set by `causal_lm`
+    moe_experts: list[ExpertLayer]  # set by `causal_lm`
 
     def routers(self) -> list[HookedRouter]:
         """The routers of a mixture-of-experts family (transformers' `*TopKRouter` modules,
@@ -226,6 +228,20 @@ class CumulusHooks:
         (`output_router_logits` false): cumulus balances the whole step (moe.balance) by
         the same objective (`balance_objective`)."""
         return self.moe_routers
+
+    def expert_layers(self) -> list[ExpertLayer]:
+        """The experts of a mixture-of-experts family, found by what transformers declares of
+        them (trainer/models/hf_experts.py), as dist.ep splits them (engine/parallel/
+        expert.py's `HasExperts`); none in a dense model."""
+        return self.moe_experts
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """Whether transformers may choose this model's experts implementation: the answer
+        of the class this one extends. transformers reads it from the source of the class's
+        module (`@use_experts_implementation` in it), which for this subclass is this file:
+        its own answer would leave a mixture on the eager experts under torch.compile too."""
+        return cls.transformers_class._can_set_experts_implementation()
 
     def balance_objective(self) -> Pooled:
         """transformers' own load-balancing loss (`load_balancing_loss_func`: every layer's
@@ -496,10 +512,12 @@ def causal_lm(
     model.config.architectures = [cls.__name__]  # what save_pretrained records
     model.context_shard = None  # dist.cp: `context_parallel` sets it
     model.moe_routers = transformers_routers(model)
-    if model.moe_routers:
-        # dist.ep (trainer/models/hf_experts.py); the fields as given name the expert count
-        # first (Qwen3-MoE's num_experts is an alias of its num_local_experts).
-        make_experts_splittable(model, {**hf_config.to_dict(), **config})
+    # The fields as given name the expert count first (Qwen3-MoE's num_experts is an alias of
+    # its num_local_experts).
+    model.moe_experts = transformers_experts(model, {**hf_config.to_dict(), **config})
+    if model.moe_experts:  # eager: the class's own experts; compiled: grouped_mm
+        register_experts_forward()
+        model.set_experts_implementation(EXPERTS)
     # Training builds no cache, whatever the saved config says: with one, transformers no
     # longer keeps packed documents (position ids restarting at 0) from attending to each
     # other. generate() passes use_cache itself.

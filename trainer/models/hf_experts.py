@@ -1,23 +1,28 @@
-"""Expert parallelism (`dist.ep`, engine/parallel/expert.py) for transformers' mixtures:
-`model=hf_qwen3_moe` and `model=hf_mixtral`.
+"""transformers' experts as cumulus runs them: found by what transformers declares of them,
+split by expert parallelism (`dist.ep`, engine/parallel/expert.py) from outside.
 
 transformers 5 holds a sparse block's experts as one module of fused 3-D weights
-(`Qwen3MoeExperts`, `MixtralExperts`: `gate_up_proj` (E, 2I, C), `down_proj` (E, C, I)),
-called by the block as `experts(hidden (N, C), top_k_index (N, k), top_k_weights (N, k))`
-after its own router chose. At build time (`causal_lm`) each such module becomes a subclass
-of its own class (`Split<Class>`) that implements `SplitsExperts`: the parameter names, the
-router, the block's forward (Mixtral's jitter included) and, until `split_experts` is called,
-the experts' forward are transformers' own. Once split, a module keeps experts
-[rank*local, (rank+1)*local) along dim 0 of both fused weights, and its forward sends the
-block's (token, slot) assignments through `ExpertGroup.run` (all-to-all, dropless): the same
-routing (the block's router output), each expert's transformers math (gate and up in one
-product, act(gate) * up, down), and transformers' combine (each output times its weight,
-added into the token's row in the hidden states' dtype).
+(`Qwen3MoeExperts`, `MixtralExperts`, `OlmoeExperts`, ...: `gate_up_proj` (E, 2I, C),
+`down_proj` (E, C, I)), called by the block as `experts(hidden (N, C), top_k_index (N, k),
+top_k_weights (N, k))` after its own router chose. Its `use_experts_implementation`
+decorator (transformers/integrations/moe.py) declares how: the layout (`has_gate`,
+`has_bias`, `is_transposed`, `is_concatenated`), the config whose `_experts_implementation`
+picks the forward, `_is_expert_parallel`. `DecoratedExperts` is that declaration; every
+module that has it is a mixture's experts (`transformers_experts`).
 
-Other transformers mixtures with observable routers (OLMoE, Qwen2-MoE, ...: `model.family=`)
-train as before under dist.ep=1; under dist.ep > 1 their expert modules (`*Experts`) refuse the
-split in one paragraph naming dist.ep (`UnsplitExperts`), whose math this module has not been
-shown to reproduce.
+Under dist.ep the split keeps experts [rank*local, (rank+1)*local) along dim 0 of each of
+the weights the declaration names (`stacked_parameters`) and wraps the module's call
+(engine/parallel/expert.py's `top_k`): the block's (token, slot) assignments go all-to-all
+to the ranks holding their experts, transformers' own forward runs there on this rank's
+experts (each row routed to its local expert with weight 1), and the outputs come back to be
+weighed and summed. So cumulus reproduces none of transformers' expert math, and any
+decorated family splits; a mixture whose experts are not decorated is refused in one
+paragraph naming dist.ep.
+
+Which forward transformers' experts run (`EXPERTS`, registered in its `ExpertsInterface`):
+compiled, transformers' `grouped_mm` (shapes that do not depend on the routing: one graph);
+eager, the class's own forward (its loop over the experts hit), which runs every dtype,
+float64 included, and is what expert parallelism calls on the local experts.
 
 Checkpoints name the kept slices as the unsplit model does (`...mlp.experts.gate_up_proj`),
 and `ExpertParallel` writes them whole, so a checkpoint resumes under any dist.ep and
@@ -26,101 +31,40 @@ scripts/export_hf.py writes transformers' own class with every expert.
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+import inspect
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from engine.moe.grouped import group_offsets, grouped_mm
-from engine.moe.routing import dispatch
-from engine.parallel import LayoutError
-from engine.parallel.expert import ExpertGroup
+from engine.parallel.expert import ExpertLayer, top_k
 
-# transformers' fused expert modules whose layout and math `SplitExperts` reproduces: gated
-# (gate and up concatenated along dim 1 of gate_up_proj), no bias, not transposed.
-FUSED_EXPERTS = frozenset({"Qwen3MoeExperts", "MixtralExperts"})
 # The config fields transformers' families count their experts in (Qwen3-MoE, OLMoE:
 # num_experts; Mixtral: num_local_experts; DeepSeek-V3: n_routed_experts; ERNIE 4.5 MoE).
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# The experts implementation cumulus registers in transformers' ExpertsInterface.
+EXPERTS = "cumulus"
 
 
-class SplitExperts(nn.Module):
-    """The `SplitsExperts` half of `Split<Class>`: the fused experts of transformers, split
-    over the expert-parallel ranks once `split_experts` is called (the module docstring)."""
-
-    num_experts: int  # every expert's count, also once split (the routing's)
-    experts_key: str  # the model.config field setting it (`experts_key`)
-    gate_up_proj: nn.Parameter  # (E, 2I, C); (local, 2I, C) once split
-    down_proj: nn.Parameter  # (E, C, I); (local, C, I) once split
-    act_fn: nn.Module
-    expert_group: ExpertGroup | None = None  # dist.ep: this rank's experts only
-
-    def split_experts(self, group: ExpertGroup) -> list[nn.Parameter]:
-        """Keep the group rank's experts, dispatch tokens to their ranks from now on; the
-        kept parameters."""
-        self.gate_up_proj, self.down_proj = (
-            group.keep(self.gate_up_proj),
-            group.keep(self.down_proj),
-        )
-        self.expert_group = group
-        return [self.gate_up_proj, self.down_proj]
-
-    def local_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """This rank's experts on `rows` sorted by local expert, `counts` rows each:
-        transformers' math (gate and up in one product, act(gate) * up, down), every expert
-        in one grouped product each (engine/moe/grouped.py)."""
-        gate_up, down = self.gate_up_proj, self.down_proj  # (local, 2I, C), (local, C, I)
-        # Under FSDP2's bf16 (ExpertGroup.param_dtype) the experts compute with their weights
-        # cast as FSDP2 casts the weights it shards.
-        dtype = self.expert_group.param_dtype if self.expert_group is not None else None
-        if dtype is not None:
-            gate_up, down, rows = gate_up.to(dtype), down.to(dtype), rows.to(dtype)
-        offsets = group_offsets(counts, rows.device)
-        # F.linear(x, W) is x @ W^T: the weights transposed in their last two dims.
-        gate, up = grouped_mm(rows, gate_up.transpose(-2, -1), offsets).chunk(2, dim=-1)
-        return grouped_mm(self.act_fn(gate) * up, down.transpose(-2, -1), offsets)
-
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
-        if self.expert_group is None:  # not split: transformers' own forward
-            return super().forward(hidden_states, top_k_index, top_k_weights)
-        xs, d = dispatch(hidden_states, top_k_index, self.num_experts)  # (N*k, C) by expert
-        ys = self.expert_group.run(xs, d.counts.tolist(), self.local_experts)  # (N*k, C)
-        # transformers' combine: output x weight (their promoted dtype), into the token's row.
-        w = top_k_weights.reshape(-1)[d.order].unsqueeze(-1)  # (N*k, 1)
-        out = torch.zeros_like(hidden_states)  # (N, C)
-        return out.index_add(0, d.tokens, (ys * w).to(out.dtype))
-
-
-class UnsplitExperts(nn.Module):
-    """The experts of another transformers mixture (not `FUSED_EXPERTS`): dist.ep finds them
-    (`SplitsExperts`) and they refuse the split, naming their class and what is split."""
+@runtime_checkable
+class DecoratedExperts(Protocol):
+    """transformers' fused experts, as `use_experts_implementation` declares them (the
+    attributes it sets on every instance, beside the class's own `num_experts`)."""
 
     num_experts: int
-    experts_key: str  # the model.config field setting it (`experts_key`)
-    transformers_class: type  # the class this one extends
-
-    def split_experts(self, group: ExpertGroup) -> list[nn.Parameter]:
-        del group
-        raise LayoutError(
-            "dist.ep",
-            f"splits the experts of transformers' {self.transformers_class.__name__}, which "
-            "cumulus cannot split yet: dist.ep > 1 takes the in-tree GPT's mixtures "
-            "(model.moe.experts) and transformers' Qwen3-MoE and Mixtral (model=hf_qwen3_moe, "
-            "model=hf_mixtral); set dist.ep=1 to train this model with every expert on each rank",
-        )
+    config: Any  # its `_experts_implementation` chooses the forward
+    has_gate: bool  # gate_up_proj (gate and up fused) rather than up_proj
+    has_bias: bool  # <weight>_bias (E, out) beside each weight
+    is_transposed: bool  # weights (E, in, out) rather than (E, out, in)
+    is_concatenated: bool  # gate and up concatenated along out rather than interleaved
+    _is_expert_parallel: bool  # transformers' own expert parallelism applied
 
 
-@functools.cache
-def _subclass(mixin: type, cls: type) -> type:
-    """`cls` with `mixin` first; a module-level name so pickling sees a real class."""
-    prefix = "Split" if mixin is SplitExperts else "Unsplit"
-    body = {"__module__": __name__, "transformers_class": cls}
-    sub = type(f"{prefix}{cls.__name__}", (mixin, cls), body)
-    globals()[sub.__name__] = sub
-    return sub
+def stacked_parameters(experts: DecoratedExperts) -> tuple[str, ...]:
+    """The parameters holding every expert along dim 0, by the declaration: gate_up_proj
+    (or up_proj) and down_proj, and their biases with `has_bias`."""
+    weights = ("gate_up_proj" if experts.has_gate else "up_proj", "down_proj")
+    return (*weights, *(f"{w}_bias" for w in weights)) if experts.has_bias else weights
 
 
 def experts_key(config: dict[str, Any], num_experts: int) -> str:
@@ -133,21 +77,37 @@ def experts_key(config: dict[str, Any], num_experts: int) -> str:
     return "the number of experts in model.config"
 
 
-def make_experts_splittable(model: nn.Module, config: dict[str, Any]) -> None:
-    """In place, for a mixture of experts (transformers' top-k routers found; `config` its
-    transformers config as a dict): each fused expert module of `FUSED_EXPERTS` becomes its
-    `Split<Class>` (nothing else changes until `split_experts`), any other `*Experts` module
-    holding `num_experts` its refusing `Unsplit<Class>`; both name the config field of their
-    expert count (`experts_key`)."""
-    for m in model.modules():
-        cls = type(m)
-        if isinstance(m, SplitExperts | UnsplitExperts) or not cls.__name__.endswith("Experts"):
-            continue
-        count = vars(m).get("num_experts")
-        if cls.__name__ in FUSED_EXPERTS:
-            m.__class__ = _subclass(SplitExperts, cls)
-        elif isinstance(count, int):
-            m.__class__ = _subclass(UnsplitExperts, cls)
-        else:
-            continue
-        m.experts_key = experts_key(config, m.num_experts)
+def transformers_experts(model: nn.Module, config: dict[str, Any]) -> list[ExpertLayer]:
+    """Every decorated experts module of `model` as dist.ep splits it, in module order;
+    `config`: its transformers config as a dict (naming the key of the expert count)."""
+    found = [m for m in model.modules() if isinstance(m, DecoratedExperts)]
+    return [
+        ExpertLayer(
+            m, m.num_experts, experts_key(config, m.num_experts), top_k, stacked_parameters(m)
+        )
+        for m in found
+    ]
+
+
+def experts_forward(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """`EXPERTS`: under torch.compile transformers' `grouped_mm` forward (no `nonzero`, so
+    no graph break); eager, the class's own forward (`use_experts_implementation` wraps it),
+    exact in every dtype."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    if torch.compiler.is_compiling():
+        return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    own = inspect.unwrap(type(module).forward)
+    return own(module, hidden_states, top_k_index, top_k_weights)
+
+
+def register_experts_forward() -> None:
+    """`EXPERTS` in transformers' ExpertsInterface (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS, experts_forward)

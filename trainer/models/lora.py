@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from engine.checkpoint.fingerprint import fingerprint_difference, frozen_fingerprint
-from engine.parallel.dims import ParallelDims
 from trainer.config.errors import ConfigError, UserError
 from trainer.config.schema import AdapterCfg
 from trainer.models.hf import is_transformers_model
@@ -42,34 +41,6 @@ def require_peft() -> Any:
             f"'cumulus[{EXTRA}]'"
         ) from None
     return peft
-
-
-def check_layout(cfg: AdapterCfg, dims: ParallelDims) -> None:
-    """Adapters under tensor or pipeline parallelism: refused before anything is built."""
-    if cfg.kind == "none":
-        return
-    for key, degree, why in (
-        (
-            "dist.tp",
-            dims.tp,
-            "peft's own tensor parallelism is Megatron's (megatron_config), which cumulus's "
-            "DTensor plans do not use: the plans would split the frozen base layers inside "
-            "peft's wrappers and leave lora_A / lora_B whole on every rank",
-        ),
-        (
-            "dist.pp",
-            dims.pp,
-            "peft has no pipeline support, and cumulus's pipeline checkpoints are not built "
-            "for trainable parameters alone",
-        ),
-    ):
-        if degree > 1:
-            raise ConfigError(
-                key,
-                f"adapter=lora is not available with {key}={degree}: {why}. Adapters train "
-                "under dist.strategy=ddp or dist.strategy=fsdp (FSDP2 shards the frozen base "
-                "as well), which is how a large base fits: use those, or adapter=none",
-            )
 
 
 # ---- what peft can wrap ------------------------------------------------------------------

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.moe.grouped import group_offsets, grouped_mm, row_groups
-from engine.moe.routing import Routing, combine, dispatch, recomputing, top_k_route
-from engine.parallel.expert import ExpertGroup
+from engine.moe.routing import Routing, combine, dispatch, keeps_routing, top_k_route
+from engine.parallel.expert import ExpertLayer, sorted_rows
 
 
 @dataclass
@@ -102,55 +102,43 @@ class Router(nn.Module):
         logits = self.gate(x)  # (N, E)
         # A zero bias chooses as plain top-k does, exactly (p + 0.0 == p).
         weights, experts = top_k_route(logits, self.top_k, self.bias)  # (N, k), (N, k)
-        if not recomputing():  # activation checkpointing's second forward keeps nothing
+        if keeps_routing():  # not in a recomputing backward, nor a reference forward
             self.routing = Routing(logits, experts)
         return weights, experts
 
 
 class Experts(nn.Module):
     """`n` GELU MLPs of `hidden` units as stacked weights (E, C, H) and (E, H, C): FSDP
-    shards them like any weight; expert parallelism would split dim 0."""
+    shards them like any weight; expert parallelism splits dim 0 (`expert_layer`)."""
 
     def __init__(self, n: int, dim: int, hidden: int, bias: bool) -> None:
         super().__init__()
+        self.num_experts = n
         self.fc = nn.Parameter(torch.empty(n, dim, hidden))
         self.proj = nn.Parameter(torch.empty(n, hidden, dim))
         self.fc_bias = nn.Parameter(torch.zeros(n, hidden)) if bias else None
         self.proj_bias = nn.Parameter(torch.zeros(n, dim)) if bias else None
-        # dist.ep under FSDP2's bf16: the experts, which FSDP2 leaves to expert parallelism,
-        # compute with their weights cast as FSDP2 casts the ones it shards (param_dtype);
-        # the parameters stay the full-precision copy the optimizer updates.
-        self.compute_dtype: torch.dtype | None = None
 
     def forward(self, xs: torch.Tensor, counts: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """`xs` (N*k, C) sorted by expert, `counts` rows per expert (E,) on the device (a
         list under expert parallelism) -> (N*k, C): each expert's MLP on its rows, every
         expert in one grouped product per layer (engine/moe/grouped.py)."""
-        dtype = self.compute_dtype
-        fc, proj, fc_bias, proj_bias = (
-            p.to(dtype) if p is not None and dtype is not None else p
-            for p in (self.fc, self.proj, self.fc_bias, self.proj_bias)
-        )
         offsets = group_offsets(counts, xs.device)  # (E,) each expert's end row
-        owner = row_groups(offsets, xs.shape[0]) if fc_bias is not None else None  # (N*k,)
-        h = grouped_mm(xs, fc, offsets)  # (N*k, H)
-        h = h + fc_bias[owner] if fc_bias is not None else h
-        y = grouped_mm(F.gelu(h), proj, offsets)  # (N*k, C)
-        return y + proj_bias[owner] if proj_bias is not None else y
+        owner = row_groups(offsets, xs.shape[0]) if self.fc_bias is not None else None
+        h = grouped_mm(xs, self.fc, offsets)  # (N*k, H)
+        h = h + self.fc_bias[owner] if self.fc_bias is not None else h
+        y = grouped_mm(F.gelu(h), self.proj, offsets)  # (N*k, C)
+        return y + self.proj_bias[owner] if self.proj_bias is not None else y
 
-    def keep(self, group: ExpertGroup) -> list[nn.Parameter]:
-        """Keep the group rank's experts only (expert parallelism); the kept parameters."""
-        self.fc, self.proj = group.keep(self.fc), group.keep(self.proj)
-        if self.fc_bias is not None and self.proj_bias is not None:
-            self.fc_bias, self.proj_bias = group.keep(self.fc_bias), group.keep(self.proj_bias)
-            return [self.fc, self.proj, self.fc_bias, self.proj_bias]
-        return [self.fc, self.proj]
+    def expert_layer(self) -> ExpertLayer:
+        """How expert parallelism splits these experts (engine/parallel/expert.py): every
+        parameter along dim 0, called on rows sorted by expert."""
+        names = tuple(name for name, _ in self.named_parameters())
+        return ExpertLayer(self, self.num_experts, "model.moe.experts", sorted_rows, names)
 
 
 class MoE(nn.Module):
     """The mixture replacing a block's MLP: (B, T, C) -> (B, T, C), every position routed."""
-
-    experts_key = "model.moe.experts"  # SplitsExperts: the key setting `num_experts`
 
     def __init__(self, dim: int, moe: MoEConfig, bias: bool, dropout: float) -> None:
         super().__init__()
@@ -164,28 +152,13 @@ class MoE(nn.Module):
                 nn.Linear(dim, width, bias=bias), nn.GELU(), nn.Linear(width, dim, bias=bias)
             )
         self.drop = nn.Dropout(dropout)
-        self.expert_group: ExpertGroup | None = None  # dist.ep: this rank's experts only
-
-    @property
-    def num_experts(self) -> int:
-        return self.router.num_experts
-
-    def split_experts(self, group: ExpertGroup) -> list[nn.Parameter]:
-        """Expert parallelism (engine/parallel/expert.py): keep the group rank's experts,
-        dispatch tokens to their ranks from now on; the kept parameters."""
-        self.expert_group = group
-        self.experts.compute_dtype = group.param_dtype
-        return self.experts.keep(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         flat = x.reshape(B * T, C)  # (N, C)
         weights, experts = self.router(flat)  # (N, k), (N, k)
         xs, d = dispatch(flat, experts, self.router.num_experts)  # (N*k, C), by expert
-        if self.expert_group is None:
-            ys = self.experts(xs, d.counts)  # (N*k, C)
-        else:  # to the ranks holding the experts and back
-            ys = self.expert_group.run(xs, d.counts.tolist(), self.experts)  # host split sizes
+        ys = self.experts(xs, d.counts)  # (N*k, C); under dist.ep via the experts' ranks
         y = combine(ys, weights, d, B * T)  # (N, C)
         if self.shared is not None:
             y = y + self.shared(flat)

@@ -27,6 +27,7 @@ from trainer.config.schema import Config, DistCfg
 from trainer.planning.gpus import GPUS
 from trainer.planning.plan import plan_run
 from trainer.planning.progress import Progress
+from trainer.run.compatibility import Choices, refused
 
 SIMULATED = 3  # how many screened layouts are simulated in full
 AC_KEEPS = 0.15  # screening: the share of a block's activations checkpointing keeps (inputs)
@@ -83,6 +84,8 @@ def candidates(world: int, base: ParallelDims) -> list[tuple[ParallelDims, bool]
                         )  # fmt: skip
                     except LayoutError:
                         continue
+                    if any(refused(Choices(dims.tp, dims.pp, dims.cp, dims.ep))):
+                        continue  # degrees the compatibility table refuses together
                     out += [(dims, False), (dims, True)]
     return out
 

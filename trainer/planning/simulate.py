@@ -38,9 +38,10 @@ from trainer.planning.attention import CudaAttention
 from trainer.planning.progress import Progress
 from trainer.planning.routing import UniformRouting
 from trainer.planning.values import RealIntegers, real_or_fake
-from trainer.run.assemble import Assembly, assemble, check_layout
+from trainer.run.assemble import Assembly, assemble
 from trainer.run.batch_plan import BatchPlan
-from trainer.run.build import build_context, build_step, run_shape
+from trainer.run.build import build_context, build_step
+from trainer.run.layout import check_layout, run_shape
 from trainer.run.memory import MemoryReport, StepPeaks, frozen_modules, report
 
 STEPS = 2  # the first builds the optimizer's state; the second is a steady step
@@ -253,7 +254,7 @@ def simulate_rank(
         names.update(expert_groups(parts.parallel))  # before the counter resolves them
         window = worst_window(parts, plan, mode)  # integers real, floats faked
         with mode:
-            ctx = build_context(cfg, parts, info, dims)
+            ctx = build_context(cfg, parts, info)
             step_fn = build_step(cfg.step)
             check_layout(parts.parallel, run_shape(cfg, step_fn, ctx, plan))
             ctx.callbacks.setup(ctx)

@@ -5,7 +5,7 @@ their groups, and laid out as the micro-batches of completions the step trains o
 prompt of this rank's window (data=prompts' batches: `input_ids`, `prompt_lengths`, `index`)
 gets G completions from `engine` (one group per call, seeds of (seed, step, row index,
 completion index): trainer/rollout/sampling.py), decoded (end tokens and special tokens left
-out, as TRL decodes) and scored by `rewards` (trainer/rewards.py) with the prompt's row; the
+out, as TRL decodes) and scored by `rewards` (trainer/rollout/rewards.py) with the prompt's row; the
 advantages compare each completion with its group (engine/rl/advantages.py; `batch` scaling
 sums over the ranks with `over_ranks`); the completions become micro-batches of
 `micro_batch_size` (engine/rl/rollouts.py). Which micro-batches the prompts came in does not
@@ -23,8 +23,8 @@ from torch import nn
 
 from engine.rl.advantages import Advantages, SumOverRanks, group_advantages
 from engine.rl.rollouts import Group, completion_batches, rollout_sums, weighted_rewards
-from trainer.rewards import Rewards
 from trainer.rollout.engines import GenerationEngine
+from trainer.rollout.rewards import Rewards
 from trainer.rollout.sampling import Sampling, completion_seeds
 
 

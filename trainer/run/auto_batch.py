@@ -31,7 +31,7 @@ from engine.callbacks import Callback
 from engine.distributed import unwrap
 from engine.parallel.base import local_values
 from engine.rng import rng_state, set_rng_state
-from engine.step import ItemSums, StepContext
+from engine.step import StepContext
 from engine.steps.accumulate import AccumulateStep
 from engine.steps.cached import CachedStep, represent
 from engine.steps.oom import Agreement, OomGuard, OutOfMemoryAgreed, reset_window
@@ -270,8 +270,7 @@ def step_window(run: Any, window: Any, windows: Iterator[Any]) -> tuple[Any, Ite
             return run.step_fn(run.ctx, window), windows
         except OutOfMemoryAgreed as oom:
             start.restore()
-            if isinstance(run.ctx.task, ItemSums):  # the failed window's forwards: no step's
-                run.ctx.task.take_item_sums()
+            run.ctx.item_sums.take()  # the failed window's forwards: no step's
             size = shrink(run, oom)
         del window
         windows.close()

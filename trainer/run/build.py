@@ -5,7 +5,6 @@ planner; the layout's refusals from the parallelism's own `check`."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,43 +14,32 @@ from engine.callbacks import Callback, CallbackList
 from engine.callbacks.grad_stats import GradNormsPerLayer
 from engine.distributed import DistInfo
 from engine.numerics.precision import Precision
-from engine.parallel.base import RunShape
-from engine.parallel.dims import ParallelDims
 from engine.step import StepContext, StepStrategy
-from engine.steps.accumulate import AccumulateStep
-from engine.steps.dp_sgd import (
-    DP_SGD_PRECISIONS,
-    DPSGDStep,
-    PrivacySpent,
-    check_per_sample_model,
-)
 from engine.window_task import WindowTask
 from trainer.config.components import instantiate
 from trainer.config.errors import ConfigError
-from trainer.config.schema import Config, DataExtras, TrainCfg
-from trainer.config.signing import sign
+from trainer.config.schema import Config, TrainCfg
 from trainer.data.batches import build_train_batches, build_val_batches
-from trainer.data.loader import TrainBatches
 from trainer.models.export import export_line
 from trainer.models.hf import origin_note
 from trainer.models.lora import export_line as adapter_line
-from trainer.run.assemble import Assembly, assemble, check_layout
+from trainer.run.assemble import assemble
 from trainer.run.auto_batch import setup_auto
-from trainer.run.batch_plan import AUTO, BatchPlan
+from trainer.run.batch_plan import BatchPlan
 from trainer.run.fit import Run, RunSettings, plain_step_window
 from trainer.run.ft import FaultTolerance, job_plan
-from trainer.run.moe import balanced_task, check_moe_step
+from trainer.run.layout import check_layout, run_shape
 from trainer.run.optim import build_optimizer, build_scheduler
+from trainer.run.parts import Assembly
 from trainer.run.preemption import StopRequest
 from trainer.run.state import (
+    Resumed,
     ResumeSettings,
-    RunState,
     TrainingProgress,
     build_checkpointer,
+    build_state,
     resume,
-    signed_config,
 )
-from trainer.run.window import step_for_task
 from trainer.tracking.profiler import build_profiler
 from trainer.tracking.records import TrainMeter, item_unit
 from trainer.tracking.sinks import Banner, build_sinks
@@ -83,49 +71,14 @@ def build_step(spec: dict[str, Any]) -> StepStrategy:
     return step_fn
 
 
-def attach_privacy(
-    step_fn: StepStrategy, ctx: StepContext, batches: TrainBatches, extras: DataExtras
-) -> None:
-    """step=dp_sgd: check the model, tell the step its batch and dataset sizes, and record
-    `train/epsilon`. Poisson sampling only means something for it."""
-    if not isinstance(step_fn, DPSGDStep):
-        if extras.sampling == "poisson":
-            raise ConfigError(
-                "data.sampling",
-                "poisson draws variable-size batches for DP-SGD's privacy accounting; it needs "
-                "step=dp_sgd (valid otherwise: shuffle)",
-            )
-        return
-    try:
-        check_per_sample_model(ctx.model, ctx.parallel)
-    except ValueError as exc:
-        raise ConfigError("step", str(exc)) from None
-    if ctx.precision.mode not in DP_SGD_PRECISIONS:  # fp16's scaler; fp8's float8 matmuls
-        raise ConfigError(
-            "train.precision",
-            f"step=dp_sgd supports fp32 or bf16, not {ctx.precision.mode}: its per-sample "
-            "gradients (torch.func's vmap) run neither under fp16's loss scaler nor through "
-            "fp8's float8 layers",
-        )
-    try:
-        step_fn.set_sampling(batches.plan.global_batch, len(batches.dataset))
-    except ValueError as exc:  # step.target_epsilon out of reach
-        raise ConfigError("step.target_epsilon", str(exc)) from None
-    ctx.callbacks.named["privacy"] = PrivacySpent(step_fn)
-
-
 def build_context(
-    cfg: Config,
-    parts: Assembly,
-    info: DistInfo,
-    dims: ParallelDims,
-    ft: FaultTolerance | None = None,
+    cfg: Config, parts: Assembly, info: DistInfo, ft: FaultTolerance | None = None
 ) -> StepContext:
     """The step's runtime objects: the optimizer (after wrapping: FSDP shards the
-    parameters), its schedule, the precision and the callbacks; a mixture of experts' task
-    balances its routers (trainer/run/moe.py). Under `ft` the step's deal and sums span the
-    live replica groups (its parallelism over the group's), and its records join the
-    callbacks."""
+    parameters), its schedule, the precision and the user's callbacks; the task as the
+    extensions wrap it (a mixture of experts' balances its routers). Under `ft` the step's
+    deal and sums span the live replica groups (its parallelism over the group's), and its
+    records join the callbacks."""
     optimizer = build_optimizer(cfg.optim, parts.model)
     callbacks = build_callbacks(cfg.callbacks, cfg.train)
     if ft is not None:
@@ -134,74 +87,13 @@ def build_context(
         model=parts.wrapped,
         optimizer=optimizer,
         scheduler=build_scheduler(cfg.scheduler, optimizer, cfg.train.max_steps),
-        task=balanced_task(cfg, parts, info, dims),
+        task=parts.extensions.wrap_task(parts.task, parts.built),
         precision=Precision(cfg.train.precision, info.device.type),
         dist=info,
         parallel=parts.parallel if ft is None else ft.parallel(parts.parallel),
         clip_grad_norm=cfg.train.clip_grad_norm,
         callbacks=callbacks,
         sync_every_micro_batch=cfg.dist.fsdp_sync_every_micro_batch,
-    )
-
-
-def build_state(
-    cfg: Config,
-    config: dict[str, Any],
-    ctx: StepContext,
-    parts: Assembly,
-    derived: dict[str, str] | None = None,
-    **named: Any,
-) -> RunState:
-    """What a checkpoint holds: the model and optimizer through the parallelism, the config
-    (with the keys it derives, `derived`, signed on rank 0 with this user's secret), and the
-    named stateful components (user components join when they have state)."""
-    fmt = cfg.checkpoint.format
-    sharded = (fmt if fmt != "auto" else parts.parallel.checkpoint_format) == "sharded"
-    derived = derived or {}
-    signature = sign(signed_config(config, derived)) if ctx.dist.is_main else None
-    state = RunState(
-        parts.model,
-        ctx.optimizer,
-        parts.parallel,
-        config=config,
-        derived=derived,
-        signature=signature,
-        sharded=sharded,
-        adapter=parts.adapter,
-    )
-    for name, component in {
-        **named,
-        "scheduler": ctx.scheduler,
-        "precision": ctx.precision,
-        "callbacks": ctx.callbacks,
-        "task": parts.task,
-        "train_data": parts.data.train,
-        "val_data": parts.data.val,
-    }.items():
-        state.add(name, component)
-    return state
-
-
-def choices_shape(cfg: Config, step_fn: Any, callbacks: Any) -> RunShape:
-    """The run's choices a parallelism may refuse that the config (its step and callbacks
-    built) decides: what trainer/run/lifecycle.py checks before any process group."""
-    return RunShape(
-        auto_micro_batch=cfg.train.micro_batch_size == AUTO,
-        compile=cfg.train.compile,
-        per_layer_norms=cfg.train.grad_norms == "per_layer",
-        step=step_fn,
-        plain_accumulation=type(step_fn) is AccumulateStep,
-        callbacks=callbacks,
-    )
-
-
-def run_shape(cfg: Config, step_fn: Any, ctx: StepContext, plan: BatchPlan) -> RunShape:
-    """The run's choices a parallelism may refuse (its `check`), the built run's included."""
-    fmt = cfg.checkpoint.format
-    return dataclasses.replace(
-        choices_shape(cfg, step_fn, ctx.callbacks),
-        accum=plan.accum,
-        checkpoint_format=fmt if fmt != "auto" else ctx.parallel.checkpoint_format,
     )
 
 
@@ -220,10 +112,8 @@ def build_run(
     plan = job_plan(cfg.train, cfg.ft, dims.dp) if ft else BatchPlan.from_config(cfg.train, dims.dp)
     parts = assemble(cfg, info, dims, static_shapes=True)  # (CUDA graphs' refusals first)
     parallel = parts.parallel  # (under ft: this group's; evaluation stays within it)
-    ctx = build_context(cfg, parts, info, dims, ft)
-    step_fn = step_for_task(build_step(cfg.step), ctx, cfg, plan)
-    check_moe_step(ctx.task, step_fn, ctx.callbacks)
-    check_layout(parallel, run_shape(cfg, step_fn, ctx, plan))
+    ctx = build_context(cfg, parts, info, ft)
+    step_fn = run_step(cfg, parts, ctx, plan)
     step_fn, plan, auto_window = setup_auto(cfg, ctx, parts.data, step_fn, plan)
     batches = build_train_batches(parts.data, parts.data_extras, cfg.seed, info, plan, ctx.parallel)
     val_batches = build_val_batches(
@@ -235,7 +125,6 @@ def build_run(
         parallel,
         whole_batches=isinstance(parts.task, WindowTask),
     )
-    attach_privacy(step_fn, ctx, batches, parts.data_extras)
     ctx.callbacks.setup(ctx)  # before a checkpoint is restored into their state
     unit = item_unit(parts.task)  # a task names its loss items (`unit = "tokens"`)
     meter = TrainMeter(info, parts.flops_per_token, run_dir, unit)
@@ -259,7 +148,7 @@ def build_run(
         else resume(state, progress, run_dir, resuming, info)
     )
     checkpointer.committed = resumed.path
-    banner = build_banner(cfg, parts, run_dir, plan, ctx, resumed) if info.is_main else None
+    banner = build_banner(cfg, parts, plan, ctx, run_dir, resumed) if info.is_main else None
     sinks: list[Any] = []
     if banner is not None and ft is None:  # (ft: the writer's sinks open at its first record)
         sinks = build_sinks(cfg, config, banner, unit=unit)
@@ -290,10 +179,28 @@ def build_run(
     return run
 
 
+def run_step(cfg: Config, parts: Assembly, ctx: StepContext, plan: BatchPlan) -> StepStrategy:
+    """The step the run takes: the one the extensions prepare from `step`, their callbacks
+    joined to the run's (first: the routing biases move before any other sees the step),
+    refused by the compatibility table or the layout's own check."""
+    step_fn = parts.extensions.prepare_step(build_step(cfg.step), ctx, plan, parts.built)
+    extensions = parts.extensions.callbacks(ctx, step_fn, parts.built)
+    ctx.callbacks.named = {**extensions, **ctx.callbacks.named}
+    parts.choices.knowing(step=step_fn, callbacks=ctx.callbacks).checked()
+    check_layout(parts.parallel, run_shape(cfg, step_fn, ctx, plan))
+    return step_fn
+
+
 def build_banner(
-    cfg: Config, parts: Assembly, run_dir: Path, plan: BatchPlan, ctx: StepContext, resumed: Any
+    cfg: Config,
+    parts: Assembly,
+    plan: BatchPlan,
+    ctx: StepContext,
+    run_dir: Path,
+    resumed: Resumed,
 ) -> Banner:
-    """What the first lines of the run say (rank 0)."""
+    """What the first lines of the run say (rank 0): the layout is the step's (under ft, the
+    replica groups around this group's)."""
     return Banner(
         run_dir=run_dir,
         run_id=resumed.run_id,

@@ -26,12 +26,12 @@ from trainer.config.errors import UserError
 from trainer.config.schema import CheckpointCfg, Config, EvalCfg, TrainCfg
 from trainer.data.checks import next_window
 from trainer.data.loader import EvalBatches, TrainBatches
-from trainer.plurals import counted
 from trainer.run.optim import horizon_dependent
 from trainer.run.preemption import StopRequest
 from trainer.run.state import Resumed, RunState, TrainingProgress
 from trainer.run.sum_check import check_loss_is_sum
 from trainer.tracking.phases import TABLE_FILE
+from trainer.tracking.plurals import counted
 from trainer.tracking.profiler import NoProfiler
 from trainer.tracking.records import (
     MOE_LOAD,

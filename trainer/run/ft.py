@@ -1,5 +1,5 @@
 """`ft=torchft` in a training run: the replica groups' part in the build, the fit loop and the
-records (README, "Fault tolerance"; the engine side is engine/parallel/replicas.py).
+records (docs/guides/fault-tolerance.md; the engine side is engine/parallel/replicas.py).
 
 - The batch plan is the whole job's (`ft.groups` groups of this group's size); each quorum
   deals it over the live groups (`plan_for`), and a global batch that some number of live
@@ -47,9 +47,9 @@ from engine.rng import rng_state, set_rng_state
 from trainer.config.errors import ConfigError, UserError
 from trainer.config.schema import FtCfg, TrainCfg
 from trainer.data.checks import next_window
-from trainer.plurals import counted
 from trainer.run.batch_plan import BatchPlan
 from trainer.run.fit import RunEnded
+from trainer.tracking.plurals import counted
 from trainer.tracking.records import RecordSink, supersede
 from trainer.tracking.sinks import announce, open_sinks
 
@@ -557,62 +557,6 @@ def remove_stale_saves(checkpoint_dir: Path, session: str) -> None:
         for p in checkpoint_dir.iterdir():
             if p.name.startswith(TMP_PREFIX) and not p.name.endswith(session):
                 shutil.rmtree(p, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- refusals
-
-
-def check_choices(cfg: Any, step: Any, callbacks: Any) -> None:
-    """What `ft=torchft` does not compose with, from the config alone (its `step` and
-    `callbacks` built; before any process group): one paragraph each, naming the key."""
-    from engine.steps.accumulate import AccumulateStep
-    from trainer.run.batch_plan import AUTO
-    from trainer.run.moe import declares_experts
-
-    inside = {"dist.tp": cfg.dist.tp, "dist.pp": cfg.dist.pp, "dist.cp": cfg.dist.cp}
-    inside["dist.ep"] = cfg.dist.ep
-    for key, degree in inside.items():
-        if degree > 1:
-            raise ConfigError(
-                key,
-                f"must be 1 under ft=torchft (got {degree}): a replica group holds the whole "
-                "model (dist.strategy=ddp) or FSDP2's shards of it (fsdp), and its rank r sums "
-                "with rank r of every other group; a group split by tensor, pipeline, context "
-                "or expert parallelism is not built yet",
-            )
-    if cfg.train.micro_batch_size == AUTO:
-        raise ConfigError(
-            "train.micro_batch_size",
-            "auto is not available under ft=torchft: every replica group must run the same "
-            "micro-batches (a redone step is dealt over the live groups by micro-batch); set a "
-            "number",
-        )
-    if type(step) is not AccumulateStep:
-        raise ConfigError(
-            "step",
-            f"under ft=torchft the step is step=accumulate's window, whose sums span the "
-            f"replica groups; {type(step).__name__} reduces over the ranks of one group",
-        )
-    for name, cb in callbacks.named.items():
-        if cb.per_micro_batch:
-            raise ConfigError(
-                f"callbacks.{name}",
-                "not available under ft=torchft: it looks at every micro-batch of this group "
-                "only, and a step redone by fewer groups would count its micro-batches twice",
-            )
-    if declares_experts(cfg.model):
-        raise ConfigError(
-            "ft",
-            "a mixture of experts is not available under ft=torchft yet: the routers' "
-            "load-balancing counts are summed over the ranks of one replica group, not over "
-            "the step's quorum; use ft=none",
-        )
-    if str(cfg.task.get("_target_", "")).endswith("DPOTask"):
-        raise ConfigError(
-            "task",
-            "task=dpo is not available under ft=torchft yet: its rewards' sums (train/"
-            "reward_*) span the ranks of one replica group, not the step's quorum; use ft=none",
-        )
 
 
 def lock_name(cfg: FtCfg) -> str:

@@ -16,32 +16,19 @@ if TYPE_CHECKING:
 
 
 def check_choices(cfg: Config) -> None:
-    """The layout's refusals of the run's other choices that the config alone decides
-    (`ParallelDims.check`: what does not compose with dist.ep > 1 yet; a mixture of experts
-    that `model.*` declares, under dist.tp, pp or cp), before the world's size is checked and
-    before any parallelism builds its process groups or mesh, so that one process reaches
-    each of them. The built parallelism checks the run again
-    (trainer/run/build.py `check_layout`: the step a task chose, the checkpoint format)."""
-    from engine.parallel import LayoutError
-    from trainer.run.assemble import layout_error
-    from trainer.run.build import build_callbacks, build_step, choices_shape
-    from trainer.run.moe import check_mixture_layout, declares_experts
+    """The compatibility table's refusals that the config decides, its step and callbacks
+    built (trainer/run/compatibility.py), before the world's size is checked and before any
+    parallelism builds its process groups or mesh, so that one process reaches each of them:
+    the entry points (trainer/train.py, trainer.api.train) call it before they join the
+    process group, so every rank refuses alike and none waits for a peer that has exited in
+    the rendezvous. The assembly asks the table again as it builds the data, the model and
+    the task, and the run once its step is chosen."""
+    from trainer.run.build import build_callbacks, build_step
+    from trainer.run.compatibility import Choices
 
-    if cfg.ft.enabled:
-        from trainer.run.ft import check_choices as check_ft
-
-        check_ft(cfg, build_step(cfg.step), build_callbacks(cfg.callbacks, cfg.train))
     dims = cfg.dist.dims()  # every degree checked, the world's size not yet
-    if declares_experts(cfg.model):  # before dist.tp lays out (and warns about) its experts
-        check_mixture_layout(dims)
-    if dims.ep == 1:  # nothing else is refused from the choices alone: nothing built twice
-        return
-    callbacks = build_callbacks(cfg.callbacks, cfg.train)
-    shape = choices_shape(cfg, build_step(cfg.step), callbacks)
-    try:
-        dims.check(shape)
-    except LayoutError as exc:
-        raise layout_error(exc) from None
+    step, callbacks = build_step(cfg.step), build_callbacks(cfg.callbacks, cfg.train)
+    Choices.of(cfg, dims, training=True, step=step, callbacks=callbacks).checked()
 
 
 def train(
@@ -63,7 +50,6 @@ def train(
     from trainer.run.hang import is_timeout, start_watch
     from trainer.tracking.report import write_run_report
 
-    check_choices(cfg)  # before any layout: one process reaches each of these refusals
     started = time.perf_counter()
     # Names the rank(s) a timed-out collective waited for (trainer/run/hang.py).
     watch = start_watch(info, run_dir, cfg.dist.timeout_s)

@@ -18,7 +18,7 @@ from torch import nn
 
 from trainer.config.components import call, check, instantiate, locate
 from trainer.config.errors import ConfigError
-from trainer.plurals import counted
+from trainer.tracking.plurals import counted
 
 _NO_DECAY = (nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 

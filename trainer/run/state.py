@@ -41,9 +41,11 @@ from engine.parallel.base import Parallelism
 from engine.rng import rng_state, seed_everything, set_rng_state
 from engine.step import StepContext
 from trainer.config.errors import UserError
-from trainer.config.schema import CheckpointCfg
-from trainer.plurals import counted
+from trainer.config.schema import CheckpointCfg, Config
+from trainer.config.signing import sign
 from trainer.run.identity import new_run_id
+from trainer.run.parts import Assembly
+from trainer.tracking.plurals import counted
 
 # Beside the config: the keys it derives from others (trainer/config/trust.py:derived_keys)
 # and this user's signature of both (trainer/config/signing.py).
@@ -433,3 +435,41 @@ def evaluated_at(run_dir: Path, step: int) -> bool:
         if record.get("step") == step and any(k.startswith("val/") for k in record):
             return True
     return False
+
+
+def build_state(
+    cfg: Config,
+    config: dict[str, Any],
+    ctx: StepContext,
+    parts: Assembly,
+    derived: dict[str, str] | None = None,
+    **named: Any,
+) -> RunState:
+    """What a checkpoint holds: the model and optimizer through the parallelism, the config
+    (with the keys it derives, `derived`, signed on rank 0 with this user's secret), and the
+    named stateful components (user components join when they have state)."""
+    fmt = cfg.checkpoint.format
+    sharded = (fmt if fmt != "auto" else parts.parallel.checkpoint_format) == "sharded"
+    derived = derived or {}
+    signature = sign(signed_config(config, derived)) if ctx.dist.is_main else None
+    state = RunState(
+        parts.model,
+        ctx.optimizer,
+        parts.parallel,
+        config=config,
+        derived=derived,
+        signature=signature,
+        sharded=sharded,
+        adapter=parts.adapter,
+    )
+    for name, component in {
+        **named,
+        "scheduler": ctx.scheduler,
+        "precision": ctx.precision,
+        "callbacks": ctx.callbacks,
+        "task": parts.task,
+        "train_data": parts.data.train,
+        "val_data": parts.data.val,
+    }.items():
+        state.add(name, component)
+    return state

@@ -25,9 +25,9 @@ import yaml
 
 from engine.checkpoint.manifest import MANIFEST
 from trainer.checks.compare import CompareError, compare, metrics_file, report, series_of
-from trainer.plurals import counted
 from trainer.tracking.phases import TABLE_FILE
 from trainer.tracking.plots import COLORS, DASHES, Chart, Line, phase_legend, svg, timeline_svg
+from trainer.tracking.plurals import counted
 from trainer.tracking.records import is_throughput, throughput_key
 from trainer.tracking.timeline import phase_lanes
 
@@ -75,8 +75,10 @@ MAIN_CHARTS = (
 # records that follow them: charts of their own when they vary.)
 MAIN_METRICS = {m for _, metrics in MAIN_CHARTS for m in metrics}
 # Shown as marks instead (steps where the count grew), or not a curve at all: which rank was
-# slowest in each phase is the per-rank table's.
-NOT_CHARTED = {"train/skipped_steps", "ft/failures", "ft/redone_steps"} | {
+# slowest in each phase is the per-rank table's; a mixture's routing digest is a fingerprint
+# for comparing runs (engine/moe/sums.py).
+FT_COUNTS = ("ft/failures", "ft/redone_steps")  # ft=torchft: the failed steps are marks
+NOT_CHARTED = {"train/skipped_steps", "train/moe_routing_digest", *FT_COUNTS} | {
     f"time/{p}_rank" for p in ("data", "compute", "sync", "optimizer", "checkpoint", "eval")
 }
 MAX_OTHER_CHARTS = 24

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine.distributed import DistInfo
+from engine.item_sums import task_loss
 from engine.numerics.chunked_ce import OutputHead
 from engine.parallel.base import (
     NO_GUARD,
@@ -322,7 +323,7 @@ class PipelineParallel(MeshSplit):
         call = call_for(self.head)(self.stages[a.stage], hidden, last, self.head)
         try:
             with ctx.precision.autocast():
-                out = ctx.task.loss_sum(call, batch)
+                out = task_loss(ctx.task, call, batch, ctx.item_sums)
         except Forwarded as fwd:
             self.links.send(fwd.output, a.stage + 1, a.micro, backward=False)
             outputs[a.stage, a.micro] = fwd.output

@@ -1,8 +1,12 @@
-"""`task=dpo` in the run's assembly: the layouts and data it takes (refused otherwise, in one
-paragraph naming the key), and its reference model, chosen and attached."""
+"""`task=dpo` in the run: its reference model, chosen and attached before the policy is laid
+out (after fp8's conversion: a copy is then float8 as the policy is), laid out like the
+policy, or precomputed (`task.reference=precomputed`: the file keyed before the layout, the
+pass on the laid-out model). What it refuses is the compatibility table's
+(trainer/run/compatibility.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -22,52 +26,25 @@ from engine.parallel.base import Parallelism
 from engine.parallel.dims import ParallelDims
 from engine.preference import DPOTask, adapters_disabled, frozen_copy
 from trainer.config.errors import ConfigError
+from trainer.config.schema import Config
 from trainer.data.preference import PreferenceSamples
 from trainer.models.lora import Adapter
-from trainer.plurals import counted
-
-PAIRS_DATA = "trainer.data.preference.preference_data"
-DPO_TASK = "engine.preference.DPOTask"
-
-
-def check_pairs_layout(task_node: dict, dims: ParallelDims) -> None:
-    """task=dpo under sequence or pipeline splits: refused before anything is built."""
-    if task_node.get("_target_") != DPO_TASK:
-        return
-    for key, degree in (("dist.cp", dims.cp), ("dist.pp", dims.pp)):
-        if degree > 1:
-            raise ConfigError(
-                key,
-                f"task=dpo is not available with {key}={degree}: a pair's loss needs the summed "
-                "log-probabilities of both its sequences, each whole on one rank, and splitting "
-                "sequences over ranks (cp) or the model into stages (pp) is not built for "
-                "pairs. Use dist.strategy=ddp or fsdp",
-            )
-
-
-def check_pairs_task(task: object, data_target: str | None) -> None:
-    """data=preference's batches are whole pairs (pairs, 2, positions): only a preference
-    task reads them."""
-    if data_target == PAIRS_DATA and not isinstance(task, DPOTask):
-        raise ConfigError(
-            "task",
-            f"data=preference gives pairs of a chosen and a rejected answer, which train with "
-            f"task=dpo (task.loss_type=sigmoid|ipo|simpo); {type(task).__name__} reads other "
-            "batches. Select task=dpo, or data=chat to fine-tune on the conversations",
-        )
+from trainer.run.extensions.base import Extension
+from trainer.run.layout import parallelize, parameter_dtype
+from trainer.run.parts import Parts
+from trainer.tracking.plurals import counted
 
 
 def attach_reference(task: object, model: nn.Module, adapter: Adapter | None) -> None:
-    """`task.reference` of a DPO task, before the model is laid out over the ranks: `copy`
-    (the default without an adapter) copies the initial policy, frozen; `adapter` (the
-    default under adapter=lora) scores with the base, its adapters disabled; `none` (simpo)
-    has no reference. Any other task: nothing to do."""
-    if not isinstance(task, DPOTask) or task.reference == "none":
+    """`task.reference` of a DPO task, built and given to it before the model is laid out
+    over the ranks: `copy` (the default without an adapter) copies the initial policy,
+    frozen; `adapter` (the default under adapter=lora) scores with the base, its adapters
+    disabled; `precomputed` (scored after layout) and `none` (simpo) attach no model. Any
+    other task: nothing to do."""
+    if not isinstance(task, DPOTask) or task.reference in ("none", "precomputed"):
         return
     mode = task.reference or ("adapter" if adapter is not None else "copy")
-    if mode == "precomputed":  # scored by precompute_reference, after layout
-        task.attach_reference(None)
-    elif mode == "adapter":
+    if mode == "adapter":
         if adapter is None:
             raise ConfigError(
                 "task.reference",
@@ -78,7 +55,6 @@ def attach_reference(task: object, model: nn.Module, adapter: Adapter | None) ->
         task.attach_reference(adapters_disabled(adapter.peft_model, model))
     else:
         task.attach_reference(frozen_copy(model))
-    task.reference = mode
 
 
 def lay_out_reference(
@@ -87,7 +63,7 @@ def lay_out_reference(
     """After the policy is laid out: a frozen copy is sharded like it under FSDP2 (`apply`
     lays a module out as the policy was), so no rank holds a whole second model; one line
     says where the reference lives."""
-    if not isinstance(task, DPOTask) or task.reference in ("none", "precomputed"):
+    if not isinstance(task, DPOTask) or task.reference_mode in ("none", "precomputed"):
         return
     ref = task.frozen_copy
     sharded = parallel.shards_parameters and parallel.name == "fsdp"
@@ -99,7 +75,8 @@ def lay_out_reference(
             "copy": "a frozen copy of the initial model, "
             + ("sharded like the policy" if sharded else "whole on each rank"),
         }
-        print(f"task.reference={task.reference}: {where[task.reference]}", flush=True)
+        mode = task.reference_mode
+        print(f"task.reference={mode}: {where[mode]}", flush=True)
 
 
 def model_key(model: nn.Module) -> str:
@@ -155,9 +132,10 @@ def my_chunks(n: int, micro: int, dp_rank: int, dp_size: int) -> list[list[int]]
 class ReferenceFile:
     """Where task.reference=precomputed's values live (the data's token cache, under a key of
     the initial model, the pairs, the chunk size and the precision) and how they are
-    scored."""
+    scored; `path` None: trainer.plan's fake model, whose pass is zeros of the pairs'
+    shape."""
 
-    path: Path
+    path: Path | None
     micro: int
     precision: str
 
@@ -180,8 +158,8 @@ def reference_file(
     `trainer.run.assemble.parameter_dtype`: FSDP2's under bf16 or fp8) and `tensor_parallel`
     (its degree above 1: split matmuls add their partial products in another order; and
     `sequence_parallel`, whose norms and gathers run on sequence shards).
-    `planned` (trainer.plan: the model is fake tensors): zeros attached, the batches' shapes
-    without a pass, and None. Any other task: None."""
+    `planned` (trainer.plan: the model is fake tensors): no file (zeros of the pairs' shape,
+    no pass). Any other task: None."""
     if not isinstance(task, DPOTask) or task.reference != "precomputed":
         return None
     splits = {"train": data.train, "val": data.val}
@@ -194,9 +172,7 @@ def reference_file(
                 "preference, or task.reference=copy",
             )
     if planned:
-        for samples in splits.values():
-            samples.reference = np.zeros((len(samples), 2))
-        return None
+        return ReferenceFile(None, micro, precision)
     ident: dict[str, Any] = {"model": model_key(model), "micro": micro, "precision": precision}
     if low_precision_parameters:
         ident["parameters"] = "bf16"
@@ -209,6 +185,34 @@ def reference_file(
     return ReferenceFile(Path(data.train.store.root) / "reference" / f"{key}.pt", micro, precision)
 
 
+def layout_reference_file(
+    cfg: Config,
+    task: object,
+    model: nn.Module,
+    data: Any,
+    dims: ParallelDims,
+    info: DistInfo,
+    planned: bool = False,
+) -> ReferenceFile | None:
+    """`task.reference=precomputed`'s file (`reference_file`) for this run's layout:
+    keyed to the initial model, whole here (fp8's conversion keeps the names), the run's
+    micro-batch (1 under auto) and precision, the bf16 parameters the layout computes with
+    (`parameter_dtype`, as `parallelize` lays out), its tensor-parallel degree and whether
+    that is sequence-parallel."""
+    micro = cfg.train.micro_batch_size
+    return reference_file(
+        task,
+        model,
+        data,
+        micro if micro != "auto" else 1,
+        precision=cfg.train.precision,
+        planned=planned,
+        low_precision_parameters=parameter_dtype(cfg.train.precision, dims, info) is not None,
+        tensor_parallel=dims.tp,
+        sequence_parallel=dims.sequence_parallel,
+    )
+
+
 def precompute_reference(
     file: ReferenceFile | None,
     task: object,
@@ -216,11 +220,11 @@ def precompute_reference(
     data: Any,
     info: DistInfo,
     parallel: Parallelism,
-) -> None:
+) -> dict[str, np.ndarray] | None:
     """`task.reference=precomputed` (`file`: see `reference_file`), after the model is laid
-    out: every pair's reference log-probabilities (chosen, rejected), of the train and
-    validation pairs, under the initial model as the run lays it out (FSDP2: sharded, every
-    rank in each forward), attached to the data so that each batch carries its pairs'.
+    out: every pair's reference log-probabilities (chosen, rejected), (pairs, 2) of the train
+    and of the validation pairs, under the initial model as the run lays it out (FSDP2:
+    sharded, every rank in each forward), for the data to carry with each batch.
 
     The pairs are scored `file.micro` consecutive pairs at a time (the run's micro-batch; 1
     under auto), chunk c on data-parallel rank c % dp (`parallel`'s coordinates: a
@@ -232,13 +236,14 @@ def precompute_reference(
     any rank), so runs of other layouts writing the same key write the same bits. Rank 0
     writes them, once the pass is complete, to a temporary file renamed when whole, so an
     interrupted pass leaves nothing. A later start of the same base on the same pairs (a
-    resumed run) reads the file; another base computes anew. Nothing to do without a
-    file."""
+    resumed run) reads the file; another base computes anew. None without a file."""
     if file is None:
-        return
+        return None
     assert isinstance(task, DPOTask)
     splits = {"train": data.train, "val": data.val}
     path = file.path
+    if path is None:  # the planner's fake model: the shapes alone
+        return {k: np.zeros((len(v), 2)) for k, v in splits.items()}
     values: dict[str, np.ndarray] | None = None
     if all(all_gather_object(path.is_file(), info)):
         stored = torch.load(path, weights_only=True)
@@ -270,8 +275,6 @@ def precompute_reference(
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             torch.save({k: torch.from_numpy(v) for k, v in values.items()}, tmp)
             os.replace(tmp, path)
-    for split, samples in splits.items():
-        samples.reference = values[split]
     if info.is_main:
         n = sum(len(v) for v in splits.values())
         how = "read from" if reused else "computed (each rank its share) and written to"
@@ -280,3 +283,54 @@ def precompute_reference(
             f"{counted(n, 'pair')} {how} {path}",
             flush=True,
         )
+    return values
+
+
+class Preference(Extension):
+    """task=dpo's reference: attached and keyed before the layout, laid out and precomputed
+    after it (a no-op for any other task)."""
+
+    name = "dpo"
+
+    def __init__(self) -> None:
+        self.file: ReferenceFile | None = None  # precomputed: keyed before, scored after
+
+    def before_layout(self, parts: Parts) -> Parts:
+        # The initial policy, after fp8's conversion (a copy is then float8 as the policy
+        # is: at step 1 the two cancel).
+        attach_reference(parts.task, parts.built_model(), parts.adapter)
+        # (the planner's model is fake tensors: no pass)
+        self.file = layout_reference_file(
+            parts.cfg,
+            parts.task,
+            parts.built_model(),
+            parts.data,
+            parts.dims,
+            parts.info,
+            parts.simulated,
+        )
+        return parts
+
+    def after_layout(self, parts: Parts) -> Parts:
+        assert parts.model_extras is not None
+        extras, parallel, dtype = parts.model_extras, parts.parallel, parts.param_dtype
+        with parts.building:
+            lay_out_reference(
+                parts.task,
+                parallel,
+                lambda ref: parallelize(ref, extras, parallel, param_dtype=dtype),
+                parts.info.is_main and not parts.simulated,
+            )
+        # The pass scores with the model as the run lays it out (FSDP2: sharded, so a model
+        # that fits only sharded precomputes too).
+        data = parts.data
+        values = precompute_reference(
+            self.file, parts.task, parts.built_model(), data, parts.info, parallel
+        )
+        if values is None:
+            return parts
+        train, val = (
+            data.train.with_reference(values["train"]),
+            data.val.with_reference(values["val"]),
+        )
+        return parts.replace(data=dataclasses.replace(data, train=train, val=val))

@@ -1,6 +1,7 @@
-"""`train.precision=fp8`: the model's Linear layers converted to torchao's float8 training
-(engine/numerics/float8.py) before the layout wraps them, with the trainer's refusals: a
-device without float8 matmuls (unless `train.fp8_emulate=true`) and tensor parallelism."""
+"""`train.precision=fp8` in the run: the model's Linear layers converted to torchao's float8
+training (engine/numerics/float8.py) before the layout wraps them (and before DPO's reference
+is copied from the model: a copy is then float8 too), with fp8's own refusals: a device
+without float8 matmuls (unless `train.fp8_emulate=true`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from engine.numerics.float8 import Float8Layers, convert, plan, unsupported
 from engine.parallel.dims import ParallelDims
 from trainer.config.errors import ConfigError
 from trainer.config.schema import TrainCfg
+from trainer.run.extensions.base import Extension
+from trainer.run.parts import Parts
 
 OTHERS = ", ".join(p for p in PRECISIONS if p != "fp8")
 
@@ -32,8 +35,8 @@ def kept_in_bf16(model: nn.Module) -> dict[nn.Module, str]:
 
 
 def check_float8(train: TrainCfg, info: DistInfo, dims: ParallelDims) -> None:
-    """fp8's refusals, before the model is converted: the device, and tensor parallelism
-    (torchao shards float8 layers with its own plans, which `dist.tp` does not use)."""
+    """fp8's own refusal, before the model is converted: a device without float8 matmuls
+    (fp8 with tensor parallelism is the compatibility table's)."""
     why = unsupported(info.device)
     if why is not None and not train.fp8_emulate:
         raise ConfigError(
@@ -42,12 +45,6 @@ def check_float8(train: TrainCfg, info: DistInfo, dims: ParallelDims) -> None:
             f"capability 8.9 or later (Ada, Hopper); {why}. Valid here: {OTHERS} (bf16 is "
             "the fast choice); train.fp8_emulate=true emulates float8 on this device to check "
             "fp8's numerics (slow, for checking only)",
-        )
-    if dims.tp > 1:
-        raise ConfigError(
-            "train.precision",
-            f"fp8 is not available with dist.tp={dims.tp}: float8 layers need torchao's own "
-            f"tensor-parallel plans, not built yet; use dist.tp=1, or {OTHERS} with dist.tp",
         )
 
 
@@ -72,3 +69,17 @@ def to_float8(
         return convert(model, keep, emulate=train.fp8_emulate)
     except ModuleNotFoundError as exc:  # torchao vanished since the config's check
         raise ConfigError("train.precision", str(exc)) from None
+
+
+class Float8(Extension):
+    """The model converted before the layout (`parts.float8`); the planner's fake model plans
+    as bf16, not converted."""
+
+    name = "fp8"
+
+    def before_layout(self, parts: Parts) -> Parts:
+        if parts.cfg.train.precision != "fp8" or parts.simulated:
+            return parts
+        with parts.building:
+            layers = to_float8(parts.built_model(), parts.cfg.train, parts.info, parts.dims)
+        return parts.replace(float8=layers)

@@ -16,7 +16,8 @@ completion's reward is the sum of weight x score over the functions.
 An entry is `{_target_: pkg.fn, weight: 1.0, name: NAME, <keyword arguments>}`: the function
 itself, its other keys bound as keyword arguments, each naming one of its parameters
 (`pattern:` of `format_match`). Built in:
-`trainer.rewards.exact_answer`, `trainer.rewards.format_match`, `trainer.rewards.length_penalty`.
+`trainer.rollout.rewards.exact_answer`, `trainer.rollout.rewards.format_match`,
+`trainer.rollout.rewards.length_penalty`.
 A target named in a received checkpoint's config goes through the trust boundary as every
 `_target_` there (trainer/config/trust.py): refused unless shipped, restated or trusted.
 
