@@ -345,6 +345,35 @@ def weights_only_transport(timeout: timedelta) -> Any:
     return transport
 
 
+def start_lighthouse(
+    bind: str,
+    port: int,
+    *,
+    min_groups: int,
+    join_timeout_s: float,
+    heartbeat_timeout_s: float,
+    quorum_tick_ms: int,
+) -> tuple[Any, str]:
+    """torchft's lighthouse serving on `bind`:`port` (its Rust threads, in this process), and
+    the address groups connect to: the server's own (this host's name), or the bound host
+    when it is a specific one."""
+    os.environ.setdefault("RUST_LOG", "warn")  # read when torchft's extension loads
+    from torchft.coordination import LighthouseServer
+
+    host = bind if bind.endswith("]") or ":" not in bind else f"[{bind}]"
+    server = LighthouseServer(
+        bind=f"{host}:{port}",
+        min_replicas=min_groups,
+        join_timeout_ms=round(join_timeout_s * 1000),
+        quorum_tick_ms=quorum_tick_ms,
+        heartbeat_timeout_ms=round(heartbeat_timeout_s * 1000),
+    )
+    served = server.address()
+    if bind in ("", "[::]", "::", "0.0.0.0"):
+        return server, served
+    return server, f"http://{host}:{served.rsplit(':', 1)[1]}"
+
+
 def quiet_torchft() -> None:
     """torchft's own log lines off (its Rust side logs every quorum; its Python side each
     failed collective, with a traceback): the trainer says what a failure cost. RUST_LOG=info,
