@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fault-tolerant training on one machine (ft=torchft, README "Fault tolerance"): torchft's
+# Fault-tolerant training on one machine (ft=torchft, docs/guides/fault-tolerance.md): torchft's
 # lighthouse and GROUPS replica groups of PROCS processes each, every group under
 #   torchrun --standalone --nproc_per_node=PROCS --max-restarts=K
 # inside a relaunch loop (a killed agent comes back too), so a lost group comes back by

@@ -50,14 +50,16 @@ class KillGroup(Callback):
     """SIGKILL to this group's processes at the moments of `kills` ("STEP:PHASE,..."), each
     once over the group's restarts (a marker file per kill in `markers`); rank 0 kills. A kill
     comes at the first moment of its phase from its step on while every group is live (a peer
-    is there to take the state from), and not after step `until`."""
+    is there to take the state from), and not after step `until`. `group`: only the group of
+    this id kills (every group is given the same overrides by scripts/ft_local.sh); -1: any."""
 
-    def __init__(self, kills: str, markers: str, until: int) -> None:
+    def __init__(self, kills: str, markers: str, until: int, group: int = -1) -> None:
         self.kills = [(int(s), p) for s, p in (k.split(":") for k in kills.split(",") if k)]
         for _, phase in self.kills:
             assert phase in PHASES, phase
         self.markers = Path(markers)
         self.until = until
+        self.group = group
         self.pids: list[int] = [os.getpid()]
         self.ctx: Any = None
 
@@ -66,7 +68,8 @@ class KillGroup(Callback):
         `step` (the step being made) has not happened yet, and every kill before it has."""
         replicas = self.ctx.parallel.replicas
         everyone = len(replicas.membership.live) == replicas.settings.groups
-        if _rank() != 0 or not everyone or step > self.until:
+        mine = self.group in (-1, replicas.settings.group)
+        if _rank() != 0 or not everyone or step > self.until or not mine:
             return False
         for at, p in self.kills:
             if not (self.markers / f"{at}-{p}").exists():  # the next kill not done yet

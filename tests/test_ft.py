@@ -1,6 +1,6 @@
-"""Fault tolerance across replica groups (`ft=torchft`, README "Fault tolerance"): a lost group
-costs the step it was in, redone by the live groups with the same samples, and a group that
-comes back takes its peers' state, so the run is the uninterrupted one.
+"""Fault tolerance across replica groups (`ft=torchft`, docs/guides/fault-tolerance.md): a
+lost group costs the step it was in, redone by the live groups with the same samples, and a
+group that comes back takes its peers' state, so the run is the uninterrupted one.
 
 The shared runs (`runs`, made once for the module, side by side): a lighthouse on 127.0.0.1
 (in this process), and per configuration its replica groups, each restarted by a launcher
@@ -327,7 +327,7 @@ def test_no_step_missing_or_doubled(runs: Runs, name: str) -> None:
 def test_final_weights_are_the_uninterrupted_runs(runs: Runs, name: str) -> None:
     """The final weights (of every group that finished) equal the reference's to 1e-5
     relative: float32 sums in another order, 60 steps later (two DDP ranks without ft are
-    as far from one process: README, "Fault tolerance")."""
+    as far from one process: docs/guides/fault-tolerance.md)."""
     done = run_of(runs, name)
     want = torch.load(runs.reference.parent / "digests" / "final_g0.pt")
     finals = sorted(done.digests.glob("final_g*.pt"))
@@ -418,7 +418,7 @@ def test_torchfts_stock_path_ends_elsewhere(runs: Runs) -> None:
     """torchft alone (gradients averaged over the live groups, torchft.Optimizer; a lost
     group's share dropped, a failed step's samples skipped), one group killed once, ends away
     from the uninterrupted run by far more than cumulus's runs above; the same path without
-    the kill does not (README, "Fault tolerance", names by how much)."""
+    the kill does not (docs/guides/fault-tolerance.md, names by how much)."""
     done, control = run_of(runs, "stock"), run_of(runs, "stock_uninterrupted")
     assert len(done.kills_done()) == 1, done.output()
     want = torch.load(runs.reference.parent / "digests" / "final_g0.pt")
