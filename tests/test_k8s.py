@@ -279,3 +279,56 @@ def test_ft_jobset_runs_one_job_per_replica_group() -> None:
         "ft.groups": "$GROUPS_N",
     }
     run_dir_on_claim(tokens, pod["volumes"], container["volumeMounts"])
+
+
+def test_slurm_ft_runs_one_array_task_per_group(tmp_path: Path) -> None:
+    """scripts/slurm_ft.sbatch (ft=torchft), run here with SLURM's commands stubbed (they
+    print what they were given): the array index is the group's id, the array's size
+    ft.groups, each group a torchrun job of its own (its rendezvous id per group, restarts
+    on) over every GPU of its nodes; without a lighthouse address it refuses to start."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {
+        "srun": 'echo "srun $*"',
+        "scontrol": 'echo "node-a"; echo "node-b"',
+        "nvidia-smi": 'echo "GPU 0"; echo "GPU 1"; echo "GPU 2"',
+        "scancel": "true",
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_ARRAY_TASK_ID": "1",
+        "SLURM_ARRAY_TASK_COUNT": "3",
+        "SLURM_ARRAY_JOB_ID": "77",
+        "SLURM_JOB_ID": "78",
+        "SLURM_JOB_NODELIST": "node-[a-b]",
+        "SLURM_JOB_NUM_NODES": "2",
+    }
+    script = REPO / "scripts" / "slurm_ft.sbatch"
+    cmd = ["bash", str(script), "hydra.run.dir=/shared/runs/exp1"]
+    refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+    assert refused.returncode != 0 and "FT_LIGHTHOUSE" in refused.stderr, refused.stderr
+    env["FT_LIGHTHOUSE"] = "http://lh-node:29510"
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("srun ")]
+    tokens = shlex.split(line)
+    assert option(tokens, "--nnodes") == "2" and option(tokens, "--nproc_per_node") == "3"
+    assert option(tokens, "--rdzv_endpoint") == "node-a:29500"
+    assert option(tokens, "--rdzv_id") == "ft-77-1" and int(option(tokens, "--max-restarts")) > 0
+    assert tokens[tokens.index("-m") + 1] == "torch.distributed.run"  # torchrun, under srun
+    assert " -m trainer.train " in line
+    ft = {t.split("=", 1)[0]: t.split("=", 1)[1] for t in tokens if t.startswith("ft")}
+    assert ft == {
+        "ft": "torchft",
+        "ft.lighthouse": "http://lh-node:29510",
+        "ft.group": "1",
+        "ft.groups": "3",
+    }
+    assert tokens[-1] == "hydra.run.dir=/shared/runs/exp1"
