@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.callbacks import Callback
+from engine.tasks import CausalLMTask
 
 if TYPE_CHECKING:
     from engine.step import StepContext
@@ -221,3 +222,23 @@ class Digests(Callback):
         del state
         if self.ctx is not None and self.ctx.step > 0:
             self._write(self.ctx.step, True)
+
+
+class TargetMeanLM(CausalLMTask):
+    """task=causal_lm that also reports, as a task's item sums (engine/item_sums.py), the sum
+    of its targets' token ids over its loss items: the record `train/target_id` is the mean
+    token id of the step's targets, a function of the step's samples alone, so it is the same
+    whichever groups made the step, if its sums span every group and a redone window's are
+    dropped."""
+
+    item_sum_names = ("target_id",)
+
+    def loss_and_sums(self, model: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
+        import torch
+
+        _, targets = batch
+        sums = {
+            "target_id": targets.double().sum(),
+            "items": torch.tensor(float(targets.numel()), dtype=torch.float64),
+        }
+        return self.loss_sum(model, batch), sums

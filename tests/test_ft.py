@@ -104,8 +104,14 @@ CONFIGS = [
     Config("two_fsdp_groups", 2, 2, "fsdp", 0.06, seed=3),
 ]
 # fp16 (the GradScaler's state travels and its decisions agree), dropout (drawn per global
-# micro-batch), an EMA (its average travels): a group killed once, against one group alone.
-COMPOSED = ("train.precision=fp16", "model.dropout=0.1", "callbacks=ema")
+# micro-batch), an EMA (its average travels), a task's item sums (summed across groups, a
+# redone window's dropped): a group killed once, against one group alone.
+COMPOSED = (
+    "train.precision=fp16",
+    "model.dropout=0.1",
+    "callbacks=ema",
+    "task._target_=tests.ft_support.TargetMeanLM",
+)
 COMPOSED_RUNS = [
     Config("composed", 2, 1, "ddp", 0.04, extra=COMPOSED, fixed={1: [(8, "forward")]}),
     Config("composed_alone", 1, 1, "ddp", 0.0, extra=COMPOSED, fixed={}),
@@ -395,9 +401,9 @@ def test_records_and_console_tell_the_failures(runs: Runs, name: str) -> None:
 
 
 def test_composed_run_is_the_one_group_run(runs: Runs) -> None:
-    """fp16 with its GradScaler, dropout and an EMA, a group killed and back: every record
-    (the loss scale, the EMA's validation loss) is the one-group run's; each micro-batch's
-    dropout is its own whichever group runs it."""
+    """fp16 with its GradScaler, dropout, an EMA and a task's item sums, a group killed and
+    back: every record (the loss scale, the EMA's validation loss, the mean of the item sums)
+    is the one-group run's; each micro-batch's dropout is its own whichever group runs it."""
     got, want = run_of(runs, "composed").records, run_of(runs, "composed_alone").records
     assert [r["step"] for r in got] == [r["step"] for r in want]
     assert len(run_of(runs, "composed").kills_done()) == 1
@@ -406,6 +412,8 @@ def test_composed_run_is_the_one_group_run(runs: Runs) -> None:
             if key in ref:
                 assert math.isclose(record[key], ref[key], rel_tol=FP16_RTOL), (key, record, ref)
         assert record.get("train/loss_scale") == ref.get("train/loss_scale"), (record, ref)
+        want = ref["train/target_id"]
+        assert math.isclose(record["train/target_id"], want, rel_tol=1e-12), (record, ref)
 
 
 def relative_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -261,15 +261,25 @@ class ReplicaGroups:
                 )
         return message[0].round().to(count.dtype)
 
-    def sum_gradients(self, params: list[nn.Parameter], loss_sum: torch.Tensor) -> torch.Tensor:
-        """Sum every rank's gradients (this rank's values: FSDP2's shards) and `loss_sum`
-        over the groups, in place; the summed loss sum. A parameter without a gradient here
-        gets the others' (zeros stand in for it), one without any anywhere stays None."""
+    def sum_gradients(
+        self,
+        params: list[nn.Parameter],
+        loss_sum: torch.Tensor,
+        item_sums: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Sum every rank's gradients (this rank's values: FSDP2's shards), `loss_sum` and the
+        task's `item_sums` (engine/item_sums.py: DPO's rewards) over the groups, in place;
+        the summed loss sum and item sums. A parameter without a gradient here gets the
+        others' (zeros stand in for it), one without any anywhere stays None."""
+        item_sums = item_sums or {}
         grads = [local_values(p.grad) if p.grad is not None else None for p in params]
         present = torch.tensor(
             [g is not None for g in grads], dtype=torch.float64, device=loss_sum.device
         )
-        small = torch.cat([loss_sum.detach().to(torch.float64).reshape(1), present])
+        items = [
+            v.detach().to(torch.float64).reshape(-1).to(loss_sum.device) for v in item_sums.values()
+        ]
+        small = torch.cat([loss_sum.detach().to(torch.float64).reshape(1), present, *items])
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, p in enumerate(params):
             by_dtype.setdefault(p.dtype if grads[i] is None else grads[i].dtype, []).append(i)
@@ -287,7 +297,7 @@ class ReplicaGroups:
             for dtype, idx in by_dtype.items()
         }
         if not all(self._sum(t) for t in (small, *flats.values())):
-            return loss_sum  # not committed: nothing of this step is used
+            return loss_sum, item_sums  # not committed: nothing of this step is used
         for dtype, idx in by_dtype.items():
             offset = 0
             for i in idx:
@@ -299,7 +309,12 @@ class ReplicaGroups:
                     else:
                         grads[i].copy_(values.view_as(grads[i]))
                 offset += n
-        return small[0].to(loss_sum.dtype)
+        summed, offset = {}, 1 + len(params)
+        for (name, value), flat in zip(item_sums.items(), items, strict=True):
+            part = small[offset : offset + flat.numel()]
+            summed[name] = part.reshape(value.shape).to(value.dtype).to(value.device)
+            offset += flat.numel()
+        return small[0].to(loss_sum.dtype), summed
 
     def commit(self) -> bool:
         """torchft's vote: whether every collective of this step succeeded in this group (and
@@ -494,9 +509,14 @@ class Replicated:
         step = ctx.step
         keyed = KeyedRandomness(guard, self.seed, step, self.dp_rank * len(window))
         loss_sum = self.inner.backward_window(ctx, window, global_count, keyed)
+        # The task's item sums of this rank's forwards, summed with rank r of every group (its
+        # records then sum them over this group's ranks); a window not committed drops them.
+        item_sums = ctx.item_sums.take()
         with ctx.clock.collective("gradient sum across replica groups"):
-            loss_sum = self.replicas.sum_gradients(ctx.trainable_parameters(), loss_sum)
+            params = ctx.trainable_parameters()
+            loss_sum, item_sums = self.replicas.sum_gradients(params, loss_sum, item_sums)
             committed = self.replicas.commit()
         if not committed:
             raise StepNotCommitted(f"step {step + 1} was not committed")
+        ctx.item_sums.add(item_sums)
         return loss_sum
