@@ -116,13 +116,31 @@ COMPOSED_RUNS = [
     Config("composed", 2, 1, "ddp", 0.04, extra=COMPOSED, fixed={1: [(8, "forward")]}),
     Config("composed_alone", 1, 1, "ddp", 0.0, extra=COMPOSED, fixed={}),
 ]
+# task=dpo on data=preference (its rewards' records are item sums over the groups; each group
+# its own frozen reference), a group killed once, against one group alone.
+DPO = (
+    "task=dpo",
+    "data=preference",
+    "data.path={data}/pairs.jsonl",
+    "data.tokenizer={data}/tok",
+    "model.vocab_size=320",
+    "model.block_size=128",
+    "data.max_length=128",
+    "data.tokenize_workers=1",
+    "train.global_batch_size=8",
+    "eval.every_steps=0",
+)
+DPO_RUNS = [
+    Config("dpo", 2, 1, "ddp", 0.05, extra=DPO, fixed={1: [(8, "forward")]}),
+    Config("dpo_alone", 1, 1, "ddp", 0.0, extra=DPO, fixed={}),
+]
 # torchft's stock path (its DDP wrapper and Optimizer; the lost share dropped), a group
 # killed once: how far that run ends from the uninterrupted one.
 STOCK = [
     Config("stock", 2, 1, "ddp", 0.2, fixed={1: [(10, "forward")]}, stock=True),
     Config("stock_uninterrupted", 2, 1, "ddp", 0.0, fixed={}, stock=True),  # the control
 ]
-ALL = [*CONFIGS, *COMPOSED_RUNS, *STOCK]
+ALL = [*CONFIGS, *COMPOSED_RUNS, *DPO_RUNS, *STOCK]
 
 
 @dataclass
@@ -175,8 +193,8 @@ def group_command(config: Config, group: int, address: str, run_dir: Path, text:
         ]
     args = [
         *BASE,
-        *config.extra,
         f"data.path={text}",
+        *(a.format(data=root.parent / "dpo_data") for a in config.extra),  # (data.path too)
         f"dist.strategy={config.strategy}",
         f"hydra.run.dir={run_dir}",
         "ft=torchft",
@@ -263,6 +281,7 @@ class Runs:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     root = tmp_path_factory.mktemp("ft")
     text = stdlib_text(root / "text.txt", 200_000)
+    preference_data(root / "dpo_data")
     reference = root / "reference"
     ref_cmd = [
         sys.executable,
@@ -291,6 +310,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     for c in ALL:
         print(f"{c.name}: kills {c.kills()}, {results[c.name].wall_s:.0f} s")
     return Runs(reference / "run", {c.name: results[c.name] for c in ALL})
+
+
+def preference_data(folder: Path) -> None:
+    """task=dpo's pairs and tokenizer (tests/test_dpo.py's)."""
+    from tests.chat_support import make_tokenizer, write_jsonl
+    from tests.preference_support import pair_rows
+
+    make_tokenizer(folder / "tok")
+    write_jsonl(folder / "pairs.jsonl", pair_rows(48, seed=5))
 
 
 def run_of(runs: Runs, name: str) -> Done:
@@ -414,6 +442,21 @@ def test_composed_run_is_the_one_group_run(runs: Runs) -> None:
         assert record.get("train/loss_scale") == ref.get("train/loss_scale"), (record, ref)
         want = ref["train/target_id"]
         assert math.isclose(record["train/target_id"], want, rel_tol=1e-12), (record, ref)
+
+
+def test_dpo_is_the_one_group_run(runs: Runs) -> None:
+    """task=dpo, a group killed and back: every record (the loss, the rewards' exact means
+    over the step's pairs) is the one-group run's."""
+    got, want = run_of(runs, "dpo").records, run_of(runs, "dpo_alone").records
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    assert len(run_of(runs, "dpo").kills_done()) == 1
+    rewards = ("train/reward_chosen", "train/reward_rejected", "train/reward_margin")
+    for record, ref in zip(train_records(got), train_records(want)):
+        assert math.isclose(record["train/loss"], ref["train/loss"], rel_tol=LOSS_RTOL)
+        for key in (*rewards, "train/reward_accuracy"):
+            # (float32 log-probabilities of weights 1e-7 apart: <= 6.6e-7 absolute seen)
+            close = math.isclose(record[key], ref[key], rel_tol=GRAD_NORM_RTOL, abs_tol=2e-6)
+            assert close, (key, record, ref)
 
 
 def relative_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

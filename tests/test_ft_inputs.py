@@ -145,7 +145,7 @@ def test_an_unreachable_lighthouse_fails_within_the_timeout() -> None:
     settings = ReplicaSettings("http://127.0.0.1:1", 0, 2, timeout_s=2.0)
     replicas = ReplicaGroups(settings, DistInfo(), save=dict, load=lambda state: None)
     began = time.monotonic()
-    with pytest.raises(QuorumFailed, match="(?i)connect"):
+    with pytest.raises(QuorumFailed, match=r"(?i)connect"):
         replicas.connect()
     assert time.monotonic() - began < settings.timeout_s + 1.0
 

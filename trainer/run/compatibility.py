@@ -495,13 +495,6 @@ def _fault_tolerance() -> list[Refusal]:
             "load-balancing counts are summed over the ranks of one replica group, not over the "
             "step's quorum; use ft=none",
         ),
-        Refusal(
-            FT,
-            DPO,
-            "task",
-            "task=dpo is not available under ft=torchft yet: its rewards' sums (train/reward_*) "
-            "span the ranks of one replica group, not the step's quorum; use ft=none",
-        ),
     ]
 
 
