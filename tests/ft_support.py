@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from engine.step import StepContext
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint")
+WAIT_S = 0.2  # each forward's sleep while a group is away and kills are still to come
 
 
 def _rank() -> int:
@@ -128,6 +129,17 @@ class KillGroup(Callback):
         step = self.ctx.step + 1
         if self.due(step, phase):
             self.kill(step, phase)
+        elif phase == "forward" and self.waiting(step):
+            time.sleep(WAIT_S)
+
+    def waiting(self, step: int) -> bool:
+        """A group is away (restarting) while kills may still come (up to `until`): the live
+        groups go slower until it is back, so that every kill of the schedule (each waits for
+        every group) happens within the run, however long a restart takes on a loaded
+        machine."""
+        replicas = self.ctx.parallel.replicas
+        away = len(replicas.membership.live) < replicas.settings.groups
+        return away and step <= self.until
 
     def _patch_commit(self) -> None:
         """The checkpoint's files are staged; the kill comes before its commit (rename)."""
