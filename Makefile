@@ -28,7 +28,7 @@ PYTEST = OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest -q
 test: setup
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	$(PYTEST) $(XDIST) $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 # The edit loop (< 3 min): config, unit and one-process numerics; no launched process.
 # Two pytest-xdist workers when it is installed (the dev extra): measured faster on 2 cores.

@@ -36,7 +36,9 @@ from typing import Any
 import torch
 
 # Phases of a training step, then the occasional ones (reported as totals when they happen).
-STEP_PHASES = ("data", "compute", "sync", "optimizer")
+STEP_PHASES = ("data", "generate", "compute", "sync", "optimizer")
+# Step phases only some runs have (task=grpo's rollouts): recorded when a rank spent time there.
+WHEN_USED = ("generate",)
 PHASES = (*STEP_PHASES, "checkpoint", "eval")
 _INDEX = {name: i for i, name in enumerate(PHASES)}
 # CUDA: completed events are folded into the totals once this many are pending.

@@ -25,17 +25,5 @@ def on_files(files: Any, config: Any) -> Any:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    """Expand `<!-- readme: TITLE -->`: the README's section, until the page holds its own; and
-    read tables' code spans as GitHub writes them."""
-    markdown = docs_site.table_code_pipes(markdown)
-    if not docs_site.README_DIRECTIVE.search(markdown):
-        return markdown
-    readme = docs_site.README.read_text()
-    pages = {
-        f.src_uri: Path(f.abs_src_path).read_text()
-        for f in files.documentation_pages()
-        if f.abs_src_path
-    }
-    targets = docs_site.anchor_targets(readme, docs_site.embedded_sections(pages))
-    embedded = docs_site.embed_readme(markdown, page.file.src_uri, readme, targets)
-    return docs_site.table_code_pipes(embedded)
+    """Read tables' code spans as GitHub writes them (the pages read well on GitHub too)."""
+    return docs_site.table_code_pipes(markdown)

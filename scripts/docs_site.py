@@ -4,8 +4,7 @@ so that it cannot go stale:
 - the config-key reference, from trainer/config/schema.py (every section's keys with their
   types, defaults and the comments that explain them) and configs/ (every group, its options
   with their leading comment and keys);
-- the README's sections that a page embeds with `<!-- readme: TITLE -->` until the page holds
-  its own text (the README stays the source meanwhile), their links rewritten for the page.
+- GitHub's escaped pipes in tables' code spans, read as Python-Markdown reads them.
 
 Plain functions of the repository's files: tests/test_docs_site.py calls them without MkDocs.
 """
@@ -15,7 +14,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import io
-import posixpath
 import re
 import tokenize
 from dataclasses import dataclass
@@ -25,7 +23,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = REPO / "trainer" / "config" / "schema.py"
 CONFIGS = REPO / "configs"
-README = REPO / "README.md"
 CONFIG_PAGE = "reference/config.md"
 
 
@@ -356,110 +353,6 @@ def config_reference() -> str:
     return "\n".join(out) + "\n"
 
 
-# --- README sections embedded in pages ------------------------------------------------------
-
-# `<!-- readme: TITLE -->`: the README's section TITLE, its heading at the page's second level
-# and its subsections under it; `readme-body`: the same without its heading (the page is that
-# section: its subsections become the page's second level); `readme-text`: its own text only,
-# before its first subsection (those live on other pages); `readme-covers`: nothing embedded,
-# the page holds that section's content in its own words. The README's links to a section
-# land on the page that holds it.
-README_DIRECTIVE = re.compile(
-    r"^<!-- readme(?P<kind>|-body|-text|-covers): (?P<title>.+?) -->$", re.M
-)
-
-
-def slug(title: str) -> str:
-    """GitHub's anchor of a heading (what the README's own links use)."""
-    text = re.sub(r"[^\w\- ]", "", title.strip().lower())
-    return text.replace(" ", "-")
-
-
-def readme_sections(text: str) -> dict[str, tuple[int, list[str]]]:
-    """`title -> (level, lines)` of every heading of the README outside code blocks: the
-    section's lines up to the next heading of the same or a higher level."""
-    lines = text.splitlines()
-    heads: list[tuple[int, int, str]] = []
-    fence = False
-    for i, line in enumerate(lines):
-        if line.startswith("```"):
-            fence = not fence
-        match = None if fence else re.match(r"^(#{1,6}) (.+)$", line)
-        if match:
-            heads.append((i, len(match[1]), match[2].strip()))
-    sections = {}
-    for n, (i, level, title) in enumerate(heads):
-        end = next((j for j, lv, _ in heads[n + 1 :] if lv <= level), len(lines))
-        sections[title] = (level, lines[i + 1 : end])
-    return sections
-
-
-def own_text(lines: list[str]) -> list[str]:
-    """A section's lines before its first subsection."""
-    fence = False
-    for i, line in enumerate(lines):
-        if line.startswith("```"):
-            fence = not fence
-        if not fence and re.match(r"^#{1,6} ", line):
-            return lines[:i]
-    return lines
-
-
-def embedded_sections(pages: dict[str, str]) -> dict[str, tuple[str, str]]:
-    """`README title -> (page, kind)` for every README directive of the pages (`path -> text`)."""
-    return {
-        m["title"]: (path, m["kind"])
-        for path, text in sorted(pages.items())
-        for m in README_DIRECTIVE.finditer(text)
-    }
-
-
-def anchor_targets(readme: str, embedded: dict[str, tuple[str, str]]) -> dict[str, str]:
-    """`README anchor -> page[#anchor]`: where each README heading lives in the site. A section
-    embedded with its heading keeps its anchor on the page; one embedded without, or covered,
-    is the page; the subsections embedded with a section keep their anchors, unless a page of
-    their own holds them."""
-    sections = readme_sections(readme)
-    targets = {
-        slug(title): f"{page}#{slug(title)}" if kind == "" else page
-        for title, (page, kind) in embedded.items()
-    }
-    for title, (page, kind) in embedded.items():
-        if kind in ("", "-body") and title in sections:
-            for sub_title in readme_sections("\n".join(sections[title][1])):
-                targets.setdefault(slug(sub_title), f"{page}#{slug(sub_title)}")
-    return targets
-
-
-def embed_readme(markdown: str, page: str, readme: str, targets: dict[str, str]) -> str:
-    """`markdown` with each README directive replaced by that section, its headings moved to
-    sit under the page's title, its links made relative to `page`."""
-    sections = readme_sections(readme)
-
-    def section(match: re.Match) -> str:
-        title, kind = match["title"], match["kind"]
-        if title not in sections:
-            raise KeyError(f"{page}: README.md has no section {title!r}")
-        if kind == "-covers":
-            return ""
-        level, lines = sections[title]
-        if kind == "-text":
-            lines = own_text(lines)
-        # With its heading the section sits at level 2; without, its subsections do.
-        shift = level - 2 if kind == "" else level - 1
-        out, fence = ([f"## {title}", ""] if kind == "" else []), False
-        for line in lines:
-            if line.startswith("```"):
-                fence = not fence
-            heading = None if fence else re.match(r"^(#{2,6}) (.+)$", line)
-            if heading:
-                line = "#" * max(2, len(heading[1]) - shift) + " " + heading[2]
-            out.append(line)
-        return _relink("\n".join(out).strip("\n"), page, targets)
-
-    return README_DIRECTIVE.sub(section, markdown)
-
-
 def table_code_pipes(markdown: str) -> str:
     """GitHub's tables need a pipe inside a code span escaped (`a\\|b`); Python-Markdown's read
     it as text and would show the backslash: unescaped there, in table rows only."""
@@ -471,25 +364,3 @@ def table_code_pipes(markdown: str) -> str:
         return "`".join(p.replace("\\|", "|") if i % 2 else p for i, p in enumerate(parts))
 
     return "\n".join(row(line) for line in markdown.split("\n"))
-
-
-def _relink(text: str, page: str, targets: dict[str, str]) -> str:
-    """README links (`#anchor`, `docs/FILE`) as links from `page` of the site."""
-    here = posixpath.dirname(page) or "."
-
-    def link(match: re.Match) -> str:
-        target = match[2]
-        if target.startswith("#"):
-            where = targets.get(target[1:])
-            if where is None:
-                return match[0]
-            path, _, anchor = where.partition("#")
-            rel = "" if path == page else posixpath.relpath(path, here)
-            target = rel + (f"#{anchor}" if anchor else "")
-        elif target.startswith("docs/"):
-            target = posixpath.relpath(target.removeprefix("docs/"), here)
-        else:
-            return match[0]
-        return f"{match[1]}({target or '#'})"
-
-    return re.sub(r"(\]\s?)\(([^)\s]+)\)", link, text)

@@ -209,6 +209,36 @@ def _check_launch(cmd: Sequence[str], several_ranks: bool) -> None:
 ranks.launch_guard = _check_launch
 
 
+# The files that take longest (worker-seconds of a full run), run first: pytest-xdist's
+# `--dist loadfile` deals files to its workers in collection order as they free up, so a long
+# file dealt last would leave the other worker idle at the end. Measured with --durations
+# (make test prints the slowest); the order only schedules, it changes no test.
+LONGEST_FIRST = (
+    "test_checkpoint.py",
+    "test_certify.py",
+    "test_dpo.py",
+    "test_corpus.py",
+    "test_distributed.py",
+    "test_plan.py",
+    "test_ft.py",
+    "test_steps.py",
+    "test_auto_micro_batch.py",
+    "test_grpo_run.py",
+    "test_tensor_parallel.py",
+    "test_tokenizers.py",
+    "test_hf.py",
+    "test_expert_parallel.py",
+    "test_expert_parallel_hf.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first (`LONGEST_FIRST`), each file's tests kept together and in
+    order (its module fixtures run once), the rest as collected."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--check-marks",

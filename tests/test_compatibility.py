@@ -26,6 +26,7 @@ MOE = ["+model.moe.experts=4", "+model.moe.top_k=2"]
 DP_SGD = ["step=dp_sgd", "step.max_grad_norm=1.0", "step.noise_multiplier=1.0"]
 GRAPHS = ["train.compile=true", "train.compile_mode=reduce-overhead"]
 AUTO = ["train.micro_batch_size=auto", "train.global_batch_size=16"]
+GRPO = ["task=grpo", "data=prompts", "reward=[exact_answer]"]
 
 # The rows' features, by their names in the table.
 EMA = "an averaged copy of the weights (callbacks: EMA)"
@@ -124,6 +125,18 @@ FROM_CONFIG: list[tuple[list[str], tuple[str, str], str, str]] = [
         "moe.balance",
         "a pair's two documents",
     ),
+    (["task=grpo"], ("task=grpo", "not data=prompts"), "data", "it needs data=prompts"),
+    *(
+        ([*GRPO, f"dist.{k}=2"], ("task=grpo", f"dist.{k} > 1"), f"dist.{k}", "token by token")
+        for k in ("pp", "tp", "cp")
+    ),
+    ([*GRPO, *AUTO], ("task=grpo", AUTO_MICRO), "train.micro_batch_size", "made after generation"),
+    (
+        [*GRPO, "step=sam"],
+        ("task=grpo", "a step other than step=accumulate"),
+        "step",
+        "SAMStep` is not built with it",
+    ),
     (["adapter=lora", "dist.tp=2"], ("adapter=lora", "dist.tp > 1"), "dist.tp", "megatron_config"),
     (
         ["adapter=lora", "dist.pp=2"],
@@ -151,6 +164,7 @@ FROM_CONFIG: list[tuple[list[str], tuple[str, str], str, str]] = [
         "train.precision",
         "not fp16",
     ),
+    ([*DP_SGD, "task=dpo"], ("task=dpo", "step=dp_sgd"), "step", "vmap"),
     (
         ["+data.sampling=poisson"],
         ("data.sampling=poisson", "any step but step=dp_sgd"),
@@ -216,6 +230,13 @@ FROM_BUILT: list[tuple[list[str], dict[str, Any], tuple[str, str], str, str]] = 
         ["data=preference"],
         {"task": causal_lm()},
         ("data=preference", "not task=dpo"),
+        "task",
+        "CausalLMTask reads other",
+    ),
+    (
+        ["data=prompts"],
+        {"task": causal_lm()},
+        ("data=prompts", "not task=grpo"),
         "task",
         "CausalLMTask reads other",
     ),

@@ -32,6 +32,7 @@ from trainer.config.cli import to_config
 from trainer.config.errors import ConfigError, UserError
 from trainer.config.schema import Config
 from trainer.data import DataSplits
+from trainer.rollout.task import GRPORunTask
 from trainer.run.assemble import build_data, build_model, build_task, check_fits
 from trainer.run.build import build_callbacks, build_step
 from trainer.run.extensions.adapter import build_adapter
@@ -125,12 +126,74 @@ def check_model(cfg: Config) -> None:
 def check_task(cfg: Config) -> None:
     data, model, task = _parts(cfg)
     batch = _batch(data)
+    if isinstance(task, GRPORunTask):
+        check_grpo_task(task, model, batch)
+        return
     count = task.count_items(batch)
     assert count.dtype in (torch.int64, torch.int32) and int(count) > 0
     with torch.no_grad():
         per_item = task.loss_sum(model, batch) / count
     # An untrained model is close to uniform: per-item loss is of the order of log(classes).
     assert 0 < float(per_item) < 20, float(per_item)
+
+
+def _completion_batch(prompts: Any, g: int) -> Any:
+    """The completion micro-batch of made-up rollouts of a prompt batch: each prompt's g
+    completions of 3 tokens, rewards 0..g-1 (advantages that differ)."""
+    from engine.rl.advantages import group_advantages
+    from engine.rl.rollouts import Group, completion_batches, weighted_rewards
+
+    gen = torch.Generator().manual_seed(0)
+    groups = []
+    for k in range(prompts["input_ids"].shape[0]):
+        prompt = prompts["input_ids"][k, : int(prompts["prompt_lengths"][k])]
+        rewards = torch.arange(g, dtype=torch.float64)[:, None]
+        tokens = torch.randint(2, 200, (g, 3), generator=gen)
+        full = torch.full((g,), 3)
+        groups.append(Group(prompt, tokens, full, torch.zeros(g, dtype=torch.bool), rewards))
+    adv = group_advantages(weighted_rewards(groups, torch.ones(1)), "group").values
+    return completion_batches(groups, adv, len(groups) * g)[0]
+
+
+def check_grpo_task(task: GRPORunTask, model: nn.Module, prompts: Any) -> None:
+    """task=grpo trains on completions made from prompts: its loss is finite, its items
+    the completions' tokens (dapo), and it back-propagates."""
+    batch = _completion_batch(prompts, task.num_generations)
+    count = task.count_items(batch)
+    assert int(count) == int((batch["shift_labels"] != -100).sum()) > 0
+    loss, sums = task.loss_and_sums(model, batch)
+    assert torch.isfinite(loss) and int(sums["items"]) == int(count)
+    loss.backward()
+    assert any(p.grad is not None for p in model.parameters())
+
+
+def check_rollout(cfg: Config) -> None:
+    """The policy generates a group of completions with `rollout.engine` (what is drawn,
+    task.max_new_tokens / temperature / top_p, is task=grpo's: check_grpo_task)."""
+    from trainer.models.gpt import GPT
+    from trainer.rollout.engines import generation_engine
+    from trainer.rollout.sampling import Sampling, completion_seeds
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, block_size=64, n_layer=1, n_head=2, n_embd=16)
+    sampling = Sampling(8, (1,), temperature=1.0, top_p=0.9)
+    engine = generation_engine(cfg.rollout.engine, model)
+    out = engine.generate(model, torch.tensor([5, 6, 7]), completion_seeds(0, 0, 0, 3), sampling)
+    assert out.tokens.shape[0] == 3 and int(out.lengths.max()) <= sampling.max_new_tokens
+
+
+def check_reward(cfg: Config) -> None:
+    """`reward=NAME`: its functions score completions (reward=none: refused, one paragraph)."""
+    from trainer.rollout.rewards import rewards_of_config
+
+    if not cfg.reward.funcs:
+        with pytest.raises(ConfigError, match="at least one reward function"):
+            rewards_of_config(cfg.reward.funcs, cfg.reward.weights)
+        return
+    rewards = rewards_of_config(cfg.reward.funcs, cfg.reward.weights)
+    rows = [{"answer": "12"}, {"answer": "13"}]
+    scores = rewards.score(["q", "q"], ["<think>x</think> 12", "no"], [[3, 4], [5]], rows)
+    assert scores.shape == (2, len(rewards.names)) and torch.isfinite(scores).all()
 
 
 def check_data(cfg: Config) -> None:
@@ -289,6 +352,8 @@ BUILDERS: dict[str, Callable[[Config], None]] = {
     "profile": check_profile,
     "moe": check_moe,
     "ft": check_ft,
+    "rollout": check_rollout,
+    "reward": check_reward,
 }
 # Groups whose checks build a model: use the small one unless the group picks the model itself.
 NEEDS_SMALL_MODEL = {"optim", "scheduler", "step", "callbacks", "logger", "task", "adapter"}
@@ -296,6 +361,8 @@ NEEDS_SMALL_MODEL = {"optim", "scheduler", "step", "callbacks", "logger", "task"
 PAIRS = ["model=hf_encoder", "task=contrastive", "data=pairs"]  # an encoder on text pairs
 # gpt_tiny on preference pairs rendered by the tests' tiny tokenizer (320 ids).
 PREFERENCE = ["model.vocab_size=320", "model.block_size=128", "task=dpo", "data=preference"]
+# gpt_tiny generating for prompts rendered by the tests' tiny tokenizer, one reward.
+GRPO = ["model.vocab_size=320", "model.block_size=128", "data=prompts", "reward=[exact_answer]"]
 COMPANIONS = {
     ("model", "cnn"): ["data=digits", "task=classification"],
     ("model", "hf_encoder"): PAIRS,
@@ -306,6 +373,7 @@ COMPANIONS = {
     ("data", "preference"): [SMALL_MODEL, *PREFERENCE],
     ("task", "dpo"): PREFERENCE,
     ("ft", "torchft"): ["ft.lighthouse=http://127.0.0.1:29510"],  # what a launch passes
+    ("task", "grpo"): GRPO,
 }
 
 

@@ -22,21 +22,23 @@ DOC = REPO / "docs" / "extending.md"
 
 
 def overrides_table() -> str:
-    """The README's table of common overrides: the first table of its Training section."""
-    training = (REPO / "README.md").read_text().split("\n## Training\n", 1)[1]
+    """The table of common overrides: the first table of the commands reference's
+    `trainer.train` section."""
+    commands = (REPO / "docs" / "reference" / "commands.md").read_text()
+    training = commands.split("\n## `trainer.train`\n", 1)[1]
     rows = re.search(r"\n\| key \| meaning \|\n(?:\|.*\n)+", training.split("\n## ", 1)[0])
-    assert rows, "README: no key table in the Training section"
+    assert rows, "docs/reference/commands.md: no key table in the trainer.train section"
     return rows.group(0)
 
 
 def test_readme_overrides_table_names_every_train_key() -> None:
-    """Every key of the schema's `train` section is in the README's table of common overrides
+    """Every key of the schema's `train` section is in the table of common overrides
     (where a user looks first: `train.log_every` and `train.device` were missing)."""
     from trainer.config.schema import TrainCfg
 
     named = set(re.findall(r"`train\.(\w+)", overrides_table()))
     missing = [f"train.{f.name}" for f in dataclasses.fields(TrainCfg) if f.name not in named]
-    assert not missing, f"README's table of common overrides lacks {missing}"
+    assert not missing, f"the table of common overrides lacks {missing}"
 
 
 def test_architecture_example_extension_runs() -> None:

@@ -1,6 +1,6 @@
 """The documentation site (mkdocs.yml, docs/, scripts/docs_site.py): the config-key reference
-names every key of the schema and every option of configs/, every README section has a page,
-and `mkdocs build --strict` passes with no network resource in the built pages."""
+names every key of the schema and every option of configs/, and `mkdocs build --strict` passes
+with no network resource in the built pages."""
 
 from __future__ import annotations
 
@@ -103,47 +103,6 @@ def test_field_comments_read_above_and_after_the_field() -> None:
     }
 
 
-def test_embedded_readme_links_land_on_the_pages_that_hold_them() -> None:
-    """A README section embedded in a page: its headings move under the page's title, and its
-    links to other README sections point at the pages that hold those."""
-    readme = (
-        "# Tool\n\n## Alpha\n\nSee [beta](#beta), [its part](#part-two) and [a doc](docs/x.md).\n"
-        "\n### Part one\n\ntext\n\n## Beta\n\nintro\n\n### Part two\n\nmore\n"
-    )
-    pages = {
-        "guides/alpha.md": "# Alpha\n\n<!-- readme-body: Alpha -->\n",
-        "guides/beta.md": "# B\n\n<!-- readme: Beta -->\n",
-    }
-    targets = docs_site.anchor_targets(readme, docs_site.embedded_sections(pages))
-    alpha = docs_site.embed_readme(pages["guides/alpha.md"], "guides/alpha.md", readme, targets)
-    assert "[beta](beta.md#beta)" in alpha
-    assert "[its part](beta.md#part-two)" in alpha
-    assert "[a doc](../x.md)" in alpha
-    assert "\n## Part one\n" in alpha and "## Alpha" not in alpha
-    beta = docs_site.embed_readme(pages["guides/beta.md"], "guides/beta.md", readme, targets)
-    assert "\n## Beta\n" in beta and "\n### Part two\n" in beta
-
-
-def test_every_readme_section_has_a_page() -> None:
-    """Nothing in the README is lost from the site: each of its sections is embedded by a page
-    (`<!-- readme: ... -->`), part of one embedded whole, or covered by a page in its own
-    words (`<!-- readme-covers: ... -->`)."""
-    readme = docs_site.README.read_text()
-    pages = {
-        str(p.relative_to(REPO / "docs")): p.read_text() for p in (REPO / "docs").rglob("*.md")
-    }
-    embedded = docs_site.embedded_sections(pages)
-    sections = docs_site.readme_sections(readme)
-    held = set(embedded)
-    for title, (_, kind) in embedded.items():
-        if kind in ("", "-body"):
-            held |= set(docs_site.readme_sections("\n".join(sections[title][1])))
-    unknown = [t for t in embedded if t not in sections]
-    assert not unknown, f"pages embed README sections that do not exist: {unknown}"
-    lost = [t for t, (level, _) in sections.items() if level > 1 and t not in held | {"Contents"}]
-    assert not lost, f"README sections no page holds: {lost}"
-
-
 @pytest.mark.launches
 @pytest.mark.skipif(
     importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None,
@@ -151,7 +110,7 @@ def test_every_readme_section_has_a_page() -> None:
 )
 def test_site_builds_strict_and_offline(tmp_path: Path) -> None:
     """`mkdocs build --strict` (what `make docs` runs): no broken link or anchor, no page
-    missing from the navigation; every README directive expanded; no page loads a script, a
+    missing from the navigation; no page loads a script, a
     style sheet or a font from the network; search's index inlined for file://."""
     site = tmp_path / "site"
     cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)]
@@ -164,10 +123,28 @@ def test_site_builds_strict_and_offline(tmp_path: Path) -> None:
     assert len(pages) > 30
     for page in pages:
         html = page.read_text()
-        assert "<!-- readme" not in html, f"{page}: a README directive left unexpanded"
         remote = re.findall(r"<(?:script|link|img)[^>]+(?:src|href)=\"(https?://[^\"]+)", html)
         assert not remote, f"{page.relative_to(site)} loads {remote} from the network"
     config = (site / "reference" / "config.html").read_text()
     assert "train.log_every" in config and "model=hf_llama" in config
     assert (site / "search" / "search_index.js").stat().st_size > 10_000
     print(f"mkdocs build --strict: {seconds:.1f} s, {len(pages)} pages")
+
+
+def test_pictures_drawn_from_the_code_are_the_committed_ones() -> None:
+    """docs/images/layout.svg is the rank layout as engine/parallel/dims.py's mesh order gives
+    it (scripts/docs_pictures.py redraws it), and the guides show their pictures."""
+    from scripts import docs_pictures
+
+    committed = (REPO / "docs" / "images" / "layout.svg").read_text()
+    assert committed == docs_pictures.layout_svg(docs_pictures.LAYOUT)
+    grid = docs_pictures.rank_grid({"pp": 2, "dp": 2, "cp": 2, "tp": 2})
+    assert grid[0, 0, 0].tolist() == [0, 1] and grid[1, 0, 0, 0] == 8  # tp innermost, pp outer
+    pictures = {
+        "guides/parallelism.md": "../images/layout.svg",
+        "guides/planning.md": "../images/plan.svg",
+        "guides/seeing-runs.md": "../report.png",
+    }
+    for page, picture in pictures.items():
+        assert f"]({picture})" in (REPO / "docs" / page).read_text(), page
+        assert (REPO / "docs" / page).parent.joinpath(picture).resolve().is_file(), picture

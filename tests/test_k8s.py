@@ -1,10 +1,11 @@
-"""docker/k8s/: the Kubeflow TrainJob and the JobSet run the README's multi-node command.
+"""docker/k8s/: the Kubeflow TrainJob and the JobSet run the documented multi-node command.
 
 The manifests are parsed with `yaml.safe_load`; their torchrun command is compared with the
-one under "Training" in the README (the same flags in the same order, c10d rendezvous,
-`-m trainer.train`) and with the README's "Deploy on Kubernetes" section; the rendezvous
-endpoint is the one the runtime provides; the run directory is on the shared claim. Each
-manifest's script then runs here, on one node, with the variables its runtime would inject.
+one under `trainer.train` in docs/reference/commands.md (the same flags in the same order,
+c10d rendezvous, `-m trainer.train`) and with docs/guides/deploy.md's "Deploy on Kubernetes"
+section; the rendezvous endpoint is the one the runtime provides; the run directory is on the
+shared claim. Each manifest's script then runs here, on one node, with the variables its
+runtime would inject.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tests.conftest import REPO, read_metrics, stdlib_text, train_records
 from tests.ranks import explain, launch_all
 
 K8S = REPO / "docker" / "k8s"
-README = (REPO / "README.md").read_text()
+DOCS = REPO / "docs"
 # What Kubeflow Trainer's torch plugin sets in the trainer container (and refuses in
 # spec.trainer.env): pkg/runtime/framework/plugins/torch/torch.go.
 PET = {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"}
@@ -34,7 +35,7 @@ def load(name: str) -> dict[str, Any]:
 
 
 def torchrun_commands(text: str) -> list[list[str]]:
-    """The multi-node torchrun commands (with `--nnodes`) of a script or README section,
+    """The multi-node torchrun commands (with `--nnodes`) of a script or a page section,
     continuation lines joined, comments and a leading `exec` dropped."""
     joined = re.sub(r"\\\n", " ", text)
     lines = [ln for ln in joined.splitlines() if re.match(r"\s*(exec\s+)?torchrun .*--nnodes", ln)]
@@ -57,8 +58,9 @@ def option(tokens: list[str], name: str) -> str:
     return value
 
 
-def readme_section(title: str) -> str:
-    return README.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+def page_section(page: str, title: str) -> str:
+    """The text of a `## title` section of a page of docs/."""
+    return (DOCS / page).read_text().split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
 def trainjob_container() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -91,34 +93,34 @@ def run_dir_on_claim(tokens: list[str], volumes: list[dict], mounts: list[dict])
     assert run_dir.startswith(mount["mountPath"].rstrip("/") + "/"), (run_dir, mount)
 
 
-README_COMMAND = torchrun_commands(readme_section("Training"))[0]
+REFERENCE_COMMAND = torchrun_commands(page_section("reference/commands.md", "`trainer.train`"))[0]
 
 
 def test_readme_command_is_the_multi_node_one() -> None:
-    """Guards the reference itself: the README's multi-node line under Training."""
-    assert flags(README_COMMAND) == [
+    """Guards the reference itself: the multi-node line of the commands reference."""
+    assert flags(REFERENCE_COMMAND) == [
         "--nnodes",
         "--nproc_per_node",
         "--rdzv_backend",
         "--rdzv_endpoint",
         "--rdzv_id",
     ]
-    assert option(README_COMMAND, "--rdzv_backend") == "c10d"
+    assert option(REFERENCE_COMMAND, "--rdzv_backend") == "c10d"
 
 
 @pytest.mark.parametrize("manifest", ["trainjob.yaml", "jobset.yaml"])
 def test_manifest_runs_the_readme_command(manifest: str) -> None:
     """Same flags in the same order, c10d, `-m trainer.train`, the args appended; the
-    README's deploy section shows exactly this command."""
+    deploy guide shows exactly this command."""
     if manifest == "trainjob.yaml":
         command = trainjob_container()[0]["spec"]["trainer"]["command"]
     else:
         command = jobset_container()[2]["container"]["command"]
     tokens = torchrun_tokens(script_of(command))
-    assert tokens[0] == "torchrun" and flags(tokens) == flags(README_COMMAND), tokens
+    assert tokens[0] == "torchrun" and flags(tokens) == flags(REFERENCE_COMMAND), tokens
     assert option(tokens, "--rdzv_backend") == "c10d"
     assert tokens[tokens.index("-m") + 1] == "trainer.train" and tokens[-1] == "$@", tokens
-    shown = torchrun_commands(readme_section("Deploy on Kubernetes"))
+    shown = torchrun_commands(page_section("guides/deploy.md", "Deploy on Kubernetes"))
     assert tokens in shown, (tokens, shown)
 
 
@@ -267,7 +269,7 @@ def test_ft_jobset_runs_one_job_per_replica_group() -> None:
     assert index == "metadata.annotations['jobset.sigs.k8s.io/job-index']"
     assert env["LIGHTHOUSE"]["value"] == f"http://{name}-lighthouse-0-0.{subdomain}:{port}"
     tokens = torchrun_tokens(script_of(container["command"]))
-    assert flags(tokens)[:5] == flags(README_COMMAND) and "--max-restarts" in flags(tokens)
+    assert flags(tokens)[:5] == flags(REFERENCE_COMMAND) and "--max-restarts" in flags(tokens)
     host, rdzv_port = option(tokens, "--rdzv_endpoint").rsplit(":", 1)
     assert host == f"{name}-group-$GROUP-0.{subdomain}"
     assert int(rdzv_port) in [p["containerPort"] for p in container["ports"]]

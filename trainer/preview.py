@@ -7,6 +7,11 @@ prints the first N training samples (3 by default) as text with the supervised t
 `{+` and `+}` and a line where a packed row moves from one conversation to the next, then one
 JSON line over the whole training split: `{"rows", "samples", "supervised_tokens", "tokens",
 "padding_fraction", "dropped"}`. Builds no model and writes nothing but the token cache.
+
+With task=grpo (data=prompts): the first N prompts, each with its task.num_generations
+completions as the initial policy samples them, their rewards and advantages, then
+`{"prompts", "completions", "reward", "zero_std_groups", "completion_len"}`
+(trainer/rollout/preview.py: builds the model).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import sys
 
 from trainer.config.errors import ConfigError, UserError
+from trainer.run.compatibility import GRPO_TASK
 from trainer.version import answer_version
 
 USAGE = "usage: python -m trainer.preview [training overrides] [preview.samples=N]"
@@ -48,8 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         samples, overrides = parse(argv)
         cfg, _ = to_config(compose_train(overrides))
-        data, _ = build_data(cfg.data)
-        text, stats = preview(data, cfg.seed, samples, cfg.data["_target_"])
+        if cfg.task.get("_target_") == GRPO_TASK:  # prompts: the policy's completions
+            from trainer.rollout.preview import rollout_preview
+
+            text, stats = rollout_preview(cfg, samples)
+        else:
+            data, _ = build_data(cfg.data)
+            text, stats = preview(data, cfg.seed, samples, cfg.data["_target_"])
     except (UserError, ConfigError) as exc:
         exit_with(exc)
         return

@@ -619,6 +619,48 @@ class FtCfg:
         return self.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
 
 
+ROLLOUT_ENGINES = ("transformers", "recompute", "vllm")
+
+
+@dataclass
+class RolloutCfg:
+    """`rollout.*`: which engine task=grpo's policy generates with, and how its completions
+    are batched for training (trainer/rollout/: one group per call, each completion its own
+    random stream). What is drawn, `task.max_new_tokens`, `task.temperature` and
+    `task.top_p`, is the task's (configs/task/grpo.yaml, trainer/rollout/task.py)."""
+
+    # transformers (generate with its KV cache), recompute (any model returning logits: the
+    # whole sequence each token), vllm (GPU, colocated: not built yet); null: transformers for
+    # a transformers model, else recompute.
+    engine: str | None = None
+    # Completions per training micro-batch; null: train.micro_batch_size x task.num_generations
+    # (each prompt micro-batch's completions).
+    micro_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        require(
+            self.engine is None or self.engine in ROLLOUT_ENGINES,
+            "rollout.engine",
+            f"must be one of {', '.join(ROLLOUT_ENGINES)} or null, got {self.engine!r}",
+        )
+        if self.micro_batch_size is not None:
+            _positive(self.micro_batch_size, "rollout.micro_batch_size")
+
+
+@dataclass
+class RewardCfg:
+    """`reward=[exact_answer,format,...]` (configs/reward/): task=grpo's reward functions,
+    TRL's signature `fn(prompts, completions, completion_ids, **row_fields) -> list[float]`
+    (trainer/rollout/rewards.py). A completion's reward is the sum of weight x score."""
+
+    # NAME: {_target_: pkg.fn, <its keyword arguments>}; NAME names the record
+    # train/reward/NAME.
+    funcs: dict[str, Any] = field(default_factory=dict)
+    # NAME: weight (1.0 for a function not listed), e.g. reward.weights.format=0.2; a NAME
+    # that is not in funcs is refused.
+    weights: dict[str, float] = field(default_factory=dict)
+
+
 def off_at_zero(key: str) -> str:
     """What a key of `OFF_AT_ZERO` says of its 0 ("eval.every_steps=0 disables evaluation")."""
     return f"{key}=0 disables {OFF_AT_ZERO[key]}"
@@ -658,6 +700,9 @@ class Config:
     moe: MoECfg = field(default_factory=MoECfg)
     # Fault tolerance across replica groups (ft=torchft), or none (ft=none).
     ft: FtCfg = field(default_factory=FtCfg)
+    # task=grpo: how completions are generated, and the rewards that score them.
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    reward: RewardCfg = field(default_factory=RewardCfg)
     # python -m trainer.plan only (training ignores it).
     plan: PlanCfg = field(default_factory=PlanCfg)
 

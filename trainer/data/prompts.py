@@ -148,12 +148,21 @@ class PromptSamples:
         return self.rows[int(self.docs[i])]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": torch.from_numpy(self.tokens(i)), "index": torch.tensor(i)}
+        # The completions' random stream: drawn from the generators the loader seeds from
+        # (seed, step, the sample's position in the global batch) for each sample
+        # (trainer/data/loader.py `SeededSamples`), so it depends on neither the rank nor
+        # the micro-batch the prompt lands in, and two draws of one row in a step differ.
+        stream = torch.randint(0, 2**62, (), dtype=torch.int64)
+        return {
+            "input_ids": torch.from_numpy(self.tokens(i)),
+            "index": torch.tensor(i),
+            "stream": stream,
+        }
 
 
 def collate_prompts(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Prompts padded on the right with 0: `input_ids` (B, P), `prompt_lengths` (B,),
-    `index` (B,) (each sample's row)."""
+    `index` (B,) (each sample's row), `stream` (B,) (its completions' random stream)."""
     width = max(len(s["input_ids"]) for s in samples)
     ids = torch.zeros(len(samples), width, dtype=torch.int64)
     for k, s in enumerate(samples):
@@ -162,6 +171,7 @@ def collate_prompts(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, tor
         "input_ids": ids,
         "prompt_lengths": torch.tensor([len(s["input_ids"]) for s in samples]),
         "index": torch.stack([s["index"] for s in samples]),
+        "stream": torch.stack([s["stream"] for s in samples]),
     }
 
 
@@ -287,7 +297,7 @@ def _prompt_limit(context: int | None, max_new_tokens: int) -> int | None:
         raise UserError(
             f"data.max_new_tokens: {max_new_tokens} new tokens do not fit the model's context of "
             f"{context} tokens with any prompt (a prompt and its completion share the context); "
-            f"generate fewer (rollout.max_new_tokens < {context}), or use a model with a longer "
+            f"generate fewer (task.max_new_tokens < {context}), or use a model with a longer "
             "context"
         )
     return context - max_new_tokens

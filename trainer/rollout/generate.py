@@ -2,14 +2,15 @@
 their groups, and laid out as the micro-batches of completions the step trains on.
 
 `generate_rollouts` is what the run calls once per rollout batch, before the step: every
-prompt of this rank's window (data=prompts' batches: `input_ids`, `prompt_lengths`, `index`)
-gets G completions from `engine` (one group per call, seeds of (seed, step, row index,
-completion index): trainer/rollout/sampling.py), decoded (end tokens and special tokens left
-out, as TRL decodes) and scored by `rewards` (trainer/rollout/rewards.py) with the prompt's row; the
-advantages compare each completion with its group (engine/rl/advantages.py; `batch` scaling
-sums over the ranks with `over_ranks`); the completions become micro-batches of
-`micro_batch_size` (engine/rl/rollouts.py). Which micro-batches the prompts came in does not
-matter: only the prompts' order on the rank (the window's, flattened) and their rows do.
+prompt of this rank's window (data=prompts' batches: `input_ids`, `prompt_lengths`, `index`,
+`stream`) gets G completions from `engine` (one group per call, seeds of (seed, step, the
+prompt's `stream` key, completion index): trainer/rollout/sampling.py), decoded (end tokens
+and special tokens left out, as TRL decodes) and scored by `rewards`
+(trainer/rollout/rewards.py) with the prompt's row; the advantages compare each completion
+with its group (engine/rl/advantages.py; `batch` scaling sums over the ranks with
+`over_ranks`); the completions become micro-batches of `micro_batch_size`
+(engine/rl/rollouts.py). Which micro-batches the prompts came in does not matter: only the
+prompts' order on the rank (the window's, flattened) and their rows do.
 """
 
 from __future__ import annotations
@@ -90,7 +91,10 @@ def generate_rollouts(
         for k in range(batch["input_ids"].shape[0]):
             prompt = batch["input_ids"][k, : int(batch["prompt_lengths"][k])]
             index = int(batch["index"][k])
-            seeds = completion_seeds(seed, step, index, plan.num_generations)
+            # The prompt's stream key (a function of its position in the global batch), or
+            # its row where the batch carries none.
+            key = int(batch["stream"][k]) if "stream" in batch else index
+            seeds = completion_seeds(seed, step, key, plan.num_generations)
             out = engine.generate(model, prompt, seeds, plan.sampling)
             ids = [out.tokens[i, : int(out.lengths[i])].tolist() for i in range(len(seeds))]
             said = [decode([t for t in c if t not in ends]) for c in ids]

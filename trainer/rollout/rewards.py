@@ -1,4 +1,4 @@
-"""Rewards for `task=grpo` (`reward.functions`): a list of functions with weights.
+"""Rewards for `task=grpo` (`reward.funcs`, `reward.weights`): functions with weights.
 
 A reward function has TRL's signature, so that TRL's reward functions plug in unchanged:
 
@@ -168,25 +168,54 @@ def build_rewards(entries: Sequence[Mapping[str, Any]], key: str = "reward.funct
     """The functions of config `entries` (each `{_target_, weight, name, kwargs...}`)."""
     if not entries:
         raise ConfigError(key, "task=grpo needs at least one reward function (`_target_: ...`)")
-    rewards = []
-    for i, entry in enumerate(entries):
-        where = f"{key}[{i}]"
-        if not isinstance(entry, Mapping) or TARGET not in entry:
-            shape = "{_target_: pkg.fn, weight: 1.0}"
-            raise ConfigError(where, f"a reward is {shape}, got {entry!r}")
-        fn = locate(entry[TARGET], where)
-        kwargs = {k: v for k, v in entry.items() if k != TARGET and k not in ENTRY_KEYS}
-        _check_kwargs(fn, kwargs, where, str(entry[TARGET]))
-        weight = entry.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, int | float):
-            raise ConfigError(f"{where}.weight", f"a number, got {weight!r}")
-        name = str(entry.get("name") or str(entry[TARGET]).rsplit(".", 1)[-1])
-        bound = functools.partial(fn, **kwargs) if kwargs else fn
-        rewards.append(Reward(bound, float(weight), name, where))
+    rewards = [_reward(entry, f"{key}[{i}]") for i, entry in enumerate(entries)]
     names = [r.name for r in rewards]
     if len(set(names)) != len(names):
         raise ConfigError(key, f"reward names must differ (they name records); got {names}")
     return Rewards(rewards)
+
+
+def rewards_of_config(funcs: Mapping[str, Any], weights: Mapping[str, Any]) -> Rewards:
+    """The run's rewards from `reward.funcs` (NAME: {_target_, kwargs...}) and
+    `reward.weights` (NAME: weight, 1.0 for a function not listed)."""
+    if not funcs:
+        raise ConfigError(
+            "reward",
+            "task=grpo needs at least one reward function: select reward=[exact_answer] "
+            "(configs/reward/: exact_answer, format, length), or add your own as "
+            "reward.funcs.NAME._target_=pkg.fn (TRL's signature: fn(prompts, completions, "
+            "**row_fields) -> list[float])",
+        )
+    unknown = [n for n in weights if n not in funcs]
+    if unknown:
+        raise ConfigError(
+            f"reward.weights.{unknown[0]}",
+            f"names no function of reward.funcs (its functions: {', '.join(funcs)})",
+        )
+    entries = {
+        name: {**dict(entry), "name": name, "weight": weights.get(name, 1.0)}
+        if isinstance(entry, Mapping)
+        else entry
+        for name, entry in funcs.items()
+    }
+    return Rewards([_reward(e, f"reward.funcs.{n}") for n, e in entries.items()])
+
+
+def _reward(entry: Any, where: str) -> Reward:
+    """One entry (`{_target_, weight, name, kwargs...}`), its errors naming `where`."""
+    if not isinstance(entry, Mapping) or TARGET not in entry:
+        shape = "{_target_: pkg.fn, weight: 1.0}"
+        raise ConfigError(where, f"a reward is {shape}, got {entry!r}")
+    fn = locate(entry[TARGET], where)
+    kwargs = {k: v for k, v in entry.items() if k != TARGET and k not in ENTRY_KEYS}
+    _check_kwargs(fn, kwargs, where, str(entry[TARGET]))
+    weight = entry.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        key = where.replace("reward.funcs.", "reward.weights.") if "funcs." in where else where
+        raise ConfigError(f"{key}.weight" if key == where else key, f"a number, got {weight!r}")
+    name = str(entry.get("name") or str(entry[TARGET]).rsplit(".", 1)[-1])
+    bound = functools.partial(fn, **kwargs) if kwargs else fn
+    return Reward(bound, float(weight), name, where)
 
 
 def _check_kwargs(

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.distributed import DistInfo, all_gather_object
-from engine.timing import PHASES, STEP_PHASES
+from engine.timing import PHASES, STEP_PHASES, WHEN_USED
 
 TABLE_FILE = "time_by_rank.json"
 # A rank is named when its time in a phase is at least MARGIN times the other ranks' median and
@@ -90,7 +90,7 @@ class PhaseTable:
             occasional = phase not in STEP_PHASES
             # Step phases per optimizer step; checkpoints and evaluations as the time they took.
             values = [row[i] if occasional else row[i] / max(row[-1], 1.0) for row in per_rank]
-            if occasional and not any(values):
+            if (occasional or phase in WHEN_USED) and not any(values):
                 continue
             rank, value, _ = slowest(values)
             keys[f"time/{phase}_s"] = value

@@ -13,6 +13,7 @@ from trainer.run.batch_plan import BatchPlan
 from trainer.run.extensions.adapter import Adapters
 from trainer.run.extensions.base import Extension
 from trainer.run.extensions.float8 import Float8
+from trainer.run.extensions.grpo import PolicyRollouts
 from trainer.run.extensions.moe import Balancing
 from trainer.run.extensions.preference import Preference
 from trainer.run.extensions.privacy import Privacy
@@ -28,6 +29,9 @@ EXTENSIONS: tuple[type[Extension], ...] = (
     Float8,
     # The reference of the initial policy: copied before the layout, laid out after it.
     Preference,
+    # task=grpo's reference (copied before the layout, as DPO's), then its rollouts attached
+    # to the laid-out model; its step wraps the configured one before the later points see it.
+    PolicyRollouts,
     # Wraps the task the step runs (DPO's too); its records come first among the callbacks:
     # the routing biases move before any other callback sees the finished step.
     Balancing,
