@@ -13,7 +13,7 @@ PIP_INSTALL = $(PYTHON) -m pip install --quiet --disable-pip-version-check -c co
 NO_ISOLATION = $$($(PYTHON) -c "import setuptools as s, sys; sys.exit(tuple(map(int, s.__version__.split('.')[:2])) < (70, 1))" 2>/dev/null && echo --no-build-isolation)
 setup:
 	@sh scripts/python_env.sh create $(PYTHON)
-	$(PIP_INSTALL) $(NO_ISOLATION) -e '.[dev,sklearn,hf,tensorboard,mlflow,adapter,fp8,docs]'
+	$(PIP_INSTALL) $(NO_ISOLATION) -e '.[dev,sklearn,hf,tensorboard,mlflow,adapter,fp8,docs,ft]'
 
 train: setup
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PYTHON) -m trainer.train $(ARGS)

@@ -172,7 +172,7 @@ def overrides_of(args: list[str]) -> list[str]:
 # --- checking a command against the real config ---------------------------------------------
 
 FLAGS = ("--help", "-h", "--version")  # what every trainer command answers
-ARGPARSE_COMMANDS = ("trainer.compare", "trainer.report")
+ARGPARSE_COMMANDS = ("trainer.compare", "trainer.report", "trainer.lighthouse")
 
 
 def _split_selection(

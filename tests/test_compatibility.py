@@ -38,8 +38,28 @@ MIXTURE = "a mixture of experts"
 PADDED = "data padded to each micro-batch's longest row"
 WINDOW = "a loss of the whole window"
 
+FT = ["ft=torchft", "ft.lighthouse=http://127.0.0.1:29510"]
+
 # (overrides, the row's features, its key, a piece of its paragraph): refused by the config.
 FROM_CONFIG: list[tuple[list[str], tuple[str, str], str, str]] = [
+    *(
+        (
+            [*FT, f"dist.{k}=2", *(MOE if k == "ep" else [])],
+            ("ft=torchft", f"dist.{k} > 1"),
+            f"dist.{k}",
+            "rank r sums with rank r",
+        )
+        for k in ("tp", "pp", "cp", "ep")
+    ),
+    ([*FT, *AUTO], ("ft=torchft", AUTO_MICRO), "train.micro_batch_size", "same micro-batches"),
+    ([*FT, "step=sam"], ("ft=torchft", NOT_PLAIN), "step", "SAMStep reduces over"),
+    (
+        [*FT, "callbacks=noise_scale"],
+        ("ft=torchft", "a callback of every micro-batch's gradient"),
+        "callbacks.noise_scale",
+        "count its micro-batches twice",
+    ),
+    ([*FT, *MOE], ("ft=torchft", MIXTURE), "ft", "one replica group"),
     ([*MOE, "dist.ep=2", "dist.tp=2"], ("dist.ep > 1", "dist.tp > 1"), "dist.ep", "dist.tp=2"),
     ([*MOE, "dist.ep=2", "dist.pp=2"], ("dist.ep > 1", "dist.pp > 1"), "dist.ep", "dist.pp=2"),
     ([*MOE, "dist.ep=2", "dist.cp=2"], ("dist.ep > 1", "dist.cp > 1"), "dist.ep", "dist.cp=2"),

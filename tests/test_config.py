@@ -7,6 +7,7 @@ builder check is added below.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import math
@@ -323,6 +324,20 @@ def check_moe(cfg: Config) -> None:
     assert balance.balance in STRATEGIES
 
 
+def check_ft(cfg: Config) -> None:
+    """ft=torchft: the replica groups' settings and the whole job's batch plan, as the run
+    takes them (nothing connects); ft=none: off."""
+    from trainer.run.ft import job_plan, replica_settings
+
+    if not cfg.ft.enabled:
+        assert cfg.ft.kind == "none"
+        return
+    settings = replica_settings(cfg.ft)
+    assert settings.lighthouse and 0 <= settings.group < settings.groups
+    train = dataclasses.replace(cfg.train, global_batch_size=12, micro_batch_size=2)
+    assert job_plan(train, cfg.ft, 1).dp_size == cfg.ft.groups
+
+
 BUILDERS: dict[str, Callable[[Config], None]] = {
     "model": check_model,
     "task": check_task,
@@ -336,6 +351,7 @@ BUILDERS: dict[str, Callable[[Config], None]] = {
     "adapter": check_adapter,
     "profile": check_profile,
     "moe": check_moe,
+    "ft": check_ft,
     "rollout": check_rollout,
     "reward": check_reward,
 }
@@ -356,6 +372,7 @@ COMPANIONS = {
     ("data", "digits"): ["model=cnn", "task=classification"],
     ("data", "preference"): [SMALL_MODEL, *PREFERENCE],
     ("task", "dpo"): PREFERENCE,
+    ("ft", "torchft"): ["ft.lighthouse=http://127.0.0.1:29510"],  # what a launch passes
     ("task", "grpo"): GRPO,
 }
 

@@ -236,3 +236,101 @@ def test_manifest_scripts_train_on_one_node(tmp_path: Path) -> None:
         assert proc.returncode == 0, f"{name}\n{explain(proc)}"
         records = train_records(read_metrics(run_dirs[name]))
         assert [r["step"] for r in records] == [1, 2, 3], f"{name}\n{explain(proc)}"
+
+
+def test_ft_jobset_runs_one_job_per_replica_group() -> None:
+    """jobset_ft.yaml (ft=torchft): a lighthouse Job apart from the groups, one Job per group
+    (its index the group's id, the Jobs' count ft.groups), each group's torchrun rendezvousing
+    at its own first pod, the lighthouse at its Job's pod; hosts advertised by their DNS names;
+    the run directory on the claim; a lost group pod replaced by its own Job."""
+    js = load("jobset_ft.yaml")
+    assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and js["kind"] == "JobSet"
+    name, network = js["metadata"]["name"], js["spec"]["network"]
+    subdomain = network.get("subdomain", name)
+    assert network["enableDNSHostnames"] is True
+    jobs = {j["name"]: j for j in js["spec"]["replicatedJobs"]}
+    assert set(jobs) == {"lighthouse", "group"}
+    assert js["spec"]["successPolicy"]["targetReplicatedJobs"] == ["group"]
+    lighthouse, group = jobs["lighthouse"], jobs["group"]
+    (beacon,) = lighthouse["template"]["spec"]["template"]["spec"]["containers"]
+    assert beacon["command"][:3] == ["python", "-m", "trainer.lighthouse"]
+    port = int(option(beacon["command"], "--port"))
+    assert port in [p["containerPort"] for p in beacon["ports"]]
+    pod = group["template"]["spec"]["template"]["spec"]
+    assert pod["setHostnameAsFQDN"] is True
+    assert lighthouse["template"]["spec"]["template"]["spec"]["setHostnameAsFQDN"] is True
+    assert group["template"]["spec"]["backoffLimit"] > 0
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert int(env["GROUPS_N"]["value"]) == group["replicas"]
+    spec = group["template"]["spec"]
+    assert int(env["NNODES"]["value"]) == spec["completions"] == spec["parallelism"]
+    index = env["GROUP"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert index == "metadata.annotations['jobset.sigs.k8s.io/job-index']"
+    assert env["LIGHTHOUSE"]["value"] == f"http://{name}-lighthouse-0-0.{subdomain}:{port}"
+    tokens = torchrun_tokens(script_of(container["command"]))
+    assert flags(tokens)[:5] == flags(REFERENCE_COMMAND) and "--max-restarts" in flags(tokens)
+    host, rdzv_port = option(tokens, "--rdzv_endpoint").rsplit(":", 1)
+    assert host == f"{name}-group-$GROUP-0.{subdomain}"
+    assert int(rdzv_port) in [p["containerPort"] for p in container["ports"]]
+    ft = {t.split("=", 1)[0]: t.split("=", 1)[1] for t in tokens if t.startswith("ft")}
+    assert ft == {
+        "ft": "torchft",
+        "ft.lighthouse": "$LIGHTHOUSE",
+        "ft.group": "$GROUP",
+        "ft.groups": "$GROUPS_N",
+    }
+    run_dir_on_claim(tokens, pod["volumes"], container["volumeMounts"])
+
+
+def test_slurm_ft_runs_one_array_task_per_group(tmp_path: Path) -> None:
+    """scripts/slurm_ft.sbatch (ft=torchft), run here with SLURM's commands stubbed (they
+    print what they were given): the array index is the group's id, the array's size
+    ft.groups, each group a torchrun job of its own (its rendezvous id per group, restarts
+    on) over every GPU of its nodes; without a lighthouse address it refuses to start."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {
+        "srun": 'echo "srun $*"',
+        "scontrol": 'echo "node-a"; echo "node-b"',
+        "nvidia-smi": 'echo "GPU 0"; echo "GPU 1"; echo "GPU 2"',
+        "scancel": "true",
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_ARRAY_TASK_ID": "1",
+        "SLURM_ARRAY_TASK_COUNT": "3",
+        "SLURM_ARRAY_JOB_ID": "77",
+        "SLURM_JOB_ID": "78",
+        "SLURM_JOB_NODELIST": "node-[a-b]",
+        "SLURM_JOB_NUM_NODES": "2",
+    }
+    script = REPO / "scripts" / "slurm_ft.sbatch"
+    cmd = ["bash", str(script), "hydra.run.dir=/shared/runs/exp1"]
+    refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+    assert refused.returncode != 0 and "FT_LIGHTHOUSE" in refused.stderr, refused.stderr
+    env["FT_LIGHTHOUSE"] = "http://lh-node:29510"
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("srun ")]
+    tokens = shlex.split(line)
+    assert option(tokens, "--nnodes") == "2" and option(tokens, "--nproc_per_node") == "3"
+    assert option(tokens, "--rdzv_endpoint") == "node-a:29500"
+    assert option(tokens, "--rdzv_id") == "ft-77-1" and int(option(tokens, "--max-restarts")) > 0
+    assert tokens[tokens.index("-m") + 1] == "torch.distributed.run"  # torchrun, under srun
+    assert " -m trainer.train " in line
+    ft = {t.split("=", 1)[0]: t.split("=", 1)[1] for t in tokens if t.startswith("ft")}
+    assert ft == {
+        "ft": "torchft",
+        "ft.lighthouse": "http://lh-node:29510",
+        "ft.group": "1",
+        "ft.groups": "3",
+    }
+    assert tokens[-1] == "hydra.run.dir=/shared/runs/exp1"

@@ -10,7 +10,7 @@ from pathlib import Path
 from tests.conftest import REPO
 
 PACKAGES = ("engine", "trainer")
-COMMANDS = ("train", "evaluate", "plan", "report", "certify", "compare", "preview")
+COMMANDS = ("train", "evaluate", "plan", "report", "certify", "compare", "preview", "lighthouse")
 
 
 def module_name(path: Path) -> str:

@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import REPO
 from trainer.version import __version__
 
-COMMANDS = ("train", "evaluate", "plan", "certify", "compare", "report", "preview")
+COMMANDS = ("train", "evaluate", "plan", "certify", "compare", "report", "preview", "lighthouse")
 
 
 def test_the_version_has_one_place() -> None:

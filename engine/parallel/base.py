@@ -107,6 +107,7 @@ class WindowContext(Protocol):
     sync_every_micro_batch: bool
     grad_sync_divisor: int
     clock: Any  # engine/timing.py's PhaseClock: the window's phases and profiler spans
+    step: int  # optimizer steps completed (the window makes step + 1)
     item_sums: ItemTotals  # a task's item sums of the window's forwards (engine/item_sums.py)
 
     def trainable_parameters(self) -> list[nn.Parameter]: ...
@@ -190,6 +191,11 @@ class Parallelism(Protocol):
         ...
 
     # ---- the window ----
+    def global_item_count(self, local: torch.Tensor) -> torch.Tensor:
+        """The window's loss items over every data-parallel rank (`local`: this rank's): the
+        one all-reduce before any forward."""
+        ...
+
     def local_batch(self, batch: Batch) -> Batch:
         """This rank's part of a micro-batch (all of it unless the sequence is split)."""
         ...
@@ -382,6 +388,11 @@ class ParallelBase:
         return model
 
     # ---- the window ----
+    def global_item_count(self, local: torch.Tensor) -> torch.Tensor:
+        from engine.distributed import all_reduce_sum
+
+        return all_reduce_sum(local, self.info, self.dp_group)
+
     def local_batch(self, batch: Batch) -> Batch:
         return batch
 

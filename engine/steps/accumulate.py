@@ -25,7 +25,6 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from engine.distributed import all_reduce_sum
 from engine.parallel.base import NO_GUARD, WindowGuard
 from engine.step import Batch, PreparesWindow, StepContext, StepResult, item_count
 
@@ -71,7 +70,7 @@ def count_window(ctx: StepContext, window: Sequence[Batch]) -> torch.Tensor:
         local = local.pin_memory()
     local = local.to(ctx.dist.device, torch.int64, non_blocking=True)
     with ctx.clock.collective("window item count"):
-        return all_reduce_sum(local, ctx.dist, ctx.parallel.dp_group)
+        return ctx.parallel.global_item_count(local)
 
 
 def clip_gradients(ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:

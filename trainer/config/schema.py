@@ -11,6 +11,7 @@ swap (`model`, `task`, `data`, `optim`, `scheduler`, `step`, `callbacks.*`) are 
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -536,6 +537,92 @@ class MoECfg:
         require(self.bias_rate >= 0, "moe.bias_rate", f"must be >= 0, got {self.bias_rate}")
 
 
+# How to install torchft for ft=torchft (the extra `ft`).
+FT_INSTALL = "pip install 'cumulus[ft]' (or pip install -e '.[ft]' in a checkout)"
+# torchft reads these at its Manager's start and lets them override what it is given.
+FT_ENV_OVERRIDES = (
+    "TORCHFT_TIMEOUT_SEC",
+    "TORCHFT_QUORUM_TIMEOUT_SEC",
+    "TORCHFT_CONNECT_TIMEOUT_SEC",
+)
+
+
+@dataclass
+class FtCfg:
+    """`ft=torchft` (configs/ft/): replica groups coordinated by torchft, the lost share of a
+    step redone by the live groups (trainer/run/ft.py, engine/parallel/replicas.py);
+    `ft=none` (the default) has none."""
+
+    kind: str = "none"  # none | torchft: what the selected file of configs/ft/ sets
+    # The lighthouse's address (http://HOST:PORT, `python -m trainer.lighthouse` prints it);
+    # null: the environment's TORCHFT_LIGHTHOUSE.
+    lighthouse: str | None = None
+    # This replica group's id, 0 .. groups - 1; the lowest live id writes records and
+    # checkpoints.
+    group: int = 0
+    # Replica groups in the job: the global batch is dealt over the live ones.
+    groups: int = 1
+    # No step commits with fewer live groups (give the lighthouse the same --min-groups).
+    min_groups: int = 1
+    # How long a dead or hung group may stall a step (a cross-group collective, the quorum, a
+    # state transfer), and how long an unreachable lighthouse is waited for.
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        require(
+            self.kind in ("none", "torchft"),
+            "ft",
+            f"must be none or torchft (ft=torchft), got {self.kind!r}",
+        )
+        if self.kind == "none":
+            return
+        require(
+            importlib.util.find_spec("torchft") is not None,
+            "ft",
+            f"ft=torchft needs torchft, which is not installed: {FT_INSTALL}",
+        )
+        require(
+            type(self.groups) is int and self.groups >= 1,
+            "ft.groups",
+            f"must be a positive number of replica groups, got {self.groups!r}",
+        )
+        require(
+            type(self.group) is int and 0 <= self.group < self.groups,
+            "ft.group",
+            f"must be this replica group's id, 0 .. {self.groups - 1} (ft.groups="
+            f"{self.groups}), got {self.group!r}",
+        )
+        require(
+            type(self.min_groups) is int and 1 <= self.min_groups <= self.groups,
+            "ft.min_groups",
+            f"must be from 1 to ft.groups ({self.groups}): no step could ever commit with "
+            f"{self.min_groups!r}",
+        )
+        _positive(self.timeout_s, "ft.timeout_s")
+        require(
+            bool(self.address),
+            "ft.lighthouse",
+            "ft=torchft needs the lighthouse's address: set ft.lighthouse=http://HOST:PORT "
+            "(what `python -m trainer.lighthouse` prints) or TORCHFT_LIGHTHOUSE",
+        )
+        overrides = [f"{k}={os.environ[k]}" for k in FT_ENV_OVERRIDES if k in os.environ]
+        require(
+            not overrides,
+            "ft.timeout_s",
+            f"{', '.join(overrides)} would override it inside torchft, silently; unset "
+            "the variable and set ft.timeout_s instead",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind == "torchft"
+
+    @property
+    def address(self) -> str:
+        """The lighthouse's address: `lighthouse`, else $TORCHFT_LIGHTHOUSE ('' when neither)."""
+        return self.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+
+
 ROLLOUT_ENGINES = ("transformers", "recompute", "vllm")
 
 
@@ -615,6 +702,8 @@ class Config:
     profile: ProfileCfg = field(default_factory=ProfileCfg)
     # Mixture-of-experts balancing (moe=global|micro|none).
     moe: MoECfg = field(default_factory=MoECfg)
+    # Fault tolerance across replica groups (ft=torchft), or none (ft=none).
+    ft: FtCfg = field(default_factory=FtCfg)
     # task=grpo: how completions are generated, and the rewards that score them.
     rollout: RolloutCfg = field(default_factory=RolloutCfg)
     reward: RewardCfg = field(default_factory=RewardCfg)

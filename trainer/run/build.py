@@ -27,6 +27,7 @@ from trainer.run.assemble import assemble
 from trainer.run.auto_batch import setup_auto
 from trainer.run.batch_plan import BatchPlan
 from trainer.run.fit import Run, RunSettings, plain_step_window
+from trainer.run.ft import FaultTolerance, job_plan
 from trainer.run.layout import check_layout, run_shape
 from trainer.run.optim import build_optimizer, build_scheduler
 from trainer.run.parts import Assembly
@@ -70,11 +71,18 @@ def build_step(spec: dict[str, Any]) -> StepStrategy:
     return step_fn
 
 
-def build_context(cfg: Config, parts: Assembly, info: DistInfo) -> StepContext:
+def build_context(
+    cfg: Config, parts: Assembly, info: DistInfo, ft: FaultTolerance | None = None
+) -> StepContext:
     """The step's runtime objects: the optimizer (after wrapping: FSDP shards the
     parameters), its schedule, the precision and the user's callbacks; the task as the
-    extensions wrap it (a mixture of experts' balances its routers)."""
+    extensions wrap it (a mixture of experts' balances its routers). Under `ft` the step's
+    deal and sums span the live replica groups (its parallelism over the group's), and its
+    records join the callbacks."""
     optimizer = build_optimizer(cfg.optim, parts.model)
+    callbacks = build_callbacks(cfg.callbacks, cfg.train)
+    if ft is not None:
+        callbacks.named["ft"] = ft.records
     return StepContext(
         model=parts.wrapped,
         optimizer=optimizer,
@@ -82,9 +90,9 @@ def build_context(cfg: Config, parts: Assembly, info: DistInfo) -> StepContext:
         task=parts.extensions.wrap_task(parts.task, parts.built),
         precision=Precision(cfg.train.precision, info.device.type),
         dist=info,
-        parallel=parts.parallel,
+        parallel=parts.parallel if ft is None else ft.parallel(parts.parallel),
         clip_grad_norm=cfg.train.clip_grad_norm,
-        callbacks=build_callbacks(cfg.callbacks, cfg.train),
+        callbacks=callbacks,
         sync_every_micro_batch=cfg.dist.fsdp_sync_every_micro_batch,
     )
 
@@ -100,13 +108,14 @@ def build_run(
     resolved config a checkpoint saves; `derived`: its keys that other keys give
     (trainer/config/trust.py:derived_keys), saved beside it."""
     dims = cfg.dist.dims(info.world_size)  # the layout and the batch arithmetic first
-    plan = BatchPlan.from_config(cfg.train, dims.dp)
+    ft = FaultTolerance(cfg.ft, info, cfg.seed) if cfg.ft.enabled else None
+    plan = job_plan(cfg.train, cfg.ft, dims.dp) if ft else BatchPlan.from_config(cfg.train, dims.dp)
     parts = assemble(cfg, info, dims, static_shapes=True)  # (CUDA graphs' refusals first)
-    parallel = parts.parallel
-    ctx = build_context(cfg, parts, info)
+    parallel = parts.parallel  # (under ft: this group's; evaluation stays within it)
+    ctx = build_context(cfg, parts, info, ft)
     step_fn = run_step(cfg, parts, ctx, plan)
     step_fn, plan, auto_window = setup_auto(cfg, ctx, parts.data, step_fn, plan)
-    batches = build_train_batches(parts.data, parts.data_extras, cfg.seed, info, plan, parallel)
+    batches = build_train_batches(parts.data, parts.data_extras, cfg.seed, info, plan, ctx.parallel)
     val_batches = build_val_batches(
         parts.data,
         parts.data_extras,
@@ -124,15 +133,28 @@ def build_run(
         cfg, config, ctx, parts, derived, progress=progress, meter=meter, step=step_fn
     )
     checkpointer = build_checkpointer(
-        cfg.checkpoint, run_dir / "checkpoints", info, state.sharded, cfg.dist.timeout_s
+        cfg.checkpoint,
+        run_dir / "checkpoints",
+        info,
+        state.sharded,
+        cfg.dist.timeout_s,
+        shared_dir=ft is not None,
     )
     settings = RunSettings.from_config(cfg)
-    resumed = resume(state, progress, run_dir, resume_settings(cfg, plan, settings), info)
+    resuming = resume_settings(cfg, plan, settings)
+    resumed = (
+        ft.fresh(state, progress, run_dir)  # the first quorum decides: a peer or the disk
+        if ft is not None
+        else resume(state, progress, run_dir, resuming, info)
+    )
     checkpointer.committed = resumed.path
-    sinks = build_run_sinks(cfg, config, parts, plan, run_dir, resumed, info, unit)
+    banner = build_banner(cfg, parts, plan, ctx, run_dir, resumed) if info.is_main else None
+    sinks: list[Any] = []
+    if banner is not None and ft is None:  # (ft: the writer's sinks open at its first record)
+        sinks = build_sinks(cfg, config, banner, unit=unit)
     if cfg.train.detect_anomaly:
         torch.autograd.set_detect_anomaly(True)  # slow: for debugging NaNs only
-    return Run(
+    run = Run(
         settings=settings,
         dist=info,
         run_dir=run_dir,
@@ -152,6 +174,9 @@ def build_run(
         data_description=parts.data.description or str(cfg.data.get("_target_")),
         profiler=build_profiler(cfg.profile, run_dir, info, ctx.clock, cfg.train.max_steps),
     )
+    if ft is not None:
+        ft.attach(run, resuming, cfg, config, banner, unit)
+    return run
 
 
 def run_step(cfg: Config, parts: Assembly, ctx: StepContext, plan: BatchPlan) -> StepStrategy:
@@ -166,20 +191,17 @@ def run_step(cfg: Config, parts: Assembly, ctx: StepContext, plan: BatchPlan) ->
     return step_fn
 
 
-def build_run_sinks(
+def build_banner(
     cfg: Config,
-    config: dict[str, Any],
     parts: Assembly,
     plan: BatchPlan,
+    ctx: StepContext,
     run_dir: Path,
     resumed: Resumed,
-    info: DistInfo,
-    unit: str,
-) -> list[Any]:
-    """Rank 0's trackers, opened with the run's banner (none on the other ranks)."""
-    if not info.is_main:
-        return []
-    banner = Banner(
+) -> Banner:
+    """What the first lines of the run say (rank 0): the layout is the step's (under ft, the
+    replica groups around this group's)."""
+    return Banner(
         run_dir=run_dir,
         run_id=resumed.run_id,
         model=type(parts.model).__name__ + origin_note(parts.model, cfg.model),
@@ -190,13 +212,12 @@ def build_run_sinks(
         n_train=len(parts.data.train),
         n_val=len(parts.data.val),
         plan=plan,
-        layout=parts.parallel.describe(),
+        layout=ctx.parallel.describe(),
         precision=parts.precision(cfg.train.precision),
-        device=str(info.device),
+        device=str(ctx.dist.device),
         resumed=resumed,
         export=export_line(parts.model) if parts.adapter is None else adapter_line(parts.adapter),
     )
-    return build_sinks(cfg, config, banner, unit=unit)
 
 
 def measured(step_window: Any, cfg: Config, run_dir: Path) -> Any:

@@ -321,6 +321,7 @@ WHOLE_MODEL_CALLBACK = Feature(
     "config",
 )
 PER_MICRO_CALLBACK = Feature("a callback of every micro-batch's gradient", _per_micro, "config")
+FT = of_config("ft=torchft", lambda cfg: cfg.ft.enabled)
 
 
 # ---- the values a paragraph names ----------------------------------------------------------
@@ -470,7 +471,60 @@ def _graphs(second: Feature, key: str, why: str, instead: str = GRAPHS_INSTEAD) 
     return Refusal(CUDA_GRAPHS, second, key, f"{GRAPHS_PREFIX}{why}. Use {instead}{GRAPHS_END}")
 
 
+def _fault_tolerance() -> list[Refusal]:
+    """What replica groups (ft=torchft) do not compose with yet: rank r of a group sums its
+    gradients with rank r of every other group, and a step redone by fewer groups is dealt by
+    micro-batch, so each group holds the model whole or as FSDP2's shards and runs the plain
+    window; the sums a feature makes over one group's ranks would miss the others'."""
+    return [
+        *(
+            Refusal(
+                FT,
+                split,
+                f"dist.{key}",
+                f"must be 1 under ft=torchft (got {{{key}}}): a replica group holds the whole "
+                "model (dist.strategy=ddp) or FSDP2's shards of it (fsdp), and its rank r sums "
+                "with rank r of every other group; a group split by tensor, pipeline, context "
+                "or expert parallelism is not built yet",
+            )
+            for key, split in (("tp", TP), ("pp", PP), ("cp", CP), ("ep", EP))
+        ),
+        Refusal(
+            FT,
+            AUTO_MICRO,
+            "train.micro_batch_size",
+            "auto is not available under ft=torchft: every replica group must run the same "
+            "micro-batches (a redone step is dealt over the live groups by micro-batch); set a "
+            "number",
+        ),
+        Refusal(
+            FT,
+            NOT_PLAIN,
+            "step",
+            "under ft=torchft the step is step=accumulate's window, whose sums span the replica "
+            "groups; {step} reduces over the ranks of one group",
+        ),
+        Refusal(
+            FT,
+            PER_MICRO_CALLBACK,
+            "callbacks.{per_micro}",
+            "not available under ft=torchft: it looks at every micro-batch of this group only, "
+            "and a step redone by fewer groups would count its micro-batches twice",
+        ),
+        Refusal(
+            FT,
+            MOE,
+            "ft",
+            "a mixture of experts is not available under ft=torchft yet: the routers' "
+            "load-balancing counts are summed over the ranks of one replica group, not over the "
+            "step's quorum; use ft=none",
+        ),
+    ]
+
+
 ROWS: tuple[Refusal, ...] = (
+    # ---- replica groups (ft=torchft): each group the plain window over whole or FSDP2 models
+    *_fault_tolerance(),
     # ---- expert parallelism: carved from the data-parallel ranks, its experts split
     *(
         Refusal(

@@ -140,6 +140,9 @@ class Run:
     profiler: Any = field(default_factory=NoProfiler)
     # The final evaluation's and checkpoint's time, which no record holds (rank 0; `finish`).
     final_times: dict[str, Any] = field(default_factory=dict)
+    # Whether this launch writes the run directory's checkpoints and report (under ft: the
+    # writer group alone).
+    writes_run_files: Callable[[], bool] = field(default=lambda: True, repr=False)
     last_saved_step: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -477,7 +480,7 @@ def save(run: Run, final: bool = False) -> None:
     """Checkpoint the current step (collective: every rank calls it at the same step), after
     the callbacks' checks (`ChecksBeforeSave`); `final`: the run ends after it (no later
     checkpoint step to retry at)."""
-    if run.last_saved_step == run.step:
+    if run.last_saved_step == run.step or not run.writes_run_files():
         return
     settle(run, retry_at=run.step)  # the previous background save, if one is in flight
     for callback in run.ctx.callbacks:

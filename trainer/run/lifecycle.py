@@ -48,14 +48,13 @@ def train(
     from trainer.run.build import build_run
     from trainer.run.fit import RunEnded, fit, summary
     from trainer.run.hang import is_timeout, start_watch
-    from trainer.run.lock import run_dir_lock
     from trainer.tracking.report import write_run_report
 
     started = time.perf_counter()
     # Names the rank(s) a timed-out collective waited for (trainer/run/hang.py).
     watch = start_watch(info, run_dir, cfg.dist.timeout_s)
     try:
-        with run_dir_lock(run_dir, info):
+        with group_lock(run_dir, info, cfg):
             run = build_run(cfg, plain, run_dir, info, derived)
             if watch is not None:
                 watch.follow(run.ctx.clock, lambda: run.checkpointer.committed)
@@ -83,8 +82,8 @@ def train(
                 if info.is_main:
                     if outcome is not None:
                         closing = summary(run, outcome, time.perf_counter() - started)
-                    # Before the trackers close: MLflow uploads both as artifacts.
-                    write_run_report(run_dir, closing)
+                    if run.writes_run_files():  # before the trackers close: MLflow uploads
+                        write_run_report(run_dir, closing)
                 for sink in run.sinks:
                     sink.close()
                 run.stop.close(collect=not hung)  # a hung peer would never finish it
@@ -98,6 +97,36 @@ def train(
     finally:
         if watch is not None:
             watch.stop()
+
+
+def group_lock(run_dir: Path, info: DistInfo, cfg: Config) -> Any:
+    """The run directory's lock; under ft each replica group holds its own (they share the
+    directory), and a second launch of one group is refused naming `ft.group`."""
+    import contextlib
+
+    from trainer.run.lock import RunDirInUse, run_dir_lock
+
+    if not cfg.ft.enabled:
+        return run_dir_lock(run_dir, info)
+    from trainer.run.ft import lock_name
+
+    @contextlib.contextmanager
+    def locked() -> Any:
+        try:
+            held = run_dir_lock(run_dir, info, lock_name(cfg.ft))
+            held.__enter__()
+        except RunDirInUse as exc:
+            raise RunDirInUse(
+                f"invalid config `ft.group`: replica group {cfg.ft.group} of this run is "
+                f"running already (each group needs its own id in 0 .. {cfg.ft.groups - 1}): "
+                f"{exc}"
+            ) from None
+        try:
+            yield
+        finally:
+            held.__exit__(None, None, None)
+
+    return locked()
 
 
 def remove_if_unused(run_dir: Path) -> None:

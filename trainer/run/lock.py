@@ -83,8 +83,8 @@ def _fs_now(directory: Path) -> float:
 class RunLock:
     """The lock of `run_dir`; `acquire` raises `RunDirInUse` naming a live holder."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / LOCK_NAME
+    def __init__(self, run_dir: Path, name: str = LOCK_NAME) -> None:
+        self.path = run_dir / name
         self.token = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -130,7 +130,7 @@ class RunLock:
         """Create the lock, complete, if there is none: written under a name of its own, then
         hard-linked into place (atomic and exclusive, NFS included), so no launch ever reads
         a half-written lock. False if a lock exists."""
-        tmp = self.path.with_name(f"{LOCK_NAME}.new-{self.token}")
+        tmp = self.path.with_name(f"{self.path.name}.new-{self.token}")
         try:
             with tmp.open("w") as f:
                 json.dump(self.describe(), f)
@@ -151,7 +151,7 @@ class RunLock:
     def _take_over(self, judged: dict[str, Any] | None) -> bool:
         """Move the stale lock aside, atomically; if what moved is not the lock judged stale
         (another launch took it over meanwhile and holds it now), put it back."""
-        aside = self.path.with_name(f"{LOCK_NAME}.stale-{self.token}")
+        aside = self.path.with_name(f"{self.path.name}.stale-{self.token}")
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
@@ -251,10 +251,11 @@ class RunLock:
 
 
 @contextlib.contextmanager
-def run_dir_lock(run_dir: Path, info: DistInfo) -> Any:
+def run_dir_lock(run_dir: Path, info: DistInfo, name: str = LOCK_NAME) -> Any:
     """Collective: rank 0 holds the lock of `run_dir` for the duration; every rank raises
-    `RunDirInUse` if another live launch holds it."""
-    lock = RunLock(run_dir) if info.is_main else None
+    `RunDirInUse` if another live launch holds it. `name`: the lock's file (ft's replica
+    groups share the run directory, each holding a lock of its own)."""
+    lock = RunLock(run_dir, name) if info.is_main else None
     error = None
     if lock is not None:
         try:

@@ -186,9 +186,9 @@ class RunState:
             self.parallel.load_full_state(
                 self.model, self.optimizer, ckpt.shared["model"], optimizer_state, only
             )
-        self._load_components(saved)
+        self.load_components(saved)
 
-    def _load_components(self, state: dict[str, Any]) -> None:
+    def load_components(self, state: dict[str, Any]) -> None:
         """Each component's own state; a component whose state the checkpoint lacks is an
         error unless it has none to restore (e.g. a stateless callback list)."""
         for name, component in self.components.items():
@@ -231,9 +231,16 @@ def _empty(state: Any) -> bool:
 
 
 def build_checkpointer(
-    cfg: CheckpointCfg, checkpoint_dir: Path, info: DistInfo, sharded: bool, timeout_s: float
+    cfg: CheckpointCfg,
+    checkpoint_dir: Path,
+    info: DistInfo,
+    sharded: bool,
+    timeout_s: float,
+    shared_dir: bool = False,
 ) -> CheckpointWriter:
-    if info.is_main:
+    """`shared_dir`: other launches write here too (ft's replica groups), so this one does not
+    remove what looks like a crashed save at its start: it may be theirs, live."""
+    if info.is_main and not shared_dir:
         remove_stale_tmp(checkpoint_dir)
     write_shards = None
     if sharded:

@@ -77,7 +77,8 @@ MAIN_METRICS = {m for _, metrics in MAIN_CHARTS for m in metrics}
 # Shown as marks instead (steps where the count grew), or not a curve at all: which rank was
 # slowest in each phase is the per-rank table's; a mixture's routing digest is a fingerprint
 # for comparing runs (engine/moe/sums.py).
-NOT_CHARTED = {"train/skipped_steps", "train/moe_routing_digest"} | {
+FT_COUNTS = ("ft/failures", "ft/redone_steps")  # ft=torchft: the failed steps are marks
+NOT_CHARTED = {"train/skipped_steps", "train/moe_routing_digest", *FT_COUNTS} | {
     f"time/{p}_rank" for p in ("data", "compute", "sync", "optimizer", "checkpoint", "eval")
 }
 MAX_OTHER_CHARTS = 24
@@ -227,7 +228,8 @@ def labels(paths: list[Path]) -> list[str]:
 
 
 def skipped_steps(series: dict[int, float | None]) -> list[int]:
-    """The record steps at which the cumulative `train/skipped_steps` count grew."""
+    """The record steps at which a cumulative count (`train/skipped_steps`, `ft/failures`)
+    grew."""
     marks, before = [], 0.0
     for step in sorted(series):
         count = series[step]
@@ -268,6 +270,12 @@ def charts(runs: list[RunData]) -> list[Chart]:
         if not lines:
             continue
         chart = Chart(title, lines)
+        if "train/loss" in metrics:  # ft=torchft: a lost replica group's step, redone
+            chart.marks = [
+                (i, step, "failed step, redone by the live replica groups")
+                for i, run in enumerate(runs)
+                for step in skipped_steps(run.series.get("ft/failures", {}))
+            ]
         if metrics == ("train/moe_load_max",):
             chart.hline = (1.0, "balanced")
         if metrics == ("train/grad_norm",):
@@ -346,6 +354,13 @@ def run_line(run: RunData) -> str:
     mem = [v for v in run.series.get("train/peak_mem_mb", {}).values() if v is not None]
     if mem:
         parts.append(f"peak memory {max(mem):,.0f} MB")
+    failed = skipped_steps(run.series.get("ft/failures", {}))
+    if failed:  # ft=torchft
+        lost = last(run.series.get("ft/lost_s", {}))
+        parts.append(
+            f"{len(failed)} failed step(s) redone (steps {', '.join(map(str, failed[:8]))}"
+            f"{', ...' if len(failed) > 8 else ''}; {lost[1] if lost else 0:.1f} s lost)"
+        )
     return " | ".join(parts) or "no records yet"
 
 
@@ -379,8 +394,9 @@ def legend(runs: list[RunData], chart: Chart) -> str:
         )
         name = line.metric if len(runs) == 1 else f"{runs[line.run].label}: {line.metric}"
         items.append(f"<span>{sample} {html.escape(name)}</span>")
-    if chart.marks:
-        items.append("<span>× skipped step (non-finite gradients)</span>")
+    for what in dict.fromkeys(what for _, _, what in chart.marks):
+        words = "skipped step (non-finite gradients)" if what == "skipped step" else what
+        items.append(f"<span>× {html.escape(words)}</span>")
     return '<div class="legend">' + "".join(items) + "</div>"
 
 

@@ -113,7 +113,14 @@ def build_sinks(cfg: Config, config: dict[str, Any], banner: Banner, unit: str) 
     """Rank 0's outputs, in order: the resolved config, the banner, metrics.jsonl (records of
     steps after the resumed one moved to metrics.superseded.jsonl: one per step), the
     console, the trackers `logger=[...]` selects."""
-    run_dir, resumed = banner.run_dir, banner.resumed
+    announce(cfg, config, banner)
+    moved = supersede(banner.run_dir / "metrics.jsonl", banner.resumed.step)
+    return open_sinks(cfg, config, banner, unit, moved)
+
+
+def announce(cfg: Config, config: dict[str, Any], banner: Banner) -> None:
+    """The resolved config in the run directory; the banner and its notes on the console."""
+    run_dir = banner.run_dir
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(config))
     print(banner.text(), flush=True)
@@ -124,7 +131,14 @@ def build_sinks(cfg: Config, config: dict[str, Any], banner: Banner, unit: str) 
     for note in notes:
         if note:
             print(note, flush=True)
-    moved = supersede(run_dir / "metrics.jsonl", resumed.step)
+
+
+def open_sinks(
+    cfg: Config, config: dict[str, Any], banner: Banner, unit: str, moved: int | None
+) -> list[RecordSink]:
+    """metrics.jsonl, the console and the trackers, once the records after the resumed step
+    are moved aside (`moved`: the newest step moved, if any)."""
+    run_dir, resumed = banner.run_dir, banner.resumed
     sinks: list[RecordSink] = [
         JsonlWriter(run_dir / "metrics.jsonl"),
         Progress(cfg.train.max_steps, unit=unit),
