@@ -17,6 +17,9 @@ Four stages, each a real command of the trainer (printed before it runs) in OUT:
 3. export (scripts/export_hf.py) as transformers' GPT2LMHeadModel;
 4. GRPO (`task=grpo reward=[exact_answer]`, `model=hf_gpt2` on the export, transformers'
    `generate` with its KV cache), then a table of step -> train/reward, val/reward (greedy).
+
+A rerun in the same OUT skips the SFT and the export when their outputs are there (a recipe
+killed during GRPO restarts at GRPO).
 """
 
 from __future__ import annotations
@@ -124,8 +127,14 @@ def main() -> None:
         *("train.micro_batch_size=32", f"train.max_steps={args.sft_steps}", "eval.every_steps=0"),
         *(f"checkpoint.every_steps={args.sft_steps}", *common, f"hydra.run.dir={sft}"),
     ]
-    run(sft_args)
-    run(["scripts/export_hf.py", f"checkpoint={sft}", f"out={out}/sft_hf"])
+    if (sft / "checkpoints" / f"step_{args.sft_steps:08d}").is_dir():  # a rerun resumes
+        print(f"SFT done already: {sft}", flush=True)
+    else:
+        run(sft_args)
+    if (out / "sft_hf" / "config.json").is_file():
+        print(f"export done already: {out}/sft_hf", flush=True)
+    else:
+        run(["scripts/export_hf.py", f"checkpoint={sft}", f"out={out}/sft_hf"])
     grpo_args = [
         *("-m", "trainer.train", "model=hf_gpt2", f"model.pretrained={out}/sft_hf"),
         *("data=prompts", f"data.path={out}/prompts.jsonl", f"data.val_path={out}/val.jsonl"),
