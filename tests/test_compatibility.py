@@ -59,7 +59,6 @@ FROM_CONFIG: list[tuple[list[str], tuple[str, str], str, str]] = [
         "callbacks.noise_scale",
         "count its micro-batches twice",
     ),
-    ([*FT, *MOE], ("ft=torchft", MIXTURE), "ft", "one replica group"),
     ([*MOE, "dist.ep=2", "dist.tp=2"], ("dist.ep > 1", "dist.tp > 1"), "dist.ep", "dist.tp=2"),
     ([*MOE, "dist.ep=2", "dist.pp=2"], ("dist.ep > 1", "dist.pp > 1"), "dist.ep", "dist.pp=2"),
     ([*MOE, "dist.ep=2", "dist.cp=2"], ("dist.ep > 1", "dist.cp > 1"), "dist.ep", "dist.cp=2"),

@@ -108,7 +108,6 @@ CONFIGS = [
 # redone window's dropped): a group killed once, against one group alone.
 COMPOSED = (
     "train.precision=fp16",
-    "model.dropout=0.1",
     "callbacks=ema",
     "task._target_=tests.ft_support.TargetMeanLM",
 )
@@ -134,13 +133,32 @@ DPO_RUNS = [
     Config("dpo", 2, 1, "ddp", 0.05, extra=DPO, fixed={1: [(8, "forward")]}),
     Config("dpo_alone", 1, 1, "ddp", 0.0, extra=DPO, fixed={}),
 ]
+# A mixture of experts (the in-tree GPT's), its balancing of the whole step (`global`: the
+# routing pass's counts summed across the groups before the backward) and per micro-batch
+# (`micro`: the records' routing sums travel with the gradients'), a group killed once,
+# against one group alone; 20 steps.
+MOE = (
+    "+model.moe.experts=4",
+    "+model.moe.top_k=2",
+    "train.max_steps=20",
+    "eval.every_steps=0",
+)
+MOE_RUNS = [
+    run
+    for mode in ("global", "micro")
+    for extra in [(*MOE, f"moe.balance={mode}")]
+    for run in (
+        Config(f"moe_{mode}", 2, 1, "ddp", 0.04, extra=extra, fixed={1: [(8, "forward")]}),
+        Config(f"moe_{mode}_alone", 1, 1, "ddp", 0.0, extra=extra, fixed={}),
+    )
+]
 # torchft's stock path (its DDP wrapper and Optimizer; the lost share dropped), a group
 # killed once: how far that run ends from the uninterrupted one.
 STOCK = [
     Config("stock", 2, 1, "ddp", 0.2, fixed={1: [(10, "forward")]}, stock=True),
     Config("stock_uninterrupted", 2, 1, "ddp", 0.0, fixed={}, stock=True),  # the control
 ]
-ALL = [*CONFIGS, *COMPOSED_RUNS, *DPO_RUNS, *STOCK]
+ALL = [*CONFIGS, *COMPOSED_RUNS, *DPO_RUNS, *MOE_RUNS, *STOCK]
 
 
 @dataclass
@@ -458,6 +476,24 @@ def test_dpo_is_the_one_group_run(runs: Runs) -> None:
             # (float32 log-probabilities of weights 1e-7 apart: <= 6.6e-7 absolute seen)
             close = math.isclose(record[key], ref[key], rel_tol=GRAD_NORM_RTOL, abs_tol=2e-6)
             assert close, (key, record, ref)
+
+
+@pytest.mark.parametrize("mode", ["global", "micro"])
+def test_a_mixture_is_the_one_group_run(runs: Runs, mode: str) -> None:
+    """A mixture of experts under moe.balance=global or micro, a group killed and back:
+    every training record (the loss, the load-balancing loss of the whole step, the gradient
+    norm, which the balancing's gradient enters) is the one-group run's: the routing's sums
+    span the live groups, and a redone window's are dropped."""
+    done = run_of(runs, f"moe_{mode}")
+    got, want = (
+        train_records(done.records),
+        train_records(run_of(runs, f"moe_{mode}_alone").records),
+    )
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 21))
+    assert len(done.kills_done()) == 1 and got[-1]["ft/redone_steps"] >= 1, done.output()
+    for record, ref in zip(got, want):
+        for key in ("train/loss", "train/moe_aux_loss", "train/grad_norm"):
+            assert math.isclose(record[key], ref[key], rel_tol=LOSS_RTOL), (key, record, ref)
 
 
 def relative_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -98,9 +98,8 @@ def test_a_batch_the_live_groups_cannot_split_is_refused() -> None:
         (("train.micro_batch_size=auto", "train.global_batch_size=16"), "train.micro_batch_size"),
         (("step=sam",), "step"),
         (("callbacks=noise_scale",), "callbacks.noise_scale"),
-        (("model.moe.experts=4",), "ft"),
     ],
-    ids=["tp", "pp", "cp", "ep", "auto", "sam", "per_micro_batch", "moe"],
+    ids=["tp", "pp", "cp", "ep", "auto", "sam", "per_micro_batch"],
 )
 def test_what_ft_does_not_compose_with_is_refused(overrides: tuple[str, ...], key: str) -> None:
     err = refusal(*overrides)

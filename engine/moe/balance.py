@@ -53,7 +53,7 @@ from engine.moe.objective import BalanceObjective, PerLayer
 from engine.moe.routing import BiasedRouter, HookedRouter, Routed, Routing, counted
 from engine.moe.strategies import Share, strategy
 from engine.moe.sums import LayerSums, MicroRouting, StepSums, Window, routed_mask
-from engine.parallel.base import NO_GUARD, WindowGuard
+from engine.parallel.base import NO_GUARD, SumsAcrossGroups, WindowGuard
 from engine.step import EvalTask
 from engine.steps.cached import RandomState, cuda_devices
 from engine.steps.oom import OutOfMemoryAgreed
@@ -76,6 +76,10 @@ class BalanceCfg:
         strategy(self.balance)  # an unknown mode: its one message
         if self.bias_rate < 0:
             raise ValueError(f"bias_rate must be >= 0, got {self.bias_rate}")
+
+
+# The name of the balancing's window sums among those that cross replica groups.
+WINDOW_SUMS = "moe/routing"
 
 
 class RoutingNotRepeated(RuntimeError):
@@ -118,6 +122,9 @@ class BalancedTask:
         if any(r.num_experts != self.experts or r.top_k != self.top_k for r in routers):
             raise ValueError("every router must have the same number of experts and top_k")
         self.window: Window | None = None
+        # The window's parallelism when its ranks span replica groups (ft): the sums before
+        # the backward are summed across the groups too.
+        self.across: SumsAcrossGroups | None = None
         # Whether a micro-batch routed unlike its count since the last check (on the device).
         self.differs: torch.Tensor | None = None
 
@@ -207,6 +214,9 @@ class BalancedTask:
         """Before any backward: what the mode needs (`Balance.prepare`; with `global`, the
         routing pass and its one all-reduce: `count_step`)."""
         dp = ctx.parallel.dp_size
+        self.across = ctx.parallel if isinstance(ctx.parallel, SumsAcrossGroups) else None
+        if self.across is not None:  # the routing pass draws as each backward will
+            guard = self.across.keyed_guard(ctx, len(window), guard)
         prepared = Window(global_count.clamp(min=1), len(window) * dp, list(window))
         self.window = self.mode.prepare(self, ctx, prepared, guard)
 
@@ -228,9 +238,13 @@ class BalancedTask:
         devices = cuda_devices(ctx, batches)
         total: torch.Tensor | None = None
         for i, batch in enumerate(batches):
-            state = RandomState.capture(devices)
+
+            def look(b: Any = batch) -> tuple[RandomState, LayerSums]:
+                # Captured inside the guard: a keyed guard (ft) seeds each micro-batch first.
+                return RandomState.capture(devices), self.route(ctx, b)
+
             try:
-                sums = guard.micro_batch(i, len(batches), lambda b=batch: self.route(ctx, b))
+                state, sums = guard.micro_batch(i, len(batches), look)
             except OutOfMemoryAgreed as oom:  # named for what ran out: the routing pass
                 raise OutOfMemoryAgreed(f"moe routing pass of the {oom.where}", oom.ranks) from None
             window.replays[id(batch)] = (state, sums.counts)
@@ -272,10 +286,34 @@ class BalancedTask:
         return MicroRouting(sums, routings, batch, self.top_k)
 
     def all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` summed over every data-parallel rank of the step, before its backward: this
+        group's, and across replica groups (ft) the quorum's."""
+        flat = self.group_sum(flat)
+        if self.across is not None:
+            self.across.sum_across_groups(flat)
+        return flat
+
+    def group_sum(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` summed over this group's data-parallel ranks (`group`)."""
         flat = flat.to(self.info.device)
         if self.info.distributed:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
         return flat
+
+    # ---- across replica groups (engine/parallel/base.py's `KeepsWindowSums`) ----
+    def take_window_sums(self) -> dict[str, torch.Tensor]:
+        """This rank's sums of the window's forwards that `step_sums` adds up after the step
+        (the modes without a routing pass), taken: summed across the replica groups with the
+        gradients, they come back through `put_window_sums` when the window commits."""
+        window = self.window
+        if window is None or window.step is not None or not window.local:
+            return {}
+        local, window.local = torch.stack(window.local).sum(0), []
+        return {WINDOW_SUMS: local}
+
+    def put_window_sums(self, sums: dict[str, torch.Tensor]) -> None:
+        assert self.window is not None
+        self.window.local = [sums[WINDOW_SUMS]]
 
     def balance_term(self, share: Share) -> torch.Tensor | None:
         """This micro-batch's share of aux_coef * aux + z_coef * z, per loss item."""
@@ -295,7 +333,7 @@ class BalancedTask:
         if window is None:
             return None
         if window.step is None and window.local:
-            flat = self.all_reduce(torch.stack(window.local).sum(0))
+            flat = self.group_sum(torch.stack(window.local).sum(0))
             window.step = StepSums.unflat(flat, len(self.routers), self.experts, self.top_k)
         return window.step
 

@@ -113,6 +113,38 @@ class WindowContext(Protocol):
     def trainable_parameters(self) -> list[nn.Parameter]: ...
 
 
+@runtime_checkable
+class SumsAcrossGroups(Protocol):
+    """A parallelism whose data-parallel ranks span replica groups (engine/parallel/replicas.py):
+    what a task sums over `dp_group` before the window's backward (the balancing's routing
+    counts) it also sums across the groups, rank r with rank r of every other group."""
+
+    def sum_across_groups(self, tensor: torch.Tensor) -> None:
+        """SUM `tensor` across the groups, in place (a failed sum: the step does not commit)."""
+        ...
+
+    def keyed_guard(
+        self, ctx: WindowContext, micro_batches: int, guard: WindowGuard
+    ) -> WindowGuard:
+        """`guard` under which micro-batch i of this rank's window of `micro_batches` draws its
+        randomness as its backward will (keyed by its index in the global batch): a look at
+        the window before the backward (the routing pass) routes as the backward does."""
+        ...
+
+
+@runtime_checkable
+class KeepsWindowSums(Protocol):
+    """A task that keeps, beside its item sums, sums of the window's forwards that it adds
+    over `dp_group` after the step (the balancing's routing, for its records and the routing
+    bias). Across replica groups they travel with the gradients' sum: `take_window_sums` this
+    rank's, `put_window_sums` them summed with the same rank of every group, only when the
+    window commits (a redone window's are dropped)."""
+
+    def take_window_sums(self) -> dict[str, torch.Tensor]: ...
+
+    def put_window_sums(self, sums: dict[str, torch.Tensor]) -> None: ...
+
+
 _HALF = (torch.float16, torch.bfloat16)
 
 

@@ -46,7 +46,14 @@ from torch import nn
 
 from engine.distributed import DistInfo, broadcast_object
 from engine.parallel import LayoutError
-from engine.parallel.base import NO_GUARD, Parallelism, WindowContext, WindowGuard, local_values
+from engine.parallel.base import (
+    NO_GUARD,
+    KeepsWindowSums,
+    Parallelism,
+    WindowContext,
+    WindowGuard,
+    local_values,
+)
 
 # Replica ids sort as their groups' numbers (torchft ranks the quorum's members by id).
 REPLICA_ID = "cumulus_{:05d}"
@@ -316,6 +323,11 @@ class ReplicaGroups:
             offset += flat.numel()
         return small[0].to(loss_sum.dtype), summed
 
+    def sum_across(self, tensor: torch.Tensor) -> None:
+        """SUM `tensor` over the groups in place, inside the step (a failure there: the step
+        does not commit, and what `tensor` holds then is not used)."""
+        self._sum(tensor)
+
     def commit(self) -> bool:
         """torchft's vote: whether every collective of this step succeeded in this group (and
         enough groups took part). False leaves the step count: the step is redone."""
@@ -497,6 +509,17 @@ class Replicated:
         group = self.inner.global_item_count(local)
         return self.replicas.sum_count(group, self.inner.dp_size)
 
+    def sum_across_groups(self, tensor: torch.Tensor) -> None:
+        """A task's sum before the window's backward (the balancing's routing counts), made
+        over this group's ranks, summed across the groups too."""
+        with torch.no_grad():
+            self.replicas.sum_across(tensor)
+
+    def keyed_guard(
+        self, ctx: WindowContext, micro_batches: int, guard: WindowGuard
+    ) -> WindowGuard:
+        return KeyedRandomness(guard, self.seed, ctx.step, self.dp_rank * micro_batches)
+
     def backward_window(
         self,
         ctx: WindowContext,
@@ -511,12 +534,18 @@ class Replicated:
         loss_sum = self.inner.backward_window(ctx, window, global_count, keyed)
         # The task's item sums of this rank's forwards, summed with rank r of every group (its
         # records then sum them over this group's ranks); a window not committed drops them.
+        # So do the sums a task keeps of the window besides (the balancing's routing).
         item_sums = ctx.item_sums.take()
+        keeps = ctx.task if isinstance(ctx.task, KeepsWindowSums) else None
+        own = keeps.take_window_sums() if keeps is not None else {}
         with ctx.clock.collective("gradient sum across replica groups"):
             params = ctx.trainable_parameters()
-            loss_sum, item_sums = self.replicas.sum_gradients(params, loss_sum, item_sums)
+            sums = {**item_sums, **own}
+            loss_sum, sums = self.replicas.sum_gradients(params, loss_sum, sums)
             committed = self.replicas.commit()
         if not committed:
             raise StepNotCommitted(f"step {step + 1} was not committed")
-        ctx.item_sums.add(item_sums)
+        ctx.item_sums.add({k: sums[k] for k in item_sums})
+        if keeps is not None and own:
+            keeps.put_window_sums({k: sums[k] for k in own})
         return loss_sum

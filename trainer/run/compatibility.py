@@ -511,14 +511,6 @@ def _fault_tolerance() -> list[Refusal]:
             "not available under ft=torchft: it looks at every micro-batch of this group only, "
             "and a step redone by fewer groups would count its micro-batches twice",
         ),
-        Refusal(
-            FT,
-            MOE,
-            "ft",
-            "a mixture of experts is not available under ft=torchft yet: the routers' "
-            "load-balancing counts are summed over the ranks of one replica group, not over the "
-            "step's quorum; use ft=none",
-        ),
     ]
 
 
