@@ -294,17 +294,19 @@ def test_a_stage_extrapolated_from_two_and_three_blocks_is_the_full_simulation(
     assert any(", forward " in ln or ", backward " in ln for ln in ticks), ticks
 
 
-# transformers' Qwen3-MoE, 6 layers, bf16 (moe.balance=global, the default): its balancing
-# loss over every layer's router logits runs outside the blocks, as many ops as layers.
-DEEP_MOE = ["model=hf_qwen3_moe", "model.config.num_hidden_layers=6", "train.precision=bf16"]
-DEEP_MOE += [*STEPS, "data.block_size=128", "train.micro_batch_size=1"]
-DEEP_MOE += ["train.global_batch_size=20", "plan.world=4", "dist.strategy=fsdp", "dist.ep=2"]
+# transformers' Qwen3-MoE, 4 layers (the fewest extrapolated), 4 experts, bf16
+# (moe.balance=global, the default): its balancing loss over every layer's router logits runs
+# outside the blocks, as many ops as layers.
+DEEP_MOE = ["model=hf_qwen3_moe", "model.config.num_hidden_layers=4", "train.precision=bf16"]
+DEEP_MOE += ["model.config.num_experts=4", *STEPS, "data.block_size=64"]
+DEEP_MOE += ["train.micro_batch_size=1", "train.global_batch_size=16", "plan.world=4"]
+DEEP_MOE += ["dist.strategy=fsdp", "dist.ep=2"]
 
 
 def test_a_mixture_extrapolated_from_two_and_three_blocks_is_the_full_simulation(
     tmp_path: Path,
 ) -> None:
-    """A mixture's plan from 2 and 3 blocks and 3 of its 5 micro-batches per step is the full
+    """A mixture's plan from 2 and 3 blocks and 3 of its 4 micro-batches per step is the full
     simulation's (every block, every micro-batch) within 1%, its traffic exactly. Its
     balancing's ops outside the blocks depend on the block count, so they pair no op of the
     other sample: lined up op by op, the extrapolation said 1.04x the full simulation's peak
