@@ -38,22 +38,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 PYTHON = sys.executable
 
-
-def text_file(root: Path, n_bytes: int = 2_000_000) -> Path:
-    """Some of the stdlib's sources as one file (all of `data.path=stdlib` loads slower)."""
-    import sysconfig
-
-    path = root / "text.py"
-    if not path.exists():
-        blob = b""
-        for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-            blob += source.read_bytes()
-            if len(blob) >= n_bytes:
-                break
-        path.write_bytes(blob[:n_bytes])
-    return path
+from scripts.bench_phase_timing import text_file  # noqa: E402  (some stdlib sources, one file)
 
 
 def train_args(args: argparse.Namespace, root: Path, run_dir: Path, steps: int) -> list[str]:
