@@ -147,11 +147,26 @@ def test_a_mixture_records_its_expert_load_and_perplexity(
         assert math.isclose(r["val/ppl"], math.exp(r["val/loss"]), rel_tol=1e-12), r
     trains = train_records(records)
     assert [r["step"] for r in trains] == [2, 4]
-    progress = [ln for ln in said.splitlines() if ln.startswith("[")]
+    # A progress line starts with its bar; a sample's text may start with "[" too.
+    progress = [ln for ln in said.splitlines() if re.match(r"\[[#-]{20}\] \d+/4 ", ln)]
     for r, line in zip(trains, progress, strict=True):
         assert f"| expert load {r['train/moe_load_max']:.2f}x |" in line, line
     (closing,) = [ln for ln in said.splitlines() if ln.startswith("run finished")]
     assert f"train/moe_load_max {trains[-1]['train/moe_load_max']:.4f}" in closing, closing
+
+
+def test_a_sample_s_control_characters_are_spelled_out() -> None:
+    """An untrained model's sample holds characters a terminal obeys (\\x03, an escape
+    sequence): the console shows them spelled out (before: sent raw to the terminal)."""
+    import io
+
+    from trainer.tracking.records import Progress
+
+    stream = io.StringIO()
+    Progress(4, stream).write({"step": 2, "val/loss": 1.5, "val/sample": "[ab\x03c\x1b[2Jd\n\te"})
+    said = stream.getvalue()
+    assert "[ab\\x03c\\x1b[2Jd\n\te" in said, said
+    assert "\x03" not in said and "\x1b" not in said, said
 
 
 def test_counts_are_said_in_the_right_number() -> None:

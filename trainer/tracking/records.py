@@ -118,6 +118,12 @@ def supersede(path: Path, step: int) -> int | None:
     return newest
 
 
+def _printable(text: str) -> str:
+    """A sample as a terminal may show it: control characters an untrained model writes (a
+    byte-level tokenizer's \\x03, an escape) are spelled out, never sent to the terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
 class Progress(RecordSink):
     """A live one-line bar on a terminal; plain periodic lines otherwise (logs, CI)."""
 
@@ -137,7 +143,7 @@ class Progress(RecordSink):
             sample = record.get("val/sample")
             record = {k: v for k, v in record.items() if k != "val/sample"}
             if sample:
-                self._line(f"--- sample at step {step} ---\n{sample}\n---")
+                self._line(f"--- sample at step {step} ---\n{_printable(sample)}\n---")
             self._line(
                 f"step {step:>6} | "
                 + " ".join(f"{k} {_fmt(v)}" for k, v in record.items() if k != "step")
