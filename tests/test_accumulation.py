@@ -237,6 +237,55 @@ def test_count_window_and_backward_window_alone() -> None:
     assert loss_sum.item() / want_count == pytest.approx(want_loss, rel=FP32_REL)
 
 
+class CountedLM(CausalLMTask):
+    """The causal-LM task, counting its forwards."""
+
+    forwards = 0
+
+    def loss_sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        self.forwards += 1
+        return super().loss_sum(model, batch)
+
+
+def test_a_count_settled_after_the_first_forward_is_the_exact_scale() -> None:
+    """A parallelism that takes the count's last sum after the first forward (`SettlesCount`:
+    replica groups, so torchft's quorum forms meanwhile) gets it settled once, between
+    micro-batch 0's forward and its backward, and the gradient is the whole batch's: its
+    pending count holds a wrong value (0) until then."""
+    from engine.parallel.base import SettlesCount
+
+    samples = pick_samples(packed=False, seed=2)
+    window = engine_window(samples)
+    model = make_model(seed=2)
+    want, _, want_count = reference(model, samples)
+    task = CountedLM()
+    ctx, capture = make_ctx(model, task)
+    inner = ctx.parallel
+    settled_after: list[int] = []
+
+    class Deferring(type(inner)):  # the real single-process parallelism, its count deferred
+        def pending_item_count(self, local: torch.Tensor) -> torch.Tensor:
+            self.final, self.pending = local.clone(), torch.zeros_like(local)
+            return self.pending
+
+        def settle_count(self) -> None:
+            if self.pending is not None:
+                settled_after.append(task.forwards)
+                self.pending.copy_(self.final)
+                self.pending = None
+
+    deferring = copy.copy(inner)
+    deferring.__class__ = Deferring
+    assert isinstance(deferring, SettlesCount)
+    ctx.parallel = deferring
+    result = AccumulateStep()(ctx, window)
+
+    assert settled_after == [1], settled_after  # after the first forward, once
+    assert int(result.global_count) == want_count
+    assert capture.grads is not None
+    assert_close_rel(capture.grads, want, FP32_REL)
+
+
 # --------------------------------------------------------------------------- float64
 
 

@@ -133,6 +133,22 @@ class SumsAcrossGroups(Protocol):
 
 
 @runtime_checkable
+class SettlesCount(Protocol):
+    """A parallelism whose window count may take its last sum after the window's first
+    forward (engine/parallel/replicas.py: across replica groups, so that torchft's quorum,
+    which that sum waits for, is formed while the forward runs)."""
+
+    def pending_item_count(self, local: torch.Tensor) -> torch.Tensor:
+        """The window's count over all ranks, as `global_item_count`'s, its value final once
+        `settle_count` has run (in place): read by nothing before the first backward."""
+        ...
+
+    def settle_count(self) -> None:
+        """Make the pending count final (nothing pending: nothing to do)."""
+        ...
+
+
+@runtime_checkable
 class KeepsWindowSums(Protocol):
     """A task that keeps, beside its item sums, sums of the window's forwards that it adds
     over `dp_group` after the step (the balancing's routing, for its records and the routing
@@ -445,7 +461,6 @@ class ParallelBase:
         survives (fp32, or the loss's own precision when higher)."""
         # DDP divides the reduced gradient by its world size; multiplying by that divisor here
         # undoes it, so the result is the global mean. Guard against an all-padding window.
-        count = global_count.clamp(min=1)
         loss_sum: torch.Tensor | None = None
         last = len(window) - 1
         for i, batch in enumerate(window):
@@ -453,7 +468,9 @@ class ParallelBase:
             with ctx.clock.span(f"micro-batch {i + 1}/{len(window)}"):
                 with guard.gradient_sync(ctx, sync):
                     micro_sum = guard.micro_batch(
-                        i, len(window), lambda b=batch, s=sync: micro_backward(ctx, b, count, s)
+                        i,
+                        len(window),
+                        lambda b=batch, s=sync: micro_backward(ctx, b, global_count, s),
                     )
                 ctx.callbacks.after_micro_batch(ctx, batch, global_count, i == last)
             loss_sum = micro_sum if loss_sum is None else loss_sum + micro_sum
@@ -661,15 +678,21 @@ def micro_backward(
     ctx: WindowContext, batch: Batch, count: torch.Tensor, synced: bool = False
 ) -> torch.Tensor:
     """Forward + backward of one micro-batch, scaled by the window's global `count` (clamped
-    to at least 1); returns its loss sum, detached (the graph goes with this frame).
-    `synced`: its gradients are communicated inside backward (the wait is timed as `sync`)."""
+    to at least 1: an all-padding window); returns its loss sum, detached (the graph goes
+    with this frame). `synced`: its gradients are communicated inside backward (the wait is
+    timed as `sync`). A count still pending (`SettlesCount`) is settled between the forward
+    and the backward."""
     with ctx.precision.autocast():  # a task's item sums (DPO's rewards) go to the step's
         micro_sum = task_loss(ctx.task, ctx.model, batch, ctx.item_sums)
     # Scale in the loss's own precision (at least fp32): float64 runs stay float64.
     micro_sum = micro_sum.float() if micro_sum.dtype in _HALF else micro_sum
+    if isinstance(ctx.parallel, SettlesCount):
+        with ctx.clock.collective("window item count"):
+            ctx.parallel.settle_count()
     if synced:
         ctx.clock.wait_after_backward(micro_sum)
-    ctx.precision.backward(micro_sum * (ctx.grad_sync_divisor / count.to(micro_sum.dtype)))
+    scale = ctx.grad_sync_divisor / count.clamp(min=1).to(micro_sum.dtype)
+    ctx.precision.backward(micro_sum * scale)
     if synced:
         ctx.clock.after_backward()
     # A copy: under CUDA graphs (train.compile_mode=reduce-overhead) the loss lives in the

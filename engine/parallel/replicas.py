@@ -5,13 +5,16 @@ r of every group sums with rank r of the others through torchft's reconfigurable
 group, and torchft's lighthouse forms, at every step, the quorum of the live groups. The
 step, made exact across groups:
 
-1. `ReplicaGroups.begin_step`: the quorum (blocking). A group behind the others takes their
-   state first, peer to peer (torchft's checkpoint transport): it never reads a disk.
+1. `ReplicaGroups.begin_step`: the quorum. A group behind the others takes their state first,
+   peer to peer (torchft's checkpoint transport): it never reads a disk. After a step the
+   group committed, the quorum forms while the first forward runs (torchft's async quorum),
+   on the last quorum's deal: the count's sum (3.) waits for it after that forward, and says
+   whether any group's deal was not the quorum's (`DealChanged`: the attempt is dealt again).
 2. The step's global batch is dealt over the quorum: `Replicated.dp_rank` and `dp_size` are
    the participating group's rank x the group's size plus the rank in the group. The batches
    of a step depend only on (seed, step, global batch), so any deal sees the same samples.
 3. The count of the window's loss items gains one small sum across groups, which carries a
-   one-hot of the group ids (who is live, a duplicated id) and the group's size.
+   one-hot of the group ids (who is live, a duplicated id), the group's size and its deal.
 4. After the window, one flat SUM across groups of each rank's gradients (its shards under
    FSDP2) and loss sum: every group then holds bit-identical gradients, so unscaling, the
    finite check and clipping decide alike everywhere. Never torchft's AVG: the loss is
@@ -66,6 +69,13 @@ class StepNotCommitted(Exception):
     update is not made; the next quorum redoes it."""
 
 
+class DealChanged(StepNotCommitted):
+    """The quorum formed during this attempt's first forward (torchft's async quorum) deals
+    otherwise than the one before, which the attempt's share was computed for (a group joined
+    or left between two steps). Every group sees it in the same sum: no group's attempt is
+    used, and the step is dealt again at once, after a blocking quorum."""
+
+
 class QuorumFailed(Exception):
     """No quorum within the timeout: the lighthouse cannot be reached, or fewer groups than
     the minimum are live."""
@@ -90,6 +100,8 @@ class ReplicaSettings:
     groups: int
     min_groups: int = 1
     timeout_s: float = 30.0
+    # The quorum of a step after a committed one is formed while its first forward runs.
+    async_quorum: bool = True
 
 
 @dataclass(frozen=True)
@@ -138,12 +150,19 @@ class ReplicaGroups:
     ) -> None:
         self.settings, self.info = settings, info
         self._save, self._load = save, load
+        self._boundary: dict[str, Any] | None = None  # `save` at an overlapped step's start
         self.manager: Any = None
         self.store: Any = None  # the Manager's TCPStore, hosted by rank 0 (kept alive)
         self.healed = False
         # The full deal until the first quorum: what every group live gives.
         self.quorum = Quorum(0, settings.group, settings.groups)
         self.membership = Membership(tuple(range(settings.groups)))
+        # Whether the deal of `quorum` is a guess whose quorum is still forming (`settle`).
+        self.forming = False
+        # Why no group uses this attempt (seen in the count's sum); raised before the
+        # gradients' sum, after the window: an exception between a forward and its backward
+        # would leave DDP's reducer and FSDP2's unsharded parameters mid-step.
+        self.voided: DealChanged | None = None
 
     # ---- connecting ----
     def connect(self) -> None:
@@ -167,7 +186,7 @@ class ReplicaGroups:
             self.manager = Manager(
                 pg=pg,
                 load_state_dict=self._received,
-                state_dict=self._save,
+                state_dict=self._serving,
                 min_replica_size=s.min_groups,
                 use_async_quorum=False,  # the deal needs the quorum before the forward
                 timeout=timeout,
@@ -203,9 +222,27 @@ class ReplicaGroups:
             self.manager = None
 
     # ---- the step ----
-    def begin_step(self) -> Quorum:
-        """The quorum of this step (blocking; a group behind takes a peer's state in it). With
-        fewer live groups than `min_groups`, asks again until the timeout."""
+    def begin_step(self, overlap: bool = False) -> Quorum:
+        """The quorum of this step, blocking: a group behind takes a peer's state in it, and
+        with fewer live groups than `min_groups` it is asked again until the timeout.
+
+        `overlap` (the step after one this group committed, so no group is ahead of it): the
+        quorum is started and forms while the first forward runs (torchft's async quorum);
+        the step is computed meanwhile on the last quorum's deal, and `settle` says whether
+        the quorum's is the same."""
+        if overlap and self.settings.async_quorum:
+            step = self.manager.current_step()  # read before torchft's thread runs
+            self._asynchronous(True)
+            self._boundary = self._save()
+            try:
+                self.manager.start_quorum()
+            except Exception as exc:  # torchft raises TimeoutError, RuntimeError
+                raise QuorumFailed(first_line(exc)) from None
+            self.healed, self.forming, self.voided = False, True, None
+            self.quorum = Quorum(step, self.quorum.rank, self.quorum.groups)
+            return self.quorum
+        self._asynchronous(False)
+        self.forming, self.voided, self._boundary = False, None, None
         deadline = time.monotonic() + self.settings.timeout_s
         while True:
             self.healed = False
@@ -227,6 +264,31 @@ class ReplicaGroups:
         self.quorum = Quorum(self.manager.current_step(), rank, groups, self.healed)
         return self.quorum
 
+    def settle(self) -> bool:
+        """Wait for the quorum `begin_step(overlap=True)` started: whether the deal the step
+        is being computed on is not the quorum's (a group joined or left, too few are live).
+        Nothing forming: False."""
+        if not self.forming:
+            return False
+        self.forming = False
+        m = self.manager
+        try:
+            rank, groups, step = m.participating_rank(), m.num_participants(), m.current_step()
+        except Exception as exc:  # the quorum failed: this attempt's sums fail with it
+            m.report_error(exc)
+            return False
+        return (step, rank, groups) != (self.quorum.step, self.quorum.rank, self.quorum.groups) or (
+            groups < self.settings.min_groups
+        )
+
+    def _asynchronous(self, overlap: bool) -> None:
+        """torchft's Manager has one mode for all its quorums (`use_async_quorum`); this
+        trainer needs both. torchft reads the flag when a quorum starts (whether to wait for it
+        and heal at once) and when it forms (a group behind takes part at once, or not): set
+        before each. Only a blocking quorum heals: an overlapped one follows a step this group
+        committed, so no group is ahead of it."""
+        self.manager._use_async_quorum = overlap
+
     def wait_for_groups(self, timeout_s: float) -> Quorum:
         """A fresh job's first quorum: asked again until every group has joined (or one is
         ahead: this group joined late and took its state), at most `timeout_s`."""
@@ -247,16 +309,26 @@ class ReplicaGroups:
         Manager counts from there, and the next quorum deals that step."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
-    def sum_count(self, count: torch.Tensor, group_size: int) -> torch.Tensor:
+    def sum_count(
+        self, count: torch.Tensor, group_size: int, guessed_wrong: bool = False
+    ) -> torch.Tensor:
         """The loss items over every group (`count`: this group's), in one small sum that also
-        says who is live (`membership`): [count, group size, one-hot of the group id]."""
-        s = self.settings
-        message = torch.zeros(2 + s.groups, dtype=torch.float64, device=count.device)
+        says who is live (`membership`) and whether the groups dealt the step alike: [count,
+        group size, one-hot of the group id, one-hot of the dealt rank, the dealt number of
+        groups, whether this group's deal was a wrong guess (`settle`)]. The attempt is void
+        (`voided`) when any group's deal was a wrong guess or the deals disagree (a group
+        that healed in a blocking quorum counts itself; the others, whose quorum formed
+        during their forward, did not): every group sees it in the same sum."""
+        s, q = self.settings, self.quorum
+        message = torch.zeros(4 + 2 * s.groups, dtype=torch.float64, device=count.device)
         message[0] = count.to(torch.float64)
         message[1] = group_size
         message[2 + s.group] = 1.0
+        message[2 + s.groups + q.rank] = 1.0
+        message[-2] = q.groups
+        message[-1] = float(guessed_wrong)
         if self._sum(message):
-            sizes, ids = message[1].item(), message[2:].round().long().tolist()
+            sizes, ids = message[1].item(), message[2 : 2 + s.groups].round().long().tolist()
             live = tuple(g for g, n in enumerate(ids) if n > 0)
             self.membership = Membership(live, tuple(g for g, n in enumerate(ids) if n > 1))
             if self.membership.duplicated and s.group in self.membership.duplicated:
@@ -266,6 +338,12 @@ class ReplicaGroups:
                     f"this group has {group_size} data-parallel ranks; the {sum(ids)} groups "
                     f"of the quorum have {round(sizes)} together"
                 )
+            # Dealt alike: ranks 0 .. n-1 once each, and every one of the n over n groups.
+            n = len(live)
+            ranks = message[2 + s.groups : -2].round().long().tolist()
+            alike = ranks == [1] * n + [0] * (s.groups - n) and round(message[-2].item()) == n * n
+            if message[-1] > 0 or not alike:
+                self.voided = DealChanged(f"the quorum of step {q.step + 1} changed the deal")
         return message[0].round().to(count.dtype)
 
     def sum_gradients(
@@ -277,7 +355,10 @@ class ReplicaGroups:
         """Sum every rank's gradients (this rank's values: FSDP2's shards), `loss_sum` and the
         task's `item_sums` (engine/item_sums.py: DPO's rewards) over the groups, in place;
         the summed loss sum and item sums. A parameter without a gradient here gets the
-        others' (zeros stand in for it), one without any anywhere stays None."""
+        others' (zeros stand in for it), one without any anywhere stays None. A void attempt
+        sums nothing: `DealChanged`, in every group."""
+        if self.voided is not None:
+            self.void(self.voided)
         item_sums = item_sums or {}
         grads = [local_values(p.grad) if p.grad is not None else None for p in params]
         present = torch.tensor(
@@ -328,6 +409,13 @@ class ReplicaGroups:
         does not commit, and what `tensor` holds then is not used)."""
         self._sum(tensor)
 
+    def void(self, reason: DealChanged) -> None:
+        """This attempt is not used by any group (each saw `reason` in the same sum): voted
+        down in torchft's commit, so that the step count stays, then raised."""
+        self.manager.report_error(reason)
+        self.commit()
+        raise reason
+
     def commit(self) -> bool:
         """torchft's vote: whether every collective of this step succeeded in this group (and
         enough groups took part). False leaves the step count: the step is redone."""
@@ -343,6 +431,14 @@ class ReplicaGroups:
 
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
         return self.manager.errored() is None
+
+    def _serving(self) -> dict[str, Any]:
+        """torchft's state callback, in its quorum thread. A blocking quorum calls it while
+        the step waits; an overlapped one while the forward runs, so it gets the state taken
+        in the main thread at the step's start (references: nothing changes them before the
+        commit ends the serving): a state dict taken during a forward is not safe (FSDP2
+        reshards its parameters for one)."""
+        return self._boundary if self._boundary is not None else self._save()
 
     def _received(self, state: dict[str, Any]) -> None:
         """torchft's load callback, in the main thread inside `start_quorum`."""
@@ -479,6 +575,7 @@ class Replicated:
             )
         self.inner, self.replicas, self.seed = inner, replicas, seed
         self.name = f"ft+{inner.name}"
+        self._pending: torch.Tensor | None = None  # the group's count, its sum to come
 
     def __getattr__(self, name: str) -> Any:
         # Everything this class does not define is the group's own parallelism's member.
@@ -507,7 +604,21 @@ class Replicated:
     # ---- the step ----
     def global_item_count(self, local: torch.Tensor) -> torch.Tensor:
         group = self.inner.global_item_count(local)
-        return self.replicas.sum_count(group, self.inner.dp_size)
+        return self.replicas.sum_count(group, self.inner.dp_size, self.replicas.settle())
+
+    def pending_item_count(self, local: torch.Tensor) -> torch.Tensor:
+        """The group's count, summed across the groups in place by `settle_count` after the
+        first forward, when a quorum is forming: the forward runs while it forms."""
+        if not self.replicas.forming:
+            return self.global_item_count(local)
+        self._pending = self.inner.global_item_count(local)
+        return self._pending
+
+    def settle_count(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            wrong = self.replicas.settle()
+            pending.copy_(self.replicas.sum_count(pending, self.inner.dp_size, wrong))
 
     def sum_across_groups(self, tensor: torch.Tensor) -> None:
         """A task's sum before the window's backward (the balancing's routing counts), made
@@ -532,6 +643,7 @@ class Replicated:
         step = ctx.step
         keyed = KeyedRandomness(guard, self.seed, step, self.dp_rank * len(window))
         loss_sum = self.inner.backward_window(ctx, window, global_count, keyed)
+        self.settle_count()  # settled by the first backward already; never left pending
         # The task's item sums of this rank's forwards, summed with rank r of every group (its
         # records then sum them over this group's ranks); a window not committed drops them.
         # So do the sums a task keeps of the window besides (the balancing's routing).

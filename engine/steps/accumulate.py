@@ -25,7 +25,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from engine.parallel.base import NO_GUARD, WindowGuard
+from engine.parallel.base import NO_GUARD, SettlesCount, WindowGuard
 from engine.step import Batch, PreparesWindow, StepContext, StepResult, item_count
 
 T = TypeVar("T")
@@ -60,9 +60,11 @@ class Unguarded:
         return fn()
 
 
-def count_window(ctx: StepContext, window: Sequence[Batch]) -> torch.Tensor:
+def count_window(ctx: StepContext, window: Sequence[Batch], defer: bool = False) -> torch.Tensor:
     """Loss items of the whole window over all data-parallel ranks: one all-reduce, before
-    any forward. (Pipeline stages of one replica read the same window: counted once.)"""
+    any forward. (Pipeline stages of one replica read the same window: counted once.)
+    `defer`: nothing reads the count before the first backward, so a parallelism that can
+    (`SettlesCount`: across replica groups) takes its last sum after the first forward."""
     local = torch.stack([item_count(ctx.task, b) for b in window]).sum()
     if local.device.type == "cpu" and ctx.dist.device.type == "cuda":
         # Counts known on the host (a task counting rows): a pageable copy would wait for
@@ -70,6 +72,8 @@ def count_window(ctx: StepContext, window: Sequence[Batch]) -> torch.Tensor:
         local = local.pin_memory()
     local = local.to(ctx.dist.device, torch.int64, non_blocking=True)
     with ctx.clock.collective("window item count"):
+        if defer and isinstance(ctx.parallel, SettlesCount):
+            return ctx.parallel.pending_item_count(local)
         return ctx.parallel.global_item_count(local)
 
 
@@ -102,9 +106,10 @@ class AccumulateStep:
         ctx.optimizer.zero_grad(set_to_none=True)
         guard.start(ctx)
         window = [ctx.parallel.local_batch(b) for b in window]
-        global_count = count_window(ctx, window)
+        prepares = isinstance(ctx.task, PreparesWindow)  # e.g. MoE balancing's routing pass
+        global_count = count_window(ctx, window, defer=not prepares)
         window_guard = guard.window(ctx) or NO_GUARD
-        if isinstance(ctx.task, PreparesWindow):  # e.g. MoE balancing's routing pass
+        if prepares:
             ctx.task.prepare_window(ctx, window, global_count, window_guard)
         loss_sum = ctx.parallel.backward_window(ctx, window, global_count, window_guard)
         grad_norm, found_inf, lr = guard.update(ctx, lambda: apply_update(ctx))

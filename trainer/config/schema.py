@@ -567,6 +567,9 @@ class FtCfg:
     # How long a dead or hung group may stall a step (a cross-group collective, the quorum, a
     # state transfer), and how long an unreachable lighthouse is waited for.
     timeout_s: float = 30.0
+    # The quorum of a step after a committed one forms while its first forward runs, on the
+    # last quorum's deal (torchft's async quorum); false: each quorum before the step.
+    async_quorum: bool = True
 
     def __post_init__(self) -> None:
         require(

@@ -14,8 +14,9 @@ records (docs/guides/fault-tolerance.md; the engine side is engine/parallel/repl
   job's first quorum at step 0 (every group lost, the job launched again).
 - The lowest live group id writes the records (`WriterRecords`: a new writer first writes what
   the file lacks of the records that came with the state) and the checkpoints.
-- Records carry `train/groups`, `ft/failures`, `ft/redone_steps`, `ft/lost_s` (`FtRecords`), of
-  committed steps only; the console says when a group is lost and when it comes back.
+- Records carry `train/groups`, `ft/failures`, `ft/redone_steps`, `ft/lost_s`, `ft/voided`
+  (`FtRecords`), of committed steps only; the console says when a group is lost and when it
+  comes back.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from engine.checkpoint.manifest import TMP_PREFIX
 from engine.distributed import DistInfo
 from engine.parallel.base import Parallelism
 from engine.parallel.replicas import (
+    DealChanged,
     DuplicateGroup,
     Quorum,
     QuorumFailed,
@@ -67,7 +69,9 @@ class LighthouseLost(RunEnded):
 
 
 def replica_settings(cfg: FtCfg) -> ReplicaSettings:
-    return ReplicaSettings(cfg.address, cfg.group, cfg.groups, cfg.min_groups, cfg.timeout_s)
+    return ReplicaSettings(
+        cfg.address, cfg.group, cfg.groups, cfg.min_groups, cfg.timeout_s, cfg.async_quorum
+    )
 
 
 def job_plan(train: TrainCfg, ft: FtCfg, group_dp: int) -> BatchPlan:
@@ -117,7 +121,7 @@ def shared_run_id(run_dir: Path) -> str:
 
 class FtRecords(Callback):
     """What the records and the summary say of the replica groups (`train/groups`,
-    `ft/failures`, `ft/redone_steps`, `ft/lost_s`), and the records of the last `RING`
+    `ft/failures`, `ft/redone_steps`, `ft/lost_s`, `ft/voided`), and the records of the last `RING`
     writes: state that travels with the group's state and is saved in checkpoints."""
 
     state_optional = True  # a checkpoint of a run without ft resumes under ft
@@ -125,8 +129,11 @@ class FtRecords(Callback):
     def __init__(self, group: int) -> None:
         self.group = group
         self.failures = 0  # attempts that did not commit
+        # Attempts voided by a quorum that, formed during their first forward, dealt otherwise
+        # (a group came or went between two steps).
+        self.voided = 0
         self.redone_steps = 0  # steps that needed more than one attempt
-        self.lost_s = 0.0  # wall time from each failed attempt's start to the next attempt's
+        self.lost_s = 0.0  # wall time from each failed or voided attempt's start to the next's
         self.live: tuple[int, ...] = ()  # the groups of the last committed step
         self.ring: list[dict[str, Any]] = []
 
@@ -144,14 +151,16 @@ class FtRecords(Callback):
             "ft/failures": self.failures,
             "ft/redone_steps": self.redone_steps,
             "ft/lost_s": self.lost_s,
+            "ft/voided": self.voided,
         }
 
     def summary(self, global_batch_size: int) -> str | None:
         del global_batch_size
-        if not self.failures:
+        if not self.redone_steps:
             return "  fault tolerance: no step failed"
+        voided = f", {self.voided} voided by a change of the live groups" if self.voided else ""
         return (
-            f"  fault tolerance: {counted(self.failures, 'failed attempt')}, "
+            f"  fault tolerance: {counted(self.failures, 'failed attempt')}{voided}, "
             f"{counted(self.redone_steps, 'step')} redone by the live groups, "
             f"{self.lost_s:.1f} s lost"
         )
@@ -161,6 +170,7 @@ class FtRecords(Callback):
             "failures": self.failures,
             "redone_steps": self.redone_steps,
             "lost_s": self.lost_s,
+            "voided": self.voided,
             "live": list(self.live),
             "ring": json.dumps(self.ring),  # one string: a sharded checkpoint keeps it whole
         }
@@ -169,6 +179,7 @@ class FtRecords(Callback):
         self.failures = int(state["failures"])
         self.redone_steps = int(state["redone_steps"])
         self.lost_s = float(state["lost_s"])
+        self.voided = int(state.get("voided", 0))  # absent from checkpoints before it
         self.live = tuple(state["live"])
         self.ring = json.loads(state["ring"])
 
@@ -345,6 +356,8 @@ class ReplicaWindow:
         # The deal the fit loop's first windows are built for: every group live.
         self.dealt: tuple[int, int, int] | None = (ft.run.step, ft.cfg.group, ft.cfg.groups)
         self.failed_at: float | None = None  # the first failed attempt of this step began
+        # After a step this group committed, the next quorum forms during the first forward.
+        self.overlap = False
 
     def __call__(self, run: Any, window: Any, windows: Iterator[Any]) -> tuple[Any, Any]:
         first, self.first = self.first, None
@@ -357,6 +370,10 @@ class ReplicaWindow:
             start = window_start(run.ctx)
             try:
                 result, windows = self.inner(run, window, windows)
+            except DealChanged:  # not a failure: a group came or went between two steps
+                start.restore()
+                self.voided(began)
+                continue
             except StepNotCommitted:
                 start.restore()
                 self.failed(run, quorum, began)
@@ -374,6 +391,8 @@ class ReplicaWindow:
                     all_ranks=True,
                 ) from None
             self.committed(run, quorum)
+            # The fit loop's next window is this deal's next one.
+            self.dealt, self.overlap = (quorum.step + 1, quorum.rank, quorum.groups), True
             return result, windows
         raise UserError(
             f"step {run.step + 1} failed {MAX_ATTEMPTS} times in a row across the replica "
@@ -384,7 +403,7 @@ class ReplicaWindow:
 
     def quorum(self, run: Any) -> Quorum:
         try:
-            quorum = self.ft.replicas.begin_step()
+            quorum = self.ft.replicas.begin_step(overlap=self.overlap)
         except QuorumFailed as exc:
             lighthouse_lost(run, self.ft, exc)
         return self.checked(run, quorum)
@@ -410,13 +429,23 @@ class ReplicaWindow:
         self.dealt = (quorum.step, quorum.rank, quorum.groups)
         return window, windows
 
-    def failed(self, run: Any, quorum: Quorum, began: float) -> None:
-        records = self.ft.records
+    def voided(self, began: float) -> None:
+        """The attempt's quorum, formed during its first forward, dealt otherwise: the step
+        is redone (its time is lost), dealt by a blocking quorum; nothing failed."""
+        self.redone(began)
+        self.ft.records.voided += 1
+        self.dealt, self.overlap = None, False
+
+    def redone(self, began: float) -> None:
         if self.failed_at is None:
             self.failed_at = began
-            records.redone_steps += 1
+            self.ft.records.redone_steps += 1
+
+    def failed(self, run: Any, quorum: Quorum, began: float) -> None:
+        records = self.ft.records
+        self.redone(began)
         records.failures += 1
-        self.dealt = None  # the next quorum deals again (its groups, or the same)
+        self.dealt, self.overlap = None, False  # the next quorum deals again (blocking)
         if run.dist.is_main and records.writes:
             print(
                 f"step {quorum.step + 1} not committed (a replica group was lost or hung); "
