@@ -1,11 +1,12 @@
 """What fault tolerance (`ft=torchft`, docs/guides/fault-tolerance.md) costs, on this machine.
 
-1. Overhead, no failure: 2 replica groups of 1 process each (ft, a lighthouse on 127.0.0.1)
-   against 2 DDP ranks under torchrun, the same model and global batch; rounds interleaved
-   (which goes first alternates). Per run: the median of `train/step_time_ms` over the records
-   after the first 3, and the CPU time (user+sys) of every process of the run (the
-   lighthouse's, torchrun's agent's) per step from the 3rd record to the last (read from
-   /proc: start-up and the end left out).
+1. Overhead, no failure: 2 replica groups of 1 process each (ft, a lighthouse on 127.0.0.1),
+   their quorum formed during the first forward (the default) and blocking before the step
+   (`ft.async_quorum=false`), against 2 DDP ranks under torchrun, the same model and global
+   batch; rounds interleaved (which goes first rotates). Per run: the median of
+   `train/step_time_ms` over the records after the first 3, and the CPU time (user+sys) of
+   every process of the run (the lighthouse's, torchrun's agent's) per step from the 3rd
+   record to the last (read from /proc: start-up and the end left out).
 2. One failure: the wall time a run loses to one SIGKILL at step `--kill`: the killed
    run's wall time beyond its steps at its own median step time, minus the same of the run
    uninterrupted (both to the same last step; each run's own step time, because the load of
@@ -147,9 +148,16 @@ def worker_pids(agent: int) -> list[int]:
     return [int(pid) for pid in children]
 
 
-def ft_run(args: argparse.Namespace, root: Path, name: str, steps: int, kill: int | None) -> Run:
+def ft_run(
+    args: argparse.Namespace,
+    root: Path,
+    name: str,
+    steps: int,
+    kill: int | None,
+    extra: tuple[str, ...] = (),
+) -> Run:
     """2 groups of 1 process and their lighthouse; with `kill`, group 1 is SIGKILLed when
-    step `kill` is recorded and started again at once."""
+    step `kill` is recorded and started again at once. `extra`: overrides of both groups."""
     run_dir = root / name
     run = Run(run_dir, steps)
     port = free_port()
@@ -165,6 +173,7 @@ def ft_run(args: argparse.Namespace, root: Path, name: str, steps: int, kill: in
         f"ft.lighthouse=http://127.0.0.1:{port}",
         "ft.groups=2",
         f"ft.timeout_s={args.timeout}",
+        *extra,
     ]
     victim = None
     for g in (0, 1):
@@ -203,33 +212,65 @@ def ddp_run(args: argparse.Namespace, root: Path, name: str, steps: int, kill: i
     return run
 
 
+# The overhead's kinds: DDP, ft with its quorum formed during the first forward (the
+# default), ft with every quorum blocking before the step.
+KINDS = ("ddp", "ft", "ft_blocking")
+
+
+def overhead_run(
+    args: argparse.Namespace, root: Path, kind: str, r: int
+) -> tuple[float, float, float]:
+    """(median step ms after the first 3 records, CPU ms per step, ms per step the steps
+    waited for the quorum after the first 3 records: `ft/quorum_wait_s`) of one run."""
+    name = f"overhead-{kind}-{r}"
+    if kind == "ddp":
+        run = ddp_run(args, root, name, args.steps, None)
+    else:
+        blocking = ("ft.async_quorum=false",) if kind == "ft_blocking" else ()
+        run = ft_run(args, root, name, args.steps, None, blocking)
+    cpu = run.steady_cpu(first=3)
+    run.finish()
+    records = train_steps(run.run_dir)
+    step_ms = statistics.median(rec["train/step_time_ms"] for rec in records[3:])
+    waits = [rec.get("ft/quorum_wait_s", 0.0) for rec in (records[2], records[-1])]
+    steps = records[-1]["step"] - records[2]["step"]
+    return step_ms, cpu * 1000, (waits[1] - waits[0]) / steps * 1000
+
+
 def overhead(args: argparse.Namespace, root: Path) -> list[str]:
-    """Step time and CPU per step, ft against DDP, interleaved rounds."""
-    ratios, cpu_ratios, lines = [], [], []
+    """Step time and CPU per step, ft (its quorum formed during the forward, and blocking)
+    against DDP, interleaved rounds (the order rotates)."""
+    ratios: dict[str, list[float]] = {k: [] for k in KINDS[1:]}
+    waits: dict[str, list[float]] = {k: [] for k in KINDS[1:]}
+    cpu_ratios: dict[str, list[float]] = {k: [] for k in KINDS[1:]}
+    lines = []
     for r in range(args.rounds):
-        order = ("ddp", "ft") if r % 2 == 0 else ("ft", "ddp")
-        got = {}
-        for kind in order:
-            starter = ft_run if kind == "ft" else ddp_run
-            run = starter(args, root, f"overhead-{kind}-{r}", args.steps, None)
-            cpu = run.steady_cpu(first=3)
-            run.finish()
-            step_ms = statistics.median(
-                rec["train/step_time_ms"] for rec in train_steps(run.run_dir)[3:]
-            )
-            got[kind] = (step_ms, cpu * 1000)
-        ratios.append(got["ft"][0] / got["ddp"][0])
-        cpu_ratios.append(got["ft"][1] / got["ddp"][1])
-        lines.append(
-            f"| {r + 1} | {got['ddp'][0]:.1f} | {got['ft'][0]:.1f} | {ratios[-1]:.3f} | "
-            f"{got['ddp'][1]:.0f} | {got['ft'][1]:.0f} | {cpu_ratios[-1]:.3f} |"
-        )
+        order = KINDS[r % 3 :] + KINDS[: r % 3]
+        got = {kind: overhead_run(args, root, kind, r) for kind in order}
+        cells = [f"{got['ddp'][0]:.1f}"]
+        for kind in KINDS[1:]:
+            ratios[kind].append(got[kind][0] / got["ddp"][0])
+            cpu_ratios[kind].append(got[kind][1] / got["ddp"][1])
+            cells += [f"{got[kind][0]:.1f}", f"{ratios[kind][-1]:.3f}"]
+        cells.append(f"{got['ddp'][1]:.0f}")
+        for kind in KINDS[1:]:
+            cells += [f"{got[kind][1]:.0f}", f"{cpu_ratios[kind][-1]:.3f}"]
+        for kind in KINDS[1:]:
+            waits[kind].append(got[kind][2])
+            cells.append(f"{got[kind][2]:.2f}")
+        lines.append(f"| {r + 1} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     head = [
-        "| round | DDP step ms | ft step ms | ratio | DDP CPU ms/step | ft CPU ms/step | ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| round | DDP step ms | ft step ms | ratio | ft blocking step ms | ratio "
+        "| DDP CPU ms/step | ft CPU ms/step | ratio | ft blocking CPU ms/step | ratio "
+        "| ft quorum wait ms/step | ft blocking quorum wait ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    tail = (f"| median (min-max) | | | {spread(ratios)} | | | {spread(cpu_ratios)} |",)
+    tail = (
+        f"| median (min-max) | | | {spread(ratios['ft'])} | | {spread(ratios['ft_blocking'])} "
+        f"| | | {spread(cpu_ratios['ft'])} | | {spread(cpu_ratios['ft_blocking'])} "
+        f"| {spread(waits['ft'], 2)} | {spread(waits['ft_blocking'], 2)} |",
+    )
     return [*head, *lines, *tail]
 
 
@@ -275,8 +316,9 @@ def failure(args: argparse.Namespace, root: Path) -> list[str]:
     return [*head, *rows]
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+def spread(values: list[float], digits: int = 3) -> str:
+    median, low, high = statistics.median(values), min(values), max(values)
+    return f"{median:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 def main() -> None:
@@ -304,7 +346,7 @@ def main() -> None:
         ]
         if args.only in (None, "overhead"):
             out += [
-                "No failure: 2 groups x 1 process (ft) vs 2 DDP ranks",
+                "No failure: 2 groups x 1 process (ft, async and blocking quorums) vs 2 DDP ranks",
                 "",
                 *overhead(args, root),
                 "",

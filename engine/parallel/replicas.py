@@ -163,6 +163,10 @@ class ReplicaGroups:
         # gradients' sum, after the window: an exception between a forward and its backward
         # would leave DDP's reducer and FSDP2's unsharded parameters mid-step.
         self.voided: DealChanged | None = None
+        # Seconds the steps waited for their quorums so far (a blocking one: all of it, a
+        # state transfer included; an overlapped one: its start and what is left after the
+        # first forward).
+        self.waited_s = 0.0
 
     # ---- connecting ----
     def connect(self) -> None:
@@ -230,6 +234,13 @@ class ReplicaGroups:
         quorum is started and forms while the first forward runs (torchft's async quorum);
         the step is computed meanwhile on the last quorum's deal, and `settle` says whether
         the quorum's is the same."""
+        began = time.perf_counter()
+        try:
+            return self._begin(overlap)
+        finally:
+            self.waited_s += time.perf_counter() - began
+
+    def _begin(self, overlap: bool) -> Quorum:
         if overlap and self.settings.async_quorum:
             step = self.manager.current_step()  # read before torchft's thread runs
             self._asynchronous(True)
@@ -271,12 +282,14 @@ class ReplicaGroups:
         if not self.forming:
             return False
         self.forming = False
-        m = self.manager
+        m, began = self.manager, time.perf_counter()
         try:
             rank, groups, step = m.participating_rank(), m.num_participants(), m.current_step()
         except Exception as exc:  # the quorum failed: this attempt's sums fail with it
             m.report_error(exc)
             return False
+        finally:
+            self.waited_s += time.perf_counter() - began
         return (step, rank, groups) != (self.quorum.step, self.quorum.rank, self.quorum.groups) or (
             groups < self.settings.min_groups
         )

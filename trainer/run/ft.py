@@ -126,8 +126,9 @@ class FtRecords(Callback):
 
     state_optional = True  # a checkpoint of a run without ft resumes under ft
 
-    def __init__(self, group: int) -> None:
+    def __init__(self, group: int, waited: Callable[[], float] | None = None) -> None:
         self.group = group
+        self.waited = waited  # seconds this group's steps waited for their quorums
         self.failures = 0  # attempts that did not commit
         # Attempts voided by a quorum that, formed during their first forward, dealt otherwise
         # (a group came or went between two steps).
@@ -136,6 +137,9 @@ class FtRecords(Callback):
         self.lost_s = 0.0  # wall time from each failed or voided attempt's start to the next's
         self.live: tuple[int, ...] = ()  # the groups of the last committed step
         self.ring: list[dict[str, Any]] = []
+        # Each record of `ring` as JSON, written once: the state is taken at every step's
+        # start under an overlapped quorum (dumping 64 records each time cost 0.76 ms).
+        self.ring_json: list[str] = []
 
     @property
     def writes(self) -> bool:
@@ -144,6 +148,7 @@ class FtRecords(Callback):
 
     def keep(self, record: dict[str, Any]) -> None:
         self.ring = [*self.ring[-(RING - 1) :], record]
+        self.ring_json = [*self.ring_json[-(RING - 1) :], json.dumps(record)]
 
     def metrics(self) -> dict[str, Any]:
         return {
@@ -152,6 +157,8 @@ class FtRecords(Callback):
             "ft/redone_steps": self.redone_steps,
             "ft/lost_s": self.lost_s,
             "ft/voided": self.voided,
+            # This group's own: not part of the state that travels.
+            "ft/quorum_wait_s": self.waited() if self.waited is not None else 0.0,
         }
 
     def summary(self, global_batch_size: int) -> str | None:
@@ -172,7 +179,8 @@ class FtRecords(Callback):
             "lost_s": self.lost_s,
             "voided": self.voided,
             "live": list(self.live),
-            "ring": json.dumps(self.ring),  # one string: a sharded checkpoint keeps it whole
+            # One string: a sharded checkpoint keeps it whole.
+            "ring": "[" + ", ".join(self.ring_json) + "]",
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -182,6 +190,7 @@ class FtRecords(Callback):
         self.voided = int(state.get("voided", 0))  # absent from checkpoints before it
         self.live = tuple(state["live"])
         self.ring = json.loads(state["ring"])
+        self.ring_json = [json.dumps(r) for r in self.ring]
 
 
 def record_kind(record: dict[str, Any]) -> tuple[int, str]:
@@ -288,7 +297,7 @@ class FaultTolerance:
             save=lambda: served_state(self.run),
             load=lambda served: load_served(self.run, served),
         )
-        self.records = FtRecords(cfg.group)
+        self.records = FtRecords(cfg.group, lambda: self.replicas.waited_s)
         self.resuming: Any = None  # trainer/run/state.py's ResumeSettings, for the disk
         self.moved: int | None = None  # the newest record moved aside by a disk resume
         self.cleaned = False  # stale temporary saves removed (`writes_run_files`)
