@@ -7,6 +7,7 @@ trainer has no knob for any of this), and the launcher loop of a replica group.
   backward, allreduce: inside the gradient sum across groups, optimizer: after the commit,
   checkpoint: the checkpoint staged, not yet committed), once each (a marker file survives
   the restart).
+- `Pause`: one group stops between two steps for longer than the lighthouse's join timeout.
 - `Digests`: per rank, a digest of the weights, the whole optimizer state and the schedule
   after every optimizer step and right after a state is received from a peer; the final
   weights, gathered, in `final_g<G>.pt`.
@@ -234,6 +235,24 @@ class Digests(Callback):
         del state
         if self.ctx is not None and self.ctx.step > 0:
             self._write(self.ctx.step, True)
+
+
+class Pause(Callback):
+    """Group `group` stops for `seconds` once, after its step `step` committed (a long
+    checkpoint, a stalled host): longer than the lighthouse's join timeout, the others form
+    their quorums without it and go on; it comes back behind them, while heartbeating."""
+
+    def __init__(self, group: int, step: int, seconds: float) -> None:
+        self.group, self.step, self.seconds = group, step, seconds
+        self.ctx: Any = None
+
+    def setup(self, ctx: StepContext) -> None:
+        self.ctx = ctx
+
+    def on_after_optimizer_step(self, ctx: StepContext, step: int) -> None:
+        if step == self.step and ctx.parallel.replicas.settings.group == self.group:
+            print(f"Pause: group {self.group} stops for {self.seconds:g} s", flush=True)
+            time.sleep(self.seconds)
 
 
 class TargetMeanLM(CausalLMTask):

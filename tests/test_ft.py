@@ -79,6 +79,7 @@ class Config:
     extra: tuple[str, ...] = ()  # overrides of this run (and of its reference)
     fixed: dict[int, list[tuple[int, str]]] | None = None  # kills, instead of the random ones
     stock: bool = False  # torchft's own stock path (tests/ft_stock.py), not cumulus's
+    join_timeout_ms: int | None = None  # the lighthouse's, where not the kills' choice
 
     def kills(self) -> dict[int, list[tuple[int, str]]]:
         """A kill in each phase, at random steps (lower bounds: a kill waits for every group
@@ -159,7 +160,17 @@ STOCK = [
     Config("stock", 2, 1, "ddp", 0.2, fixed={1: [(10, "forward")]}, stock=True),
     Config("stock_uninterrupted", 2, 1, "ddp", 0.0, fixed={}, stock=True),  # the control
 ]
-ALL = [*CONFIGS, *COMPOSED_RUNS, *DPO_RUNS, *MOE_RUNS, *STOCK]
+# A live group left behind: group 0 stops 8 s after step 12 (the lighthouse's join timeout
+# is 5 s), the two others go on, it comes back behind them and takes their state in a quorum
+# formed during its forward.
+PAUSE = (
+    "+callbacks.pause._target_=tests.ft_support.Pause",
+    "+callbacks.pause.group=0",
+    "+callbacks.pause.step=12",
+    "+callbacks.pause.seconds=8",
+)
+PAUSED = [Config("left_behind", 3, 1, "ddp", 0.03, extra=PAUSE, fixed={}, join_timeout_ms=5000)]
+ALL = [*CONFIGS, *COMPOSED_RUNS, *DPO_RUNS, *MOE_RUNS, *STOCK, *PAUSED]
 
 
 @dataclass
@@ -269,7 +280,7 @@ def run_config(config: Config, root: Path, text: Path) -> Done:
     lighthouse = LighthouseServer(
         bind="127.0.0.1:0",
         min_replicas=1,
-        join_timeout_ms=60_000 if killless else 5000,
+        join_timeout_ms=config.join_timeout_ms or (60_000 if killless else 5000),
         quorum_tick_ms=20,
         heartbeat_timeout_ms=60_000 if killless else 1000,
     )
@@ -351,7 +362,7 @@ def run_of(runs: Runs, name: str) -> Done:
     return done
 
 
-@pytest.mark.parametrize("name", [c.name for c in CONFIGS])
+@pytest.mark.parametrize("name", [c.name for c in [*CONFIGS, *PAUSED]])
 def test_every_committed_record_is_the_uninterrupted_runs(runs: Runs, name: str) -> None:
     """Each training record of the killed-and-restarted run equals the uninterrupted
     one-process run's at the same step: the loss to 1e-6, the gradient norm to 1e-5
@@ -456,6 +467,20 @@ def test_records_and_console_tell_the_failures(runs: Runs, name: str) -> None:
     said = "\n".join(p.stdout for launches in done.launches.values() for p in launches)
     assert " lost at step " in said and " rejoined at step " in said, said[-3000:]
     assert "redone by " in said
+
+
+def test_a_group_left_behind_catches_up(runs: Runs) -> None:
+    """Group 0, stopped longer than the join timeout between two steps, comes back behind
+    the two others in a quorum formed during its forward: torchft zeroes its sums there, so
+    every group voids that attempt (the quorum has a member the count's sum lacks), and it
+    keeps the state it took (nothing of its own restored over it). Its records (it writes
+    them again) are the uninterrupted run's (the test above); steps were made by 2 groups."""
+    done = run_of(runs, "left_behind")
+    records = train_records(done.records)
+    assert records[-1]["ft/voided"] >= 1, records[-1]
+    assert min(r["train/groups"] for r in records) == 2, [r["train/groups"] for r in records]
+    said = "\n".join(p.stdout for p in done.launches[0])
+    assert "group 0 was behind the live groups" in said, said[-3000:]
 
 
 def test_composed_run_is_the_one_group_run(runs: Runs) -> None:

@@ -299,7 +299,11 @@ class ReplicaGroups:
         trainer needs both. torchft reads the flag when a quorum starts (whether to wait for it
         and heal at once) and when it forms (a group behind takes part at once, or not): set
         before each. Only a blocking quorum heals: an overlapped one follows a step this group
-        committed, so no group is ahead of it."""
+        committed; a group the others left behind meanwhile heals in it, sits the attempt
+        out (torchft zeroes its sums) and voids it (`sum_count`). The previous quorum has
+        finished first: its thread reads the flag too."""
+        with contextlib.suppress(Exception):  # its failure is raised by the next start
+            self.manager.wait_quorum()
         self.manager._use_async_quorum = overlap
 
     def wait_for_groups(self, timeout_s: float) -> Quorum:
@@ -351,11 +355,13 @@ class ReplicaGroups:
                     f"this group has {group_size} data-parallel ranks; the {sum(ids)} groups "
                     f"of the quorum have {round(sizes)} together"
                 )
-            # Dealt alike: ranks 0 .. n-1 once each, and every one of the n over n groups.
+            # Dealt alike: ranks 0 .. n-1 once each, and every one of the n over n groups; and
+            # every member of the quorum in the sum (torchft zeroes the message of a group
+            # that heals in a quorum formed during the forward: it is not dealt a share).
             n = len(live)
             ranks = message[2 + s.groups : -2].round().long().tolist()
             alike = ranks == [1] * n + [0] * (s.groups - n) and round(message[-2].item()) == n * n
-            if message[-1] > 0 or not alike:
+            if message[-1] > 0 or not alike or n != self.members():
                 self.voided = DealChanged(f"the quorum of step {q.step + 1} changed the deal")
         return message[0].round().to(count.dtype)
 
@@ -421,6 +427,11 @@ class ReplicaGroups:
         """SUM `tensor` over the groups in place, inside the step (a failure there: the step
         does not commit, and what `tensor` holds then is not used)."""
         self._sum(tensor)
+
+    def members(self) -> int:
+        """The groups of the current quorum: the size of torchft's process group across
+        them, healing ones included (`num_participants` leaves those out)."""
+        return self.manager._pg.size()
 
     def void(self, reason: DealChanged) -> None:
         """This attempt is not used by any group (each saw `reason` in the same sum): voted

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.callbacks import Callback
 from engine.checkpoint.manifest import TMP_PREFIX
 from engine.distributed import DistInfo
@@ -57,6 +59,8 @@ from trainer.tracking.sinks import announce, open_sinks
 
 # Records kept in every group (and sent with its state): what a new writer may have to write.
 RING = 64
+# What `WriterRecords.overtaken` reads of metrics.jsonl's end: more than any one record.
+TAIL_BYTES = 65536
 # Attempts at one step before the run stops: groups lost again and again, or a broken link.
 MAX_ATTEMPTS = 10
 
@@ -219,11 +223,32 @@ class WriterRecords(RecordSink):
             return
         if self.sinks is None:
             self.sinks = self.open_sinks()
+        if self.wrote_last and self.overtaken(record):
+            # This group stalled after its step (the others went on without it, and one of
+            # them wrote this record): it writes again from its next committed step on.
+            self.wrote_last = False
+            return
         pending = self.missing() if not self.wrote_last else [record]
         for kept in pending:
             for sink in self.sinks:
                 sink.write(kept)
         self.wrote_last = True
+
+    def overtaken(self, record: dict[str, Any]) -> bool:
+        """Whether metrics.jsonl's last record is this one's step or a later one: another
+        group wrote it meanwhile. Reads the file's tail only."""
+        if not self.path.exists():
+            return False
+        with self.path.open("rb") as f:
+            f.seek(max(0, f.seek(0, 2) - TAIL_BYTES))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+        for line in reversed(lines):
+            try:
+                last = record_kind(json.loads(line))
+            except (ValueError, KeyError, TypeError):
+                continue  # a half-written line, or the tail's cut first line
+            return last[0] > record["step"] or last == record_kind(record)
+        return False
 
     def missing(self) -> list[dict[str, Any]]:
         """The kept records (this one last) that metrics.jsonl does not hold."""
@@ -264,10 +289,21 @@ def served_state(run: Any) -> dict[str, Any]:
     (progress, scheduler, loss scale, callbacks, the meter) and the random streams."""
     state = run.state
     return {
-        "model": state.model.state_dict(),
+        "model": buffers_cloned(state.model),
         "optimizer": state.optimizer.state_dict(),
         "components": state.component_states(),
         "rng": rng_state(),
+    }
+
+
+def buffers_cloned(model: Any) -> dict[str, Any]:
+    """The model's state dict, its buffers copied: a forward changes some in place (BatchNorm's
+    statistics) while a state taken at the step's start is served (parameters change only in
+    the update, after the serving ends)."""
+    buffers = {b.data_ptr() for b in model.buffers() if type(b) is torch.Tensor}
+    return {
+        k: v.clone() if type(v) is torch.Tensor and v.data_ptr() in buffers else v
+        for k, v in model.state_dict().items()
     }
 
 
@@ -380,7 +416,10 @@ class ReplicaWindow:
             try:
                 result, windows = self.inner(run, window, windows)
             except DealChanged:  # not a failure: a group came or went between two steps
-                start.restore()
+                if self.ft.replicas.healed:  # left behind, it took a peer's step start
+                    self.caught_up(run)
+                else:
+                    start.restore()
                 self.voided(began)
                 continue
             except StepNotCommitted:
@@ -437,6 +476,18 @@ class ReplicaWindow:
         window = next_window(windows, run.batches, run.settings.data_target, run.step + 1)
         self.dealt = (quorum.step, quorum.rank, quorum.groups)
         return window, windows
+
+    def caught_up(self, run: Any) -> None:
+        """This group, left behind by the others (a long pause between two steps), took a
+        live group's state in a quorum formed during its forward: nothing of its own is
+        restored over it."""
+        run.meter.restart_clock()  # the transfer is not training time
+        if run.dist.is_main:
+            print(
+                f"group {self.ft.cfg.group} was behind the live groups: the state of step "
+                f"{run.step} came from a live group",
+                flush=True,
+            )
 
     def voided(self, began: float) -> None:
         """The attempt's quorum, formed during its first forward, dealt otherwise: the step
