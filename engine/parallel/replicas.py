@@ -192,7 +192,7 @@ class ReplicaGroups:
                 load_state_dict=self._received,
                 state_dict=self._serving,
                 min_replica_size=s.min_groups,
-                use_async_quorum=False,  # the deal needs the quorum before the forward
+                use_async_quorum=False,  # set before each quorum (`_asynchronous`)
                 timeout=timeout,
                 quorum_timeout=timeout,
                 connect_timeout=timeout / 2,  # the paragraph comes within timeout_s
@@ -465,7 +465,8 @@ class ReplicaGroups:
         return self._boundary if self._boundary is not None else self._save()
 
     def _received(self, state: dict[str, Any]) -> None:
-        """torchft's load callback, in the main thread inside `start_quorum`."""
+        """torchft's load callback, in the main thread: inside a blocking `start_quorum`, or
+        inside `should_commit` for a group left behind that healed in an overlapped one."""
         self._load(cloned(state))
         self.healed = True
 
