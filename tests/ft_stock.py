@@ -159,7 +159,10 @@ def main(argv: list[str]) -> None:
         ft_optimizer.step()  # only if should_commit
         if manager.current_step() > committed:
             scheduler.step()
-            log.write(json.dumps({"step": manager.current_step(), "loss": float(loss)}) + "\n")
+            # The groups that took part: fewer is a share dropped (torchft's rule).
+            line = {"step": manager.current_step(), "loss": float(loss)}
+            line["participants"] = manager.num_participants()
+            log.write(json.dumps(line) + "\n")
             log.flush()
     torch.save(
         {k: v.detach() for k, v in model.state_dict().items()}, args.out / f"final_g{args.group}.pt"

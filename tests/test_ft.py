@@ -553,7 +553,15 @@ def test_torchfts_stock_path_ends_elsewhere(runs: Runs) -> None:
         f"stock path: final weights {lost:.3g} relative from the uninterrupted run's, "
         f"{kept:.2g} without the kill"
     )
-    assert kept < 1e-5 and lost > 1e-3, (kept, lost)
+    # The control is one only if every step of it had both groups: on an overloaded machine
+    # torchft's stock path drops a starved group's share too (a collective past its timeout),
+    # and then ends away from the uninterrupted run without any kill (0.25 seen once).
+    steps = [json.loads(x) for x in (control.digests / "stock_g0.jsonl").read_text().splitlines()]
+    if all(r["participants"] == 2 for r in steps):
+        assert kept < 1e-5, (kept, lost)
+    else:
+        print(f"stock path: the control dropped a share itself ({kept:.2g} away), not compared")
+    assert lost > 1e-3, (kept, lost)
 
 
 def test_the_report_marks_the_failed_steps(runs: Runs) -> None:
