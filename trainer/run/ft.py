@@ -481,13 +481,7 @@ class ReplicaWindow:
         """This group, left behind by the others (a long pause between two steps), took a
         live group's state in a quorum formed during its forward: nothing of its own is
         restored over it."""
-        run.meter.restart_clock()  # the transfer is not training time
-        if run.dist.is_main:
-            print(
-                f"group {self.ft.cfg.group} was behind the live groups: the state of step "
-                f"{run.step} came from a live group",
-                flush=True,
-            )
+        took_state(run, f"group {self.ft.cfg.group} was behind the live groups", run.step)
 
     def voided(self, began: float) -> None:
         """The attempt's quorum, formed during its first forward, dealt otherwise: the step
@@ -580,14 +574,16 @@ def start(run: Any, ft: FaultTolerance) -> Quorum | None:
     if quorum.step == 0 and not quorum.healed:
         return None if resume_from_disk(run, ft, quorum) else quorum
     if quorum.healed:
-        run.meter.restart_clock()  # the transfer is not training time
-        if run.dist.is_main:
-            print(
-                f"group {cfg.group} joined at step {quorum.step + 1}: the state of step "
-                f"{quorum.step} came from a live group",
-                flush=True,
-            )
+        took_state(run, f"group {cfg.group} joined at step {quorum.step + 1}", quorum.step)
     return quorum
+
+
+def took_state(run: Any, who: str, step: int) -> None:
+    """After a live group's state came in: the transfer is not training time, and the main
+    rank says so (`who`: which group, and why)."""
+    run.meter.restart_clock()
+    if run.dist.is_main:
+        print(f"{who}: the state of step {step} came from a live group", flush=True)
 
 
 def fresh_job(run: Any) -> bool:
